@@ -1,0 +1,1 @@
+"""zenflow: the ZenFlow training engine."""

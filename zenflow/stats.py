@@ -1,0 +1,38 @@
+"""Per-step measurements the engine reports as plain data (ZENFLOW.md section 4)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one optimizer step did and cost. Times in milliseconds, traffic in bytes.
+
+    The engine fills everything it can observe; ``forward_ms`` and ``backward_ms`` are
+    measured by the caller (the engine does not run the model) and merged with
+    ``dataclasses.replace``.
+    """
+
+    step: int  # 1-based optimizer step
+    lr: float
+    loss: float | None = None
+    step_ms: float = 0.0  # wall time of engine.step()
+    forward_ms: float = 0.0
+    backward_ms: float = 0.0
+    device_opt_ms: float = 0.0  # device-side optimizer work (selective AdamW, 1-D params)
+    stall_ms: float = 0.0  # blocked on host optimizer work or copies
+    transfer_ms: float = 0.0  # time spent issuing/awaiting copies
+    d2h_bytes: int = 0  # counted at each device->host copy
+    h2d_bytes: int = 0  # counted at each host->device copy
+    host_update: bool = False  # a host step was applied (or submitted) at this step
+    window_len: int = 0  # length of the window that ended here, 0 if none ended
+    selection_changed: int = 0  # columns that changed owner at this step
+    grad_norm: float | None = None  # global norm of the whole gradient (before clipping)
+    skipped: bool = False  # non-finite loss or gradient: no state changed
+    warmup: bool = False  # a full synchronous warm-up step
+    mode: str = "zenflow"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
