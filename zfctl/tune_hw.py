@@ -1,0 +1,212 @@
+"""`zfctl tune-hw`: probe this machine, measure, and choose the zenflow block.
+
+Thin: parse flags, call ``zenflow.hw.run_tune``, render its plain dict with Rich, write
+hw.json and (with ``--config``) the config's zenflow block. Torch and zenflow are imported
+inside the command so ``zfctl --help`` stays light.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+GIB = 2**30
+
+
+def tune_hw(
+    model: Annotated[
+        str | None,
+        typer.Option(
+            help="Model whose forward+backward is timed: a hub id or local directory "
+            "(random init when its weights are not available), or builtin:gpt2-4x512. "
+            "Default: gpt2; with --quick, builtin:gpt2-4x512."
+        ),
+    ] = None,
+    micro_batch: Annotated[
+        int | None,
+        typer.Option("--micro-batch", min=1, help="Micro-batch size (default 8; 4 with --quick)."),
+    ] = None,
+    seq_len: Annotated[
+        int | None,
+        typer.Option("--seq-len", min=1, help="Sequence length (default 128; 32 with --quick)."),
+    ] = None,
+    topk: Annotated[
+        float | None,
+        typer.Option("--topk", help="Fix topk_ratio (0 < x <= 1) instead of choosing it."),
+    ] = None,
+    quick: Annotated[
+        bool,
+        typer.Option("--quick", help="Small probes, small model, fewer repeats (about a minute)."),
+    ] = False,
+    output: Annotated[Path, typer.Option("--output", "-o", help="Where to write hw.json.")] = Path(
+        "hw.json"
+    ),
+    config: Annotated[
+        Path | None,
+        typer.Option("--config", help="DeepSpeed JSON config whose zenflow block to update."),
+    ] = None,
+    write: Annotated[
+        bool,
+        typer.Option("--write", help="Write the choices into --config (else only show the diff)."),
+    ] = False,
+    json_output: Annotated[
+        bool, typer.Option("--json", help="Print the hw.json content instead of tables.")
+    ] = False,
+) -> None:
+    """Probe CPU, memory and accelerator, measure, and choose ZenFlow's settings."""
+    if write and config is None:
+        raise typer.BadParameter("--write needs --config FILE to write into.", param_hint="--write")
+    if topk is not None and not 0.0 < topk <= 1.0:
+        raise typer.BadParameter(f"{topk} is not in 0 < x <= 1.", param_hint="--topk")
+
+    from zenflow import hw
+
+    config_doc = hw.read_config_document(config) if config is not None else None
+    err = Console(stderr=True)
+    settings = hw.TuneSettings(
+        model=model or (hw.BUILTIN_SMALL if quick else "gpt2"),
+        micro_batch=micro_batch or (4 if quick else 8),
+        seq_len=seq_len or (32 if quick else 128),
+        quick=quick,
+        topk_ratio=topk,
+        progress=lambda msg: err.print(f"[dim]tune-hw: {msg}…[/dim]", highlight=False),
+    )
+    result = hw.run_tune(settings)
+    hw.write_json_atomic(output, result)
+
+    update = None
+    if config is not None:
+        update = hw.update_config(config, config_doc, result["choices"], write=write)
+    if json_output:
+        typer.echo(json.dumps(result, indent=2))
+        return
+    out = Console()
+    render(out, result)
+    out.print(f"wrote {escape(str(output))}", highlight=False)
+    if update is not None:
+        render_config_update(out, config, update, write)
+
+
+def render(console: Console, result: dict) -> None:
+    """Tables of the choices and probe figures, the memory check and the notes."""
+    choices, reasons = result["choices"], result["reasons"]
+    table = Table(title="ZenFlow settings for this machine", title_justify="left")
+    table.add_column("setting", style="bold")
+    table.add_column("value")
+    table.add_column("measured reason", overflow="fold")
+    reason_key = {"select_strategy": "select_interval"}
+    for key, value in choices.items():
+        reason = reasons.get(key, "") if key not in reason_key else "with select_interval"
+        table.add_row(key, escape(json.dumps(value)), escape(reason))
+    console.print(table)
+
+    probes = Table(title="Probes", title_justify="left")
+    probes.add_column("probe", style="bold")
+    probes.add_column("figure", overflow="fold")
+    for name, figure in probe_rows(result):
+        probes.add_row(escape(name), escape(figure))
+    console.print(probes)
+
+    mem = result["memory_check"]
+    colour = "green" if mem["ok"] and mem["pinned_ok"] is not False else "red"
+    console.print(f"[{colour}]{escape(mem['verdict'])}[/{colour}]", highlight=False)
+    console.print(f"method: {escape(result['method'])}", highlight=False)
+    for note in result["notes"]:
+        console.print(f"[yellow]note:[/yellow] {escape(note)}", highlight=False)
+
+
+def probe_rows(result: dict) -> list[tuple[str, str]]:
+    """(probe, figure) rows from the hw.json dict."""
+    p = result["probes"]
+    cpu, mem, acc, mdl = p["cpu"], p["memory"], p["accelerator"], p["model"]
+    have = [f for f, on in cpu["simd"].items() if on]
+    lack = [f for f, on in cpu["simd"].items() if not on]
+    lock = mem["memlock_bytes"]
+    rows = [
+        ("CPU", f"{cpu['model']}: {cpu['logical_cores']} logical / {cpu['physical_cores']} "
+                f"physical cores, {cpu['usable_cores']} usable, {cpu['numa_nodes']} NUMA node(s)"),
+        ("SIMD", f"{' '.join(have) or 'none of ' + ', '.join(lack)}"
+                 + (f" (no {' '.join(lack)})" if have and lack else "")),
+        ("memory", f"{mem['total_bytes'] / GIB:.1f} GiB total, "
+                   f"{mem['available_bytes'] / GIB:.1f} GiB available"),
+        ("memory bandwidth", f"copy {mem['copy_gbs']:.1f} GB/s, add {mem['add_gbs']:.1f} GB/s "
+                             f"({mem['buffer_bytes'] // 2**20} MiB buffers, median)"),
+        ("locked-memory limit", "unlimited" if lock is None else f"{lock / 2**20:.0f} MiB"),
+        ("accelerator", acc["name"] if acc["kind"] == "cpu"
+         else f"{acc['name']}, {acc['memory_bytes'] / GIB:.1f} GiB"),
+    ]  # fmt: skip
+    if acc["kind"] != "cpu":
+        rows.append((
+            "copy bandwidth",
+            f"h2d {acc['h2d_pinned_gbs']:.1f} / d2h {acc['d2h_pinned_gbs']:.1f} GB/s pinned, "
+            f"h2d {acc['h2d_pageable_gbs']:.1f} / d2h {acc['d2h_pageable_gbs']:.1f} GB/s "
+            f"pageable, both at once {acc['bidir_pinned_gbs']:.1f} GB/s pinned",
+        ))  # fmt: skip
+    adam = ", ".join(
+        f"{a['num_threads']} thread(s) {a['params_per_s'] / 1e6:.0f}M params/s"
+        for a in p["cpu_adam"].values()
+    )
+    backend = next(iter(p["cpu_adam"].values()))["backend"]
+    rows.append((f"CPU Adam ({backend})", adam))
+    rows.append((
+        "model",
+        f"{mdl['name']}: {mdl['params_total'] / 1e6:.1f}M params "
+        f"({mdl['params_2d'] / 1e6:.1f}M in 2-D weights); {mdl['source']}",
+    ))  # fmt: skip
+    fb = ", ".join(f"{t} thread(s) {ms:.0f} ms" for t, ms in p["fwd_bwd_ms"].items())
+    rows.append((f"forward+backward (mb {mdl['micro_batch']}, seq {mdl['seq_len']})", fb))
+    for ov in p["overlap"]:
+        rows.append((
+            f"window S={ov['update_interval']}",
+            f"overlap on ({ov['train_threads']}+{ov['worker_threads']} cores) "
+            f"{ov['on_window_ms']:.0f} ms (fwd+bwd {ov['on_fb_ms']:.0f} ms/step, host step "
+            f"{ov['on_host_ms']:.0f} ms, wait {ov['on_wait_ms']:.0f} ms); overlap off "
+            f"({ov['all_threads']} cores) {ov['off_window_ms']:.0f} ms (fwd+bwd "
+            f"{ov['off_fb_ms']:.0f} ms/step, host step {ov['off_host_ms']:.0f} ms)",
+        ))  # fmt: skip
+    if p.get("engine"):
+        on, off = p["engine"]
+        rows.append((
+            f"engine steps (S={on['update_interval']})",
+            f"overlap on {on['ms_per_step']:.0f} ms/step, off {off['ms_per_step']:.0f} ms/step "
+            f"(mean of {on['steps']} steps after a warm-up window, "
+            f"host kernel {on['host_kernel']})",
+        ))  # fmt: skip
+    return rows
+
+
+def render_config_update(console: Console, path: Path, update: dict, written: bool) -> None:
+    """The zenflow block's changes, one line per key, and whether the file was written."""
+    old, new = update["old"], update["new"]
+    changed = False
+    for key in new:
+        before = old.get(key, "<unset>")
+        if before == new[key]:
+            continue
+        changed = True
+        console.print(
+            escape(
+                f"  zero_optimization.zenflow.{key}: {json.dumps(before)} -> {json.dumps(new[key])}"
+            ),
+            highlight=False,
+        )
+    if not changed:
+        console.print(
+            f"{escape(str(path))}: zenflow block already matches, nothing to change",
+            highlight=False,
+        )
+    elif written:
+        console.print(
+            f"[green]updated {escape(str(path))}[/green] (other keys kept)", highlight=False
+        )
+    else:
+        console.print(
+            f"{escape(str(path))} not changed: add --write to apply the lines above",
+            highlight=False,
+        )
