@@ -1,0 +1,201 @@
+"""CPU Adam step throughput: zenflow's native op against torch and DeepSpeed, one process.
+
+Every contender steps its own fp32 tensors (param, grad, exp_avg, exp_avg_sq) of
+``--params`` elements. Runs are interleaved round-robin (one step of each contender per
+round, ``--repeats`` rounds after one warm-up round) so that drifting machine load hits all
+contenders alike; the table reports the median of each.
+
+Contenders: the native op (``zenflow.ops.adamw_step_``), ``torch.optim.AdamW(fused=True)``,
+``torch.optim.AdamW(foreach=True)`` and ``deepspeed.ops.adam.DeepSpeedCPUAdam`` (when its JIT
+build works; the first build takes 70-85 s, a failure is reported with its reason).
+
+Bytes per parameter: an Adam step reads param, grad, exp_avg, exp_avg_sq and writes back
+param, exp_avg, exp_avg_sq: 7 x 4 = 28 bytes. The memory floor is measured with an in-place
+``a.add_(b)`` over the same number of elements (reads 2, writes 1 back in place: 12 bytes per
+element, the same read-then-write-back pattern as Adam, so no write-allocate traffic), and its
+bandwidth is extrapolated to 28 bytes per parameter: the time a purely memory-bound Adam
+would need.
+
+    python bench/cpu_adam.py [--params N] [--repeats R] [--threads T] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+BYTES_PER_PARAM = 28  # read p, g, m, v; write p, m, v; 4 bytes each
+FLOOR_BYTES_PER_ELEM = 12  # a.add_(b): read a, b; write a
+HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+
+
+def _param_with_grad(numel: int, seed: int) -> torch.nn.Parameter:
+    gen = torch.Generator().manual_seed(seed)
+    param = torch.nn.Parameter(torch.randn(numel, generator=gen))
+    param.grad = torch.randn(numel, generator=gen) * 1e-2
+    return param
+
+
+def make_native(numel: int, threads: int) -> Callable[[], None]:
+    from zenflow.ops import adamw_step_, load_native
+
+    load_native()
+    param = _param_with_grad(numel, seed=0).detach()
+    grad = torch.randn(numel) * 1e-2
+    exp_avg, exp_avg_sq = torch.zeros(numel), torch.zeros(numel)
+    step = [0]
+    beta1, beta2 = HYPER["betas"]
+
+    def run() -> None:
+        step[0] += 1
+        adamw_step_(
+            param,
+            grad,
+            exp_avg,
+            exp_avg_sq,
+            step=step[0],
+            lr=HYPER["lr"],
+            beta1=beta1,
+            beta2=beta2,
+            eps=HYPER["eps"],
+            weight_decay=HYPER["weight_decay"],
+            num_threads=threads,
+        )
+
+    return run
+
+
+def make_torch(numel: int, **flags) -> Callable[[], None]:
+    param = _param_with_grad(numel, seed=1)
+    opt = torch.optim.AdamW([param], **HYPER, **flags)
+    return opt.step
+
+
+def make_deepspeed(numel: int) -> Callable[[], None]:
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    param = _param_with_grad(numel, seed=2)
+    opt = DeepSpeedCPUAdam([param], adamw_mode=True, **HYPER)
+    return opt.step
+
+
+def make_floor(numel: int) -> Callable[[], None]:
+    a, b = torch.randn(numel), torch.randn(numel) * 1e-6
+    return lambda: a.add_(b)
+
+
+def _time_once(fn: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    with torch.no_grad():
+        fn()
+    return time.perf_counter() - start
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--params", type=int, default=50_000_000, help="elements per tensor")
+    parser.add_argument("--repeats", type=int, default=7, help="timed rounds (median taken)")
+    parser.add_argument(
+        "--threads", type=int, default=os.cpu_count() or 1, help="threads for every contender"
+    )
+    parser.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeedCPUAdam")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    numel = args.params
+    log = sys.stderr if args.json else sys.stdout
+
+    contenders: dict[str, Callable[[], None]] = {}
+    unavailable: dict[str, str] = {}
+    builders: list[tuple[str, Callable[[], Callable[[], None]]]] = [
+        ("zenflow native", lambda: make_native(numel, args.threads)),
+        ("torch AdamW fused", lambda: make_torch(numel, fused=True)),
+        ("torch AdamW foreach", lambda: make_torch(numel, foreach=True)),
+    ]
+    if not args.no_deepspeed:
+        builders.append(("DeepSpeedCPUAdam", lambda: make_deepspeed(numel)))
+    builders.append(("memory floor", lambda: make_floor(numel)))
+    for name, build in builders:
+        start = time.perf_counter()
+        try:
+            fn = build()
+            _time_once(fn)  # warm-up: lazy state, JIT builds, first-touch page faults
+        except Exception as exc:  # a contender that cannot run is reported, not fatal
+            unavailable[name] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+            print(f"{name}: unavailable ({unavailable[name]})", file=log)
+            continue
+        contenders[name] = fn
+        print(f"{name}: ready ({time.perf_counter() - start:.1f} s incl. warm-up)", file=log)
+
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(args.repeats):
+        for name, fn in contenders.items():
+            times[name].append(_time_once(fn))
+
+    fused = statistics.median(times["torch AdamW fused"]) if "torch AdamW fused" in times else None
+    rows = []
+    for name, samples in times.items():
+        median = statistics.median(samples)
+        if name == "memory floor":
+            gbps = numel * FLOOR_BYTES_PER_ELEM / median / 1e9
+            median = numel * BYTES_PER_PARAM / (gbps * 1e9)  # memory-bound Adam at that rate
+        else:
+            gbps = numel * BYTES_PER_PARAM / median / 1e9
+        rows.append(
+            {
+                "name": name,
+                "median_ms": median * 1e3,
+                "min_ms": min(samples) * 1e3 if name != "memory floor" else None,
+                "params_per_s": numel / median,
+                "gb_per_s": gbps,
+                "vs_fused": fused / median if fused else None,
+            }
+        )
+    result = {
+        "params": numel,
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "torch": torch.__version__,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "rows": rows,
+        "unavailable": unavailable,
+    }
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(
+        f"\nCPU Adam step, {numel:,} fp32 params, {args.threads} threads, "
+        f"median of {args.repeats} interleaved rounds ({BYTES_PER_PARAM} bytes/param)"
+    )
+    header = f"{'contender':<22}{'median ms':>11}{'min ms':>9}{'Mparams/s':>11}{'GB/s':>8}"
+    print(header + f"{'vs fused':>10}")
+    print("-" * (len(header) + 10))
+    for row in rows:
+        min_ms = f"{row['min_ms']:9.1f}" if row["min_ms"] is not None else f"{'-':>9}"
+        ratio = f"{row['vs_fused']:9.2f}x" if row["vs_fused"] else f"{'-':>10}"
+        print(
+            f"{row['name']:<22}{row['median_ms']:11.1f}{min_ms}"
+            f"{row['params_per_s'] / 1e6:11.0f}{row['gb_per_s']:8.1f}{ratio}"
+        )
+    print("memory floor: in-place a.add_(b) bandwidth (12 B/elem) applied to 28 B/param")
+    for name, reason in unavailable.items():
+        print(f"{name}: unavailable: {reason}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

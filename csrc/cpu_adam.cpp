@@ -1,0 +1,301 @@
+// zenflow::adamw_step_ -- one in-place Adam(W) step over contiguous CPU tensors.
+//
+// Stateless: the caller owns the fp32 master (param), the fp32 moments and the step
+// counter. Arithmetic follows torch.optim.AdamW's single-tensor loop:
+//
+//   g  = grad * grad_scale                 (grad fp32 or bf16; grad_scale = 1/S averages a
+//                                           window's gradient sum in the same pass)
+//   AdamW: p *= 1 - lr*wd                  Adam: g += wd*p   (L2)
+//   m  = b1*m + (1-b1)*g
+//   v  = b2*v + (1-b2)*g*g
+//   p -= lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps)
+//   param_bf16 (optional) = bf16(p), round to nearest even, written in the same pass.
+//
+// Bias corrections are computed once per call in double; the inner loop is all fp32.
+// Two rewrites differ from torch by at most an ulp per operation: the division by
+// sqrt(1-b2^t) is a multiplication by its reciprocal, and mul+add pairs are fused (FMA).
+//
+// Work is split into fixed blocks of kBlockElems elements and the scalar tail uses the
+// same operation sequence (std::fma) as the vector body, so every element is computed by
+// the same instructions whatever the thread count: results are bit-identical for any
+// num_threads. The caller may pass num_threads > 0 to bound the OpenMP team (the engine's
+// background worker keeps to its share of the cores); 0 means the OpenMP default.
+//
+// The GIL: torch.ops calls from Python release it in the dispatcher path
+// (invokeOperatorFromPython), so this kernel never touches Python state.
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include <omp.h>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace zenflow {
+namespace {
+
+// 64K elements: a multiple of every vector width used (8 or 16 floats), large enough that
+// the OpenMP scheduling cost (~1 us per block) is noise next to 64K * 28 bytes = 1.8 MB of
+// memory traffic, small enough that 2**20 elements already give 16 blocks to share.
+constexpr int64_t kBlockElems = int64_t{1} << 16;
+
+// Per-call constants, all fp32 except the flags; derived in double in adamw_step_.
+struct StepConsts {
+  float grad_scale;
+  float decay;          // 1 - lr*wd (AdamW), 1 otherwise
+  float l2;             // wd (classic Adam), 0 otherwise
+  float beta1, one_minus_beta1;
+  float beta2, one_minus_beta2;
+  float inv_bc2_sqrt;   // 1 / sqrt(1 - beta2^t)
+  float eps;
+  float neg_step_size;  // -lr / (1 - beta1^t)
+  bool decoupled;       // adamw_mode && wd != 0
+  bool coupled;         // !adamw_mode && wd != 0
+};
+
+inline float fused_mul_add(float a, float b, float c) {
+#if defined(__FMA__)
+  return std::fma(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
+inline float load_grad_scalar(const float* g, int64_t i) { return g[i]; }
+
+inline float load_grad_scalar(const c10::BFloat16* g, int64_t i) {
+  uint16_t bits;
+  std::memcpy(&bits, g + i, sizeof(bits));
+  uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float out;
+  std::memcpy(&out, &wide, sizeof(out));
+  return out;
+}
+
+// One element; the operation sequence mirrors the vector bodies below exactly.
+template <typename GradT>
+inline void step_scalar(int64_t i, float* __restrict p, const GradT* __restrict g,
+                        float* __restrict m, float* __restrict v, c10::BFloat16* __restrict pb,
+                        const StepConsts& c) {
+  float grad = load_grad_scalar(g, i) * c.grad_scale;
+  float param = p[i];
+  if (c.decoupled) param = param * c.decay;
+  if (c.coupled) grad = fused_mul_add(c.l2, param, grad);
+  const float exp_avg = fused_mul_add(c.beta1, m[i], c.one_minus_beta1 * grad);
+  const float exp_avg_sq = fused_mul_add(c.beta2, v[i], (c.one_minus_beta2 * grad) * grad);
+  const float denom = fused_mul_add(std::sqrt(exp_avg_sq), c.inv_bc2_sqrt, c.eps);
+  param = fused_mul_add(c.neg_step_size, exp_avg / denom, param);
+  m[i] = exp_avg;
+  v[i] = exp_avg_sq;
+  p[i] = param;
+  if (pb != nullptr) pb[i] = c10::BFloat16(param);  // round to nearest even, NaN -> 0x7FC0
+}
+
+#if defined(__AVX512F__)
+// ---------------------------------------------------------------- AVX-512: 16 floats
+constexpr int64_t kWidth = 16;
+
+inline __m512 load_grad_vec(const float* g, int64_t i) { return _mm512_loadu_ps(g + i); }
+
+inline __m512 load_grad_vec(const c10::BFloat16* g, int64_t i) {
+  // bf16 is the top half of an fp32: widen 16 x u16 to u32 and shift into place.
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + i));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+inline void store_bf16_vec(c10::BFloat16* dst, int64_t i, __m512 x) {
+  // Same rounding as c10::BFloat16(float): add 0x7FFF + lsb, keep the top 16 bits; NaN
+  // becomes the canonical 0x7FC0.
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  rounded = _mm512_srli_epi32(rounded, 16);
+  const __mmask16 is_nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  rounded = _mm512_mask_blend_epi32(is_nan, rounded, _mm512_set1_epi32(0x7FC0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm512_cvtepi32_epi16(rounded));
+}
+
+template <typename GradT>
+inline void step_vector(int64_t i, float* __restrict p, const GradT* __restrict g,
+                        float* __restrict m, float* __restrict v, c10::BFloat16* __restrict pb,
+                        const StepConsts& c) {
+  __m512 grad = _mm512_mul_ps(load_grad_vec(g, i), _mm512_set1_ps(c.grad_scale));
+  __m512 param = _mm512_loadu_ps(p + i);
+  if (c.decoupled) param = _mm512_mul_ps(param, _mm512_set1_ps(c.decay));
+  if (c.coupled) grad = _mm512_fmadd_ps(_mm512_set1_ps(c.l2), param, grad);
+  const __m512 exp_avg = _mm512_fmadd_ps(_mm512_set1_ps(c.beta1), _mm512_loadu_ps(m + i),
+                                         _mm512_mul_ps(_mm512_set1_ps(c.one_minus_beta1), grad));
+  const __m512 exp_avg_sq = _mm512_fmadd_ps(
+      _mm512_set1_ps(c.beta2), _mm512_loadu_ps(v + i),
+      _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(c.one_minus_beta2), grad), grad));
+  // Moments are final here: store them before the long sqrt/div chain (frees the
+  // registers and lets the stores drain while it runs).
+  _mm512_storeu_ps(m + i, exp_avg);
+  _mm512_storeu_ps(v + i, exp_avg_sq);
+  const __m512 denom = _mm512_fmadd_ps(_mm512_sqrt_ps(exp_avg_sq),
+                                       _mm512_set1_ps(c.inv_bc2_sqrt), _mm512_set1_ps(c.eps));
+  param = _mm512_fmadd_ps(_mm512_set1_ps(c.neg_step_size), _mm512_div_ps(exp_avg, denom), param);
+  _mm512_storeu_ps(p + i, param);
+  if (pb != nullptr) store_bf16_vec(pb, i, param);
+}
+
+#elif defined(__AVX2__) && defined(__FMA__)
+// ---------------------------------------------------------------- AVX2 + FMA: 8 floats
+constexpr int64_t kWidth = 8;
+
+inline __m256 load_grad_vec(const float* g, int64_t i) { return _mm256_loadu_ps(g + i); }
+
+inline __m256 load_grad_vec(const c10::BFloat16* g, int64_t i) {
+  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(g + i));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+
+inline void store_bf16_vec(c10::BFloat16* dst, int64_t i, __m256 x) {
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+  rounded = _mm256_srli_epi32(rounded, 16);
+  const __m256 is_nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(is_nan));
+  // Values fit in 16 bits, so unsigned-saturating packing is exact. packus works per
+  // 128-bit lane: qwords are [r0..r3, r0..r3, r4..r7, r4..r7]; keep qwords 0 and 2.
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(rounded, rounded), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm256_castsi256_si128(packed));
+}
+
+template <typename GradT>
+inline void step_vector(int64_t i, float* __restrict p, const GradT* __restrict g,
+                        float* __restrict m, float* __restrict v, c10::BFloat16* __restrict pb,
+                        const StepConsts& c) {
+  __m256 grad = _mm256_mul_ps(load_grad_vec(g, i), _mm256_set1_ps(c.grad_scale));
+  __m256 param = _mm256_loadu_ps(p + i);
+  if (c.decoupled) param = _mm256_mul_ps(param, _mm256_set1_ps(c.decay));
+  if (c.coupled) grad = _mm256_fmadd_ps(_mm256_set1_ps(c.l2), param, grad);
+  const __m256 exp_avg = _mm256_fmadd_ps(_mm256_set1_ps(c.beta1), _mm256_loadu_ps(m + i),
+                                         _mm256_mul_ps(_mm256_set1_ps(c.one_minus_beta1), grad));
+  const __m256 exp_avg_sq = _mm256_fmadd_ps(
+      _mm256_set1_ps(c.beta2), _mm256_loadu_ps(v + i),
+      _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(c.one_minus_beta2), grad), grad));
+  // Moments are final here: store them before the long sqrt/div chain (frees the
+  // registers and lets the stores drain while it runs).
+  _mm256_storeu_ps(m + i, exp_avg);
+  _mm256_storeu_ps(v + i, exp_avg_sq);
+  const __m256 denom = _mm256_fmadd_ps(_mm256_sqrt_ps(exp_avg_sq),
+                                       _mm256_set1_ps(c.inv_bc2_sqrt), _mm256_set1_ps(c.eps));
+  param = _mm256_fmadd_ps(_mm256_set1_ps(c.neg_step_size), _mm256_div_ps(exp_avg, denom), param);
+  _mm256_storeu_ps(p + i, param);
+  if (pb != nullptr) store_bf16_vec(pb, i, param);
+}
+
+#else
+// ---------------------------------------------------------------- scalar fallback
+constexpr int64_t kWidth = 1;
+
+template <typename GradT>
+inline void step_vector(int64_t i, float* __restrict p, const GradT* __restrict g,
+                        float* __restrict m, float* __restrict v, c10::BFloat16* __restrict pb,
+                        const StepConsts& c) {
+  step_scalar(i, p, g, m, v, pb, c);
+}
+#endif
+
+static_assert(kBlockElems % kWidth == 0, "blocks must hold whole vectors");
+
+template <typename GradT>
+void run_blocks(int64_t numel, float* p, const GradT* g, float* m, float* v, c10::BFloat16* pb,
+                const StepConsts& c, int64_t num_threads) {
+  const int64_t num_blocks = (numel + kBlockElems - 1) / kBlockElems;
+  const int team = num_threads > 0 ? static_cast<int>(num_threads) : omp_get_max_threads();
+  // A single block runs on the calling thread: no team start-up for small tensors. Blocks
+  // are handed out dynamically so that a thread descheduled by a busy machine (the
+  // training thread shares these cores) does not hold back a fixed half of the work; the
+  // result is the same whichever thread takes a block.
+#pragma omp parallel for schedule(dynamic, 1) num_threads(team) if (num_blocks > 1)
+  for (int64_t block = 0; block < num_blocks; ++block) {
+    const int64_t begin = block * kBlockElems;
+    const int64_t end = begin + kBlockElems < numel ? begin + kBlockElems : numel;
+    int64_t i = begin;
+    for (; i + kWidth <= end; i += kWidth) step_vector(i, p, g, m, v, pb, c);
+    for (; i < end; ++i) step_scalar(i, p, g, m, v, pb, c);
+  }
+}
+
+constexpr const char* kOp = "zenflow::adamw_step_";
+
+void check_cpu_contiguous(const at::Tensor& t, const char* name, at::ScalarType dtype,
+                          int64_t numel) {
+  TORCH_CHECK(t.device().is_cpu(), kOp, ": ", name, " must be on the CPU, got ", t.device());
+  TORCH_CHECK(t.scalar_type() == dtype, kOp, ": ", name, " must be ", dtype, ", got ",
+              t.scalar_type());
+  TORCH_CHECK(t.is_contiguous(), kOp, ": ", name,
+              " must be contiguous (the step writes in place; pass a contiguous tensor, "
+              "not a view with strides ", t.strides(), ")");
+  TORCH_CHECK(t.numel() == numel, kOp, ": ", name, " has ", t.numel(),
+              " elements but param has ", numel);
+}
+
+void adamw_step_(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                 const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& param_bf16,
+                 int64_t step, double lr, double beta1, double beta2, double eps,
+                 double weight_decay, double grad_scale, bool adamw_mode, int64_t num_threads) {
+  const int64_t numel = param.numel();
+  check_cpu_contiguous(param, "param", at::kFloat, numel);
+  TORCH_CHECK(grad.scalar_type() == at::kFloat || grad.scalar_type() == at::kBFloat16, kOp,
+              ": grad must be Float or BFloat16, got ", grad.scalar_type());
+  check_cpu_contiguous(grad, "grad", grad.scalar_type(), numel);
+  check_cpu_contiguous(exp_avg, "exp_avg", at::kFloat, numel);
+  check_cpu_contiguous(exp_avg_sq, "exp_avg_sq", at::kFloat, numel);
+  if (param_bf16.has_value()) check_cpu_contiguous(*param_bf16, "param_bf16", at::kBFloat16, numel);
+  TORCH_CHECK(step >= 1, kOp, ": step must be >= 1 (1-based, for bias correction), got ", step);
+  TORCH_CHECK(num_threads >= 0, kOp, ": num_threads must be >= 0 (0 = OpenMP default), got ",
+              num_threads);
+  TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0, kOp, ": beta1 must be in [0, 1), got ", beta1);
+  TORCH_CHECK(beta2 >= 0.0 && beta2 < 1.0, kOp, ": beta2 must be in [0, 1), got ", beta2);
+  if (numel == 0) return;
+
+  const double bias_correction1 = 1.0 - std::pow(beta1, static_cast<double>(step));
+  const double bias_correction2 = 1.0 - std::pow(beta2, static_cast<double>(step));
+  StepConsts c;
+  c.grad_scale = static_cast<float>(grad_scale);
+  c.decoupled = adamw_mode && weight_decay != 0.0;
+  c.coupled = !adamw_mode && weight_decay != 0.0;
+  c.decay = c.decoupled ? static_cast<float>(1.0 - lr * weight_decay) : 1.0f;
+  c.l2 = c.coupled ? static_cast<float>(weight_decay) : 0.0f;
+  c.beta1 = static_cast<float>(beta1);
+  c.one_minus_beta1 = static_cast<float>(1.0 - beta1);
+  c.beta2 = static_cast<float>(beta2);
+  c.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+  c.inv_bc2_sqrt = static_cast<float>(1.0 / std::sqrt(bias_correction2));
+  c.eps = static_cast<float>(eps);
+  c.neg_step_size = static_cast<float>(-lr / bias_correction1);
+
+  float* p = param.data_ptr<float>();
+  float* m = exp_avg.data_ptr<float>();
+  float* v = exp_avg_sq.data_ptr<float>();
+  c10::BFloat16* pb = param_bf16.has_value() ? param_bf16->data_ptr<c10::BFloat16>() : nullptr;
+  if (grad.scalar_type() == at::kFloat) {
+    run_blocks(numel, p, grad.data_ptr<float>(), m, v, pb, c, num_threads);
+  } else {
+    run_blocks(numel, p, grad.data_ptr<c10::BFloat16>(), m, v, pb, c, num_threads);
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(zenflow, m) {
+  m.def(
+      "adamw_step_(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "
+      "Tensor(d!)? param_bf16, int step, float lr, float beta1, float beta2, float eps, "
+      "float weight_decay, float grad_scale, bool adamw_mode, int num_threads) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(zenflow, CPU, m) { m.impl("adamw_step_", &adamw_step_); }
+
+}  // namespace zenflow
