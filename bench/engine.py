@@ -1,0 +1,185 @@
+"""Side-by-side engine benchmark: device AdamW, ZeRO-Offload, ZenFlow (overlap on / off).
+
+All modes run in ONE process on identical GPT-2-shaped models (random init), alternating
+rounds so that machine noise hits every mode alike. Per mode it reports medians of the
+iteration (forward+backward+step), forward+backward, engine step, device optimizer and
+stall times, the mean iteration time (window-end spikes included), and counted traffic per
+step, absolute and as a multiple of the trainable model bytes.
+
+    .venv/bin/python bench/engine.py                      # 4 layers, width 512 (~38M)
+    .venv/bin/python bench/engine.py --layers 12 --width 768 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from zenflow import ZenFlowEngine, load_config  # noqa: E402
+
+MODES = ("device", "offload", "zenflow-overlap", "zenflow-sync")
+
+
+def build_model(layers: int, width: int, vocab: int, seed: int = 0):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(
+        n_layer=layers, n_embd=width, n_head=max(1, width // 64), vocab_size=vocab,
+        n_positions=1024, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    return GPT2LMHeadModel(cfg).float()
+
+
+def make_config(args, overlap: bool | None):
+    raw = {
+        "train_micro_batch_size_per_gpu": args.batch,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+    }
+    if overlap is not None:
+        raw["zero_optimization"]["zenflow"] = {
+            "topk_ratio": args.topk,
+            "update_interval": args.update_interval,
+            "select_strategy": "step",
+            "select_interval": args.select_interval,
+            "overlap_step": overlap,
+        }
+    return load_config(raw)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--width", type=int, default=512)
+    ap.add_argument("--vocab", type=int, default=50257)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=8, help="measured steps per mode per round")
+    ap.add_argument("--warmup", type=int, default=4, help="unmeasured steps per mode")
+    ap.add_argument("--topk", type=float, default=0.1)
+    ap.add_argument("--update-interval", type=int, default=4)
+    ap.add_argument("--select-interval", type=int, default=1000)
+    ap.add_argument("--grad-accum", default="auto", choices=["auto", "host", "device"])
+    ap.add_argument("--host-kernel", default="native", choices=["native", "reference"])
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    args = ap.parse_args(argv)
+    modes = args.modes.split(",")
+
+    base_threads = torch.get_num_threads()
+    base = build_model(args.layers, args.width, args.vocab)
+    gen = torch.Generator().manual_seed(1)
+    batches = [
+        torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen) for _ in range(8)
+    ]
+    runs = {}
+    for m in modes:
+        model = copy.deepcopy(base)
+        if m == "device":
+            eng = ZenFlowEngine(model, make_config(args, None), mode="device")
+        elif m == "offload":
+            eng = ZenFlowEngine(
+                model, make_config(args, None), mode="offload", host_kernel=args.host_kernel
+            )
+        else:
+            eng = ZenFlowEngine(
+                model, make_config(args, m == "zenflow-overlap"), mode="zenflow",
+                host_kernel=args.host_kernel, grad_accum=args.grad_accum,
+            )  # fmt: skip
+        threads = eng.resolved.get("training_threads", base_threads)
+        torch.set_num_threads(base_threads)  # the overlap engine set its own split
+        runs[m] = {"model": model, "engine": eng, "threads": threads, "rows": [], "i": 0}
+
+    def run_steps(m, n, record):
+        r = runs[m]
+        model, eng = r["model"], r["engine"]
+        torch.set_num_threads(r["threads"])
+        for _ in range(n):
+            b = batches[r["i"] % len(batches)]
+            r["i"] += 1
+            t0 = time.perf_counter()
+            with eng.autocast():
+                loss = model(input_ids=b, labels=b).loss
+            loss.backward()
+            t1 = time.perf_counter()
+            st = eng.step(loss)
+            eng.zero_grad()
+            t2 = time.perf_counter()
+            if record:
+                r["rows"].append((t2 - t0, t1 - t0, st))
+        torch.set_num_threads(base_threads)
+
+    for m in modes:
+        run_steps(m, args.warmup, False)
+    for _ in range(args.rounds):
+        for m in modes:
+            run_steps(m, args.steps, True)
+
+    results = {}
+    for m in modes:
+        r = runs[m]
+        eng = r["engine"]
+        rows = r["rows"]
+        mb = eng.model_bytes
+        traffic = [st.d2h_bytes + st.h2d_bytes for _, _, st in rows]
+        results[m] = {
+            "iter_ms_median": statistics.median(x[0] for x in rows) * 1e3,
+            "iter_ms_mean": statistics.mean(x[0] for x in rows) * 1e3,
+            "fwd_bwd_ms_median": statistics.median(x[1] for x in rows) * 1e3,
+            "step_ms_median": statistics.median(st.step_ms for *_, st in rows),
+            "step_ms_mean": statistics.mean(st.step_ms for *_, st in rows),
+            "device_opt_ms_median": statistics.median(st.device_opt_ms for *_, st in rows),
+            "stall_ms_mean": statistics.mean(st.stall_ms for *_, st in rows),
+            "bytes_per_step": statistics.mean(traffic),
+            "x_model_bytes": statistics.mean(traffic) / mb,
+            "training_threads": r["threads"],
+            "resolved": {k: v for k, v in eng.resolved.items() if k != "grad_accum_note"},
+        }
+        eng.close()
+    meta = {
+        "layers": args.layers, "width": args.width, "vocab": args.vocab,
+        "params": sum(p.numel() for p in base.parameters()), "batch": args.batch,
+        "seq": args.seq, "rounds": args.rounds, "steps": args.steps, "cores": os.cpu_count(),
+        "torch": torch.__version__,
+    }  # fmt: skip
+    if args.json:
+        print(json.dumps({"meta": meta, "results": results}, indent=2, default=str))
+        return 0
+    print(
+        f"GPT-2 shape: {args.layers} layers, width {args.width}, {meta['params'] / 1e6:.1f}M "
+        f"params, micro-batch {args.batch}, seq {args.seq}; {args.rounds} rounds x "
+        f"{args.steps} steps per mode"
+    )
+    hdr = (
+        f"{'mode':<17}{'iter med':>9}{'iter mean':>10}{'fwd+bwd':>9}{'step med':>9}"
+        f"{'step mean':>10}{'dev opt':>8}{'stall':>8}{'MB/step':>9}{'x model':>8}"
+    )
+    print(hdr)
+    for m, x in results.items():
+        print(
+            f"{m:<17}{x['iter_ms_median']:9.1f}{x['iter_ms_mean']:10.1f}"
+            f"{x['fwd_bwd_ms_median']:9.1f}{x['step_ms_median']:9.1f}{x['step_ms_mean']:10.1f}"
+            f"{x['device_opt_ms_median']:8.1f}{x['stall_ms_mean']:8.1f}"
+            f"{x['bytes_per_step'] / 1e6:9.1f}{x['x_model_bytes']:8.2f}"
+        )
+    print("times in ms (stall: mean per step); traffic counted by the engine at each copy")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

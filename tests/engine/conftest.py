@@ -1,0 +1,141 @@
+"""Shared helpers for the engine tests: configs, tiny models, AdamW baselines."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+from zenflow.config import load_config  # noqa: E402
+
+LR, BETAS, EPS, WD = 1e-2, (0.9, 0.999), 1e-8, 0.01
+
+
+def make_config(zenflow: dict | None = None, clip: float = 0.0, lr: float = LR, **extra):
+    raw = {
+        "train_micro_batch_size_per_gpu": 4,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": lr, "betas": list(BETAS), "eps": EPS, "weight_decay": WD},
+        },
+        "gradient_clipping": clip,
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+    }
+    if zenflow is not None:
+        zf = {"select_strategy": "step", "select_interval": 1000}
+        zf.update(zenflow)
+        raw["zero_optimization"]["zenflow"] = zf
+    raw.update(extra)
+    return load_config(raw)
+
+
+class MLP(torch.nn.Module):
+    """Two big Linear layers (ZenFlow weights) + biases + a LayerNorm (always important)."""
+
+    def __init__(self, d_in=64, d_hidden=96, d_out=10):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(d_in, d_hidden)
+        self.norm = torch.nn.LayerNorm(d_hidden)
+        self.fc2 = torch.nn.Linear(d_hidden, d_in)
+        self.head = torch.nn.Linear(d_in, d_out)
+
+    def forward(self, x, y):
+        h = self.fc2(torch.relu(self.norm(self.fc1(x))))
+        return torch.nn.functional.cross_entropy(self.head(h), y)
+
+
+def mlp_batches(n, seed=1, d_in=64, d_out=10, bs=8):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(bs, d_in, generator=g), torch.randint(0, d_out, (bs,), generator=g))
+        for _ in range(n)
+    ]
+
+
+def tiny_gpt2(seed=0):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(
+        n_layer=2, n_embd=64, n_head=2, vocab_size=96, n_positions=32,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    return GPT2LMHeadModel(cfg).float()
+
+
+def gpt2_batches(n, seed=1, vocab=96, bs=2, seq=16):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (bs, seq), generator=g) for _ in range(n)]
+
+
+def loss_of(model, batch):
+    if isinstance(batch, tuple):
+        return model(*batch)
+    return model(input_ids=batch, labels=batch).loss
+
+
+def train_engine(engine, model, batches):
+    stats = []
+    for b in batches:
+        with engine.autocast():
+            loss = loss_of(model, b)
+        loss.backward()
+        stats.append(engine.step(loss))
+        engine.zero_grad()
+    return stats
+
+
+def train_adamw(model, batches, clip=0.0, lr=LR):
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=BETAS, eps=EPS, weight_decay=WD)
+    for b in batches:
+        loss = loss_of(model, b)
+        loss.backward()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+
+
+def native_available() -> bool:
+    try:
+        from zenflow.ops import adamw_step_
+        from zenflow.ops.loader import load_native
+
+        load_native()
+        x = torch.zeros(4)
+        adamw_step_(x, torch.ones(4), torch.zeros(4), torch.zeros(4), step=1, lr=0.1,
+                    beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)  # fmt: skip
+        return bool(x.abs().sum() > 0)
+    except Exception:
+        return False
+
+
+KERNELS = [
+    "reference",
+    pytest.param(
+        "native",
+        marks=pytest.mark.skipif(not native_available(), reason="native op not built"),
+    ),
+]
+
+
+def assert_params_close(m1, m2, atol=1e-6, rtol=1e-5):
+    for (n1, p1), (_, p2) in zip(m1.named_parameters(), m2.named_parameters(), strict=True):
+        torch.testing.assert_close(p1, p2, atol=atol, rtol=rtol, msg=lambda m, n=n1: f"{n}: {m}")
+
+
+def torch_style_kernel(
+    param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay,
+    param_bf16=None, grad_scale=1.0, adamw_mode=True, num_threads=0,
+):  # fmt: skip
+    """A host kernel with torch.optim.AdamW's exact op order (lerp etc.): lets tests
+    check the SCHEDULE bit-tight on models where Adam amplifies kernel rounding."""
+    from zenflow.device_adam import AdamHyper, adamw_dense_
+
+    g = grad if grad_scale == 1.0 else grad * grad_scale
+    hp = AdamHyper(lr, beta1, beta2, eps, weight_decay, adamw_mode)
+    adamw_dense_(param, g, exp_avg, exp_avg_sq, step, hp)

@@ -1,0 +1,97 @@
+"""The engine equals torch.optim.AdamW where the algorithm says it must (fp32)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import (
+    KERNELS,
+    LR,
+    MLP,
+    assert_params_close,
+    gpt2_batches,
+    make_config,
+    mlp_batches,
+    tiny_gpt2,
+    torch_style_kernel,
+    train_adamw,
+    train_engine,
+)
+
+from zenflow import ZenFlowEngine
+
+STEPS = 20
+
+
+def _models(kind):
+    if kind == "mlp":
+        torch.manual_seed(0)
+        return MLP(), mlp_batches(STEPS)
+    return tiny_gpt2(), gpt2_batches(STEPS)
+
+
+@pytest.mark.parametrize("kind", ["mlp", "gpt2"])
+@pytest.mark.parametrize("kernel", [*KERNELS, "torch_style"])
+@pytest.mark.parametrize(
+    "zf",
+    [
+        {"topk_ratio": 1.0, "update_interval": 3},
+        {"topk_ratio": 0.1, "update_interval": 2, "full_warm_up_rounds": STEPS},
+    ],
+    ids=["topk1", "warmup"],
+)
+def test_equals_adamw(kind, kernel, zf):
+    model, batches = _models(kind)
+    ref = copy.deepcopy(model)
+    # Adam turns rounding differences of near-zero gradients into O(lr) steps (m/sqrt(v) ~
+    # +-1), and GPT-2 has many: a host kernel with a different (valid) op order drifts from
+    # torch by ~1e-4 at lr 1e-2 after a few steps (plain offload mode shows the same). So
+    # GPT-2 with the real kernels runs at lr 1e-3 with atol 1e-4; the torch-op-order kernel
+    # checks the schedule itself tightly.
+    loose = kind == "gpt2" and kernel != "torch_style"
+    lr, atol = (1e-3, 1e-4) if loose else (LR, 2e-6)
+    kern = torch_style_kernel if kernel == "torch_style" else kernel
+    with ZenFlowEngine(model, make_config(zf, lr=lr), host_kernel=kern) as engine:
+        assert engine.zweights, "the test model must have ZenFlow weights"
+        stats = train_engine(engine, model, batches)
+    train_adamw(ref, batches, lr=lr)
+    assert all(s.warmup for s in stats) == (zf.get("full_warm_up_rounds", 0) >= STEPS)
+    assert_params_close(model, ref, atol=atol, rtol=1e-5)
+
+
+def test_topk1_device_path_bit_exact():
+    """topk=1.0 never touches the host: the device AdamW is torch's, bit for bit."""
+    model, batches = _models("mlp")
+    ref = copy.deepcopy(model)
+    init = copy.deepcopy(model)
+    with ZenFlowEngine(model, make_config({"topk_ratio": 1.0, "update_interval": 2})) as e:
+        train_engine(e, model, batches)
+    train_adamw(ref, batches)
+    for p, q, p0 in zip(model.parameters(), ref.parameters(), init.parameters(), strict=True):
+        assert torch.equal(p, q)
+        assert not torch.equal(p, p0)  # training moved every parameter
+
+
+@pytest.mark.parametrize("mode", ["offload", "device"])
+def test_plain_modes_equal_adamw(mode):
+    model, batches = _models("mlp")
+    ref = copy.deepcopy(model)
+    with ZenFlowEngine(model, make_config(None), mode=mode, host_kernel="reference") as e:
+        stats = train_engine(e, model, batches)
+    train_adamw(ref, batches)
+    assert_params_close(model, ref, atol=2e-6, rtol=1e-5)
+    assert all(s.mode == mode for s in stats)
+
+
+def test_clipping_equals_clip_grad_norm():
+    model, batches = _models("mlp")
+    ref = copy.deepcopy(model)
+    cfg = make_config({"topk_ratio": 1.0, "update_interval": 2}, clip=0.05)
+    with ZenFlowEngine(model, cfg) as e:
+        stats = train_engine(e, model, batches)
+    train_adamw(ref, batches, clip=0.05)
+    assert all(s.grad_norm > 0.05 for s in stats)  # clipping really was active
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, atol=1e-7, rtol=1e-6)

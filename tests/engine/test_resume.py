@@ -1,0 +1,92 @@
+"""Save after N steps, continue in a FRESH PROCESS for N more == 2N straight steps, bitwise."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+    sys.path.insert(0, {here!r})
+    from conftest import MLP, make_config, mlp_batches, train_engine
+    from zenflow import ZenFlowEngine
+    phase, path, n, accum = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[5]
+    zf = eval(sys.argv[4])
+    torch.manual_seed(0)
+    model = MLP()
+    batches = mlp_batches(2 * n)
+    kw = dict(host_kernel="reference", grad_accum=accum, min_numel=1000)
+    engine = ZenFlowEngine(model, make_config(zf, clip=1.0), **kw)
+    if phase == "first":
+        train_engine(engine, model, batches[:n])
+        torch.save({{"model": model.state_dict(), "engine": engine.state_dict()}}, path)
+        engine.close()
+    elif phase == "second":
+        sd = torch.load(path, weights_only=True)
+        model.load_state_dict(sd["model"])
+        engine.load_state_dict(sd["engine"])
+        train_engine(engine, model, batches[n:])
+        engine.close()
+        torch.save({{"model": model.state_dict(), "engine": engine.state_dict()}}, path)
+    else:
+        train_engine(engine, model, batches)
+        engine.close()
+        torch.save({{"model": model.state_dict(), "engine": engine.state_dict()}}, path)
+    """
+)
+
+
+def _run(tmp_path, *args):
+    script = tmp_path / "run.py"
+    script.write_text(SCRIPT.format(here=str(HERE)))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, str(script), *map(str, args)], env=env,
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def _assert_equal_tree(a, b, path=""):
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            _assert_equal_tree(a[k], b[k], f"{path}.{k}")
+    elif torch.is_tensor(a):
+        assert torch.equal(a, b), path
+    else:
+        assert a == b, path
+
+
+@pytest.mark.parametrize(
+    "zf,accum",
+    [
+        # N=7 saves with the host step of window 4..6 in flight; the resumed run must apply it
+        # at the end of window 7..9 (async), exactly like the straight run
+        ({"topk_ratio": 0.1, "update_interval": 3, "select_interval": 10, "overlap_step": True},
+         "host"),
+        ({"topk_ratio": 0.2, "update_interval": "auto", "select_interval": 5,
+          "overlap_step": True, "full_warm_up_rounds": 2}, "device"),
+    ],
+    ids=["fixed-overlap-host", "auto-warmup-device"],
+)  # fmt: skip
+def test_resume_in_fresh_process(tmp_path, zf, accum):
+    n = 7
+    a, b = tmp_path / "resumed.pt", tmp_path / "straight.pt"
+    _run(tmp_path, "first", a, n, repr(zf), accum)
+    mid = torch.load(a, weights_only=True)
+    _run(tmp_path, "second", a, n, repr(zf), accum)
+    _run(tmp_path, "straight", b, n, repr(zf), accum)
+    resumed, straight = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
+    assert resumed["engine"]["global_step"] == 2 * n
+    _assert_equal_tree(resumed, straight)
+    # the second half really trained
+    assert any(not torch.equal(mid["model"][k], resumed["model"][k]) for k in mid["model"])

@@ -1,0 +1,215 @@
+"""A plain, single-threaded reference of the whole ZenFlow schedule, for tests.
+
+It keeps every tensor FULL-size (device moments included: only the selected columns of
+them mean anything), runs the "asynchronous" host step immediately and simply delays
+copying its result to the weights, which is what overlap means for the values:
+
+- the host step of the window ending at step e is applied at the end of the next window
+  (overlap) or at e itself (no overlap); staleness of non-selected columns <= 2S / S;
+- at a reselection (only at a window end) everything pending is applied first, the
+  current window's host step is applied immediately, then ownership moves by index
+  with the moments carried across;
+- warm-up steps update everything: matrices by the host AdamW, the rest on the device;
+- the auto update interval votes per weight (accumulated non-selected mass per column >=
+  mean per-step selected mass per column) and ends the window at auto_ratio, bound 1..64.
+
+It deliberately shares no code with the engine except the host CPU AdamW kernel
+(``host_kernel``, default the ops reference) and the column-score definition.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from zenflow.ops import adamw_step_reference_
+
+
+def _device_adamw(p, g, m, v, step, lr, b1, b2, eps, wd, adamw_mode=True):
+    """torch.optim.AdamW's single-tensor arithmetic, in place."""
+    if wd != 0.0:
+        if adamw_mode:
+            p.mul_(1 - lr * wd)
+        else:
+            g = g.add(p, alpha=wd)
+    m.lerp_(g, 1 - b1)
+    v.mul_(b2).addcmul_(g, g, value=1 - b2)
+    bc1 = 1 - b1**step
+    bc2_sqrt = (1 - b2**step) ** 0.5
+    p.addcdiv_(m, (v.sqrt() / bc2_sqrt).add_(eps), value=-lr / bc1)
+
+
+def _cols(t: torch.Tensor, dim: int, idx: torch.Tensor) -> torch.Tensor:
+    return t.index_select(dim, idx)
+
+
+def _set_cols(t: torch.Tensor, dim: int, idx: torch.Tensor, val: torch.Tensor) -> None:
+    t.index_copy_(dim, idx, val)
+
+
+def run_reference(
+    params: list[torch.Tensor],
+    column_dims: list[int | None],
+    grad_fn: Callable[[int, list[torch.Tensor]], list[torch.Tensor]],
+    attempts: int,
+    *,
+    lr: float,
+    betas=(0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    topk_ratio: float,
+    update_interval: int | None,
+    select_every: int,
+    overlap: bool,
+    warmup_rounds: int = 0,
+    auto_ratio: float = 0.99,
+    clip: float = 0.0,
+    host_kernel=adamw_step_reference_,
+    losses: list[float] | None = None,
+) -> dict:
+    """Run ``attempts`` step attempts; ``grad_fn(i, params)`` gives attempt i's gradients
+    (0-based) for the current weights. Returns the per-step weights and the window log."""
+    b1, b2 = betas
+    P = [p.detach().clone().float() for p in params]
+    zf = [i for i, cd in enumerate(column_dims) if cd is not None]
+    dense = [i for i, cd in enumerate(column_dims) if cd is None]
+    M = {i: P[i].clone() for i in zf}  # host master
+    mh = {i: torch.zeros_like(P[i]) for i in zf}
+    vh = {i: torch.zeros_like(P[i]) for i in zf}
+    th = dict.fromkeys(zf, 0)
+    md = {i: torch.zeros_like(P[i]) for i in range(len(P))}  # device moments (full size)
+    vd = {i: torch.zeros_like(P[i]) for i in range(len(P))}
+    td = dict.fromkeys(range(len(P)), 0)
+    A = {i: torch.zeros_like(P[i]) for i in zf}  # window gradient sum (non-selected cols)
+    sel: dict[int, torch.Tensor] = {}
+    sel_mass = dict.fromkeys(zf, 0.0)
+    nonsel_mass = dict.fromkeys(zf, 0.0)
+    n = 0  # steps in the current window
+    window_start = warmup_rounds + 1
+    pending = False
+    last_select = 0
+    t = 0
+    history, windows, applied = [], [], []
+
+    def k_of(i):
+        n_cols = P[i].shape[column_dims[i]]
+        return max(1, min(n_cols, math.ceil(topk_ratio * n_cols - 1e-9)))
+
+    def nonsel_of(i):
+        mask = torch.ones(P[i].shape[column_dims[i]], dtype=torch.bool)
+        mask[sel[i]] = False
+        return mask.nonzero().flatten()
+
+    def scores(i, g):
+        g = g.float()
+        return (g * g).sum(dim=1 - column_dims[i])
+
+    def apply_host(i):
+        d, ns = column_dims[i], nonsel_of(i)
+        _set_cols(P[i], d, ns, _cols(M[i], d, ns))
+
+    def select(grads):
+        for i in zf:
+            d = column_dims[i]
+            s = scores(i, grads[i])
+            order = torch.sort(s, descending=True, stable=True).indices[: k_of(i)]
+            new = torch.sort(order).values
+            old = sel.get(i, torch.empty(0, dtype=torch.long))
+            leaving = old[~torch.isin(old, new)]
+            entering = new[~torch.isin(new, old)]
+            for dst, src in ((M[i], P[i]), (mh[i], md[i]), (vh[i], vd[i])):
+                _set_cols(dst, d, leaving, _cols(src, d, leaving))
+            for dst, src in ((P[i], M[i]), (md[i], mh[i]), (vd[i], vh[i])):
+                _set_cols(dst, d, entering, _cols(src, d, entering))
+            sel[i] = new
+
+    for attempt in range(attempts):
+        grads = [g.detach().clone().float() for g in grad_fn(attempt, [p.clone() for p in P])]
+        loss = None if losses is None else losses[attempt]
+        total = torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(g, 2.0) for g in grads]), 2.0
+        )
+        if (loss is not None and not math.isfinite(loss)) or not math.isfinite(float(total)):
+            history.append([p.clone() for p in P])
+            continue  # skipped: nothing changes
+        if clip > 0:
+            coef = torch.clamp(clip / (total + 1e-6), max=1.0)
+            grads = [g * coef for g in grads]
+        t += 1
+        for i in dense:
+            td[i] += 1
+            _device_adamw(P[i], grads[i], md[i], vd[i], td[i], lr, b1, b2, eps, weight_decay)
+        if t <= warmup_rounds:
+            for i in zf:
+                td[i] += 1
+                th[i] += 1
+                host_kernel(
+                    M[i], grads[i], mh[i], vh[i], step=th[i], lr=lr, beta1=b1, beta2=b2,
+                    eps=eps, weight_decay=weight_decay, grad_scale=1.0,
+                )  # fmt: skip
+                P[i].copy_(M[i])
+            window_start = t + 1
+            history.append([p.clone() for p in P])
+            continue
+        if not sel:
+            select(grads)
+            last_select = t
+        for i in zf:
+            d = column_dims[i]
+            td[i] += 1
+            c = sel[i]
+            p_c, m_c, v_c = _cols(P[i], d, c), _cols(md[i], d, c), _cols(vd[i], d, c)
+            _device_adamw(
+                p_c, _cols(grads[i], d, c), m_c, v_c, td[i], lr, b1, b2, eps, weight_decay
+            )
+            for dst, src in ((P[i], p_c), (md[i], m_c), (vd[i], v_c)):
+                _set_cols(dst, d, c, src)
+            ns = nonsel_of(i)
+            _set_cols(A[i], d, ns, _cols(A[i], d, ns) + _cols(grads[i], d, ns))
+            if update_interval is None:
+                s = scores(i, grads[i])
+                sel_mass[i] += float(s[c].sum()) / len(c)
+                if len(ns):
+                    nonsel_mass[i] += float(s[ns].sum()) / len(ns)
+        n += 1
+        if update_interval is not None:
+            ends = n >= update_interval
+        elif n >= 64 or not zf:
+            ends = True
+        else:
+            votes = sum(
+                1 for i in zf if len(sel[i]) == P[i].shape[column_dims[i]]
+                or nonsel_mass[i] >= sel_mass[i] / n
+            )  # fmt: skip
+            ends = votes / len(zf) >= auto_ratio
+        if ends:
+            reselect = t - last_select >= select_every
+            if pending:  # the previous window's host result reaches the weights now
+                for i in zf:
+                    apply_host(i)
+                applied.append(t)
+                pending = False
+            for i in zf:
+                th[i] += 1
+                host_kernel(
+                    M[i], A[i], mh[i], vh[i], step=th[i], lr=lr, beta1=b1, beta2=b2,
+                    eps=eps, weight_decay=weight_decay, grad_scale=1.0 / n,
+                )  # fmt: skip
+                A[i].zero_()
+                sel_mass[i] = nonsel_mass[i] = 0.0
+            if overlap and not reselect:
+                pending = True
+            else:
+                for i in zf:
+                    apply_host(i)
+                applied.append(t)
+            windows.append((window_start, t, n))
+            n = 0
+            window_start = t + 1
+            if reselect:
+                select(grads)
+                last_select = t
+        history.append([p.clone() for p in P])
+    return {"history": history, "windows": windows, "applied": applied, "params": P}
