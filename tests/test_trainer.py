@@ -252,7 +252,7 @@ def test_ctrl_c_from_event_checkpoints_and_resumes(
     assert err.resume_command.startswith(
         f"zfctl finetune {tiny_gpt2_dir} --task sst2 --resume {run_dir}"
     )
-    assert "--max-steps 6" in err.resume_command and "--mode device" in err.resume_command
+    assert "--max-steps 6" in err.resume_command and "--engine device" in err.resume_command
     assert "--data-dir" in err.resume_command and "--seq-len 16" in err.resume_command
     assert not (run_dir / "summary.json").exists()
     assert _losses(run_dir) == losses[:4]

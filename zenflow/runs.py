@@ -25,6 +25,7 @@ SUMMARY_FILE = "summary.json"
 METRICS_FILE = "metrics.jsonl"
 HW_FILE = "hw.json"
 CHECKPOINT_DIR = "checkpoints"
+MODEL_DIR = "model"  # the fine-tuned model, Hugging Face format
 _CKPT_RE = re.compile(r"^step-(\d+)\.pt$")
 
 

@@ -347,6 +347,7 @@ class _Run:
             spec.model, task_num_labels=self.task.num_labels, init=spec.init, seed=spec.seed
         )
         self.sources = {**resolved.sources, "data": self.task_data.source}
+        self.tokenizer = resolved.tokenizer
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.model = resolved.model.to(self.device)
         self.params = count_params(self.model)
@@ -362,16 +363,16 @@ class _Run:
         self.eval_batch = 2 * self.micro_batch
 
     # -- checkpoint
-    def save_checkpoint(self, step, epoch, index, rng, wall_s) -> Path:
-        torch = self.torch
-        d = self.run_dir / runs.CHECKPOINT_DIR
-        d.mkdir(exist_ok=True)
-        path = d / f"step-{step:07d}.pt"
-        tmp = d / f".{path.name}.tmp"
-        state = {
+    def checkpoint_state(self, step, epoch, index, rng, wall_s, *, snapshot=False) -> dict:
+        """Everything a resumed run needs; ``snapshot`` clones the model weights so the
+        state stays valid while the model keeps changing (the final flush)."""
+        model_state = self.model.state_dict()
+        if snapshot:
+            model_state = {k: v.detach().clone() for k, v in model_state.items()}
+        return {
             "format": CHECKPOINT_FORMAT,
             "step": step,
-            "model": self.model.state_dict(),
+            "model": model_state,
             "engine": self.engine.state_dict(),
             "position": {"epoch": epoch, "index": index},
             "rng": rng,
@@ -379,7 +380,17 @@ class _Run:
             "wall_s": wall_s,
             "run": _spec_record(self.spec),
         }
-        torch.save(state, tmp)
+
+    def save_checkpoint(self, step, epoch, index, rng, wall_s, *, state=None) -> Path:
+        """Write a checkpoint atomically (temp file + rename); keep the newest few."""
+        if state is None:
+            state = self.checkpoint_state(step, epoch, index, rng, wall_s)
+        state["metrics_lines"] = self.metrics_lines
+        d = self.run_dir / runs.CHECKPOINT_DIR
+        d.mkdir(exist_ok=True)
+        path = d / f"step-{step:07d}.pt"
+        tmp = d / f".{path.name}.tmp"
+        self.torch.save(state, tmp)
         os.replace(tmp, path)
         for old in runs.checkpoints(self.run_dir)[:-KEEP_CHECKPOINTS]:
             old.unlink(missing_ok=True)
@@ -397,6 +408,13 @@ class _Run:
         self.model.load_state_dict(state["model"])
         self.engine.load_state_dict(state["engine"])
         return state
+
+    def save_final_model(self) -> None:
+        """Save the fine-tuned model (and tokenizer) in Hugging Face format under model/."""
+        out = self.run_dir / runs.MODEL_DIR
+        self.model.save_pretrained(out)
+        if self.tokenizer is not None:
+            self.tokenizer.save_pretrained(out)
 
     # -- eval
     def evaluate(self, step: int) -> dict:
@@ -710,12 +728,18 @@ class _Run:
                         self.save_checkpoint(step, epoch, index, boundary["rng"], session_wall())
                     if sigint.requested:
                         raise KeyboardInterrupt
-                if self.last_eval is None or self.last_eval["step"] != step:
-                    self.evaluate(step)
-                if self.last_checkpoint is None or not self.last_checkpoint.name.endswith(
-                    f"{step:07d}.pt"
-                ):
-                    self.save_checkpoint(step, epoch, index, boundary["rng"], session_wall())
+                # The final checkpoint holds the engine exactly as an uninterrupted longer run
+                # would have it (host work possibly in flight), so `--resume` with more steps
+                # continues bit for bit; it is captured before the flush. The flush applies
+                # what is still in a host window, so the final weights (evaluated and saved)
+                # include every gradient.
+                final_state = self.checkpoint_state(
+                    step, epoch, index, boundary["rng"], session_wall(), snapshot=True
+                )
+                self.engine.flush()
+                self.evaluate(step)
+                self.save_checkpoint(step, epoch, index, None, 0.0, state=final_state)
+                self.save_final_model()
         except KeyboardInterrupt:
             return self._interrupted(boundary, in_engine_step, session_wall())
         summary = self.summary(session_wall(), "finished")
