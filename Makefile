@@ -6,7 +6,7 @@ export HF_DATASETS_OFFLINE ?= 1
 # GLUE data: GLUE_DIR if set, else the project's shared copy beside the clone.
 GLUE_DIR ?= $(abspath $(wildcard ../shared/data/glue))
 export GLUE_DIR
-DEMO_STEPS ?= 40
+DEMO_STEPS ?= 30
 PYTEST_ARGS ?=
 
 .PHONY: setup demo test lint bench-cpu-adam bench-engine
@@ -20,7 +20,7 @@ demo: setup
 	@if [ -n "$(GLUE_DIR)" ] && [ -f "$(GLUE_DIR)/sst2/train.tsv" ]; then \
 	  data="--data-dir $(GLUE_DIR)"; else data="--sample-data"; fi; \
 	.venv/bin/zfctl finetune gpt2 --task sst2 --init random $$data \
-	  --max-steps $(DEMO_STEPS) --micro-batch 8 --seq-len 32 --eval-every 20 && \
+	  --max-steps $(DEMO_STEPS) --micro-batch 8 --seq-len 32 --eval-every 15 --max-eval-samples 256 && \
 	.venv/bin/zfctl report
 
 lint: setup

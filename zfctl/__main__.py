@@ -1,0 +1,3 @@
+from zfctl.app import main
+
+main()

@@ -1,0 +1,328 @@
+"""Pure rendering of fine-tuning progress: plain data in, Rich renderables or text out.
+
+``DashboardState`` folds the trainer's events into what is shown; the render functions
+never touch the engine, the clock or the terminal (finetune.py owns the Live loop).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Group
+from rich.markup import escape
+from rich.panel import Panel
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+
+WINDOW = 20  # steps in the running means
+TIME_PARTS = ("forward_ms", "backward_ms", "device_opt_ms", "stall_ms")
+
+
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"
+
+
+def fmt_duration(seconds: float | None) -> str:
+    if seconds is None or not math.isfinite(seconds):
+        return "-"
+    seconds = int(round(seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+def fmt_num(x: float | None, spec: str = ".4g") -> str:
+    return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
+
+
+@dataclass
+class DashboardState:
+    """Everything the dashboard shows, updated from trainer events (``apply``)."""
+
+    header: dict = field(default_factory=dict)
+    step: int = 0
+    total_steps: int = 0
+    progress: float = 0.0
+    eta_s: float | None = None
+    epoch: float = 0.0
+    loss: float | None = None
+    lr: float | None = None
+    recent: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # step dicts
+    host_updates: int = 0
+    selection_changed: int = 0
+    skipped: int = 0
+    last_window: int = 0
+    evals: list = field(default_factory=list)  # (step, metrics)
+    checkpoint: str | None = None
+    summary: dict | None = None
+
+    def apply(self, event: Any) -> None:
+        kind = type(event).__name__
+        if kind == "RunStarted":
+            self.header = dict(event.header)
+            self.total_steps = int(self.header.get("total_steps") or 0)
+            self.step = int(self.header.get("start_step") or 0)
+        elif kind == "StepEvent":
+            s = event.stats
+            row = s.to_dict()
+            row["samples_per_s"] = event.samples_per_s
+            row["tokens_per_s"] = event.tokens_per_s
+            self.recent.append(row)
+            self.step, self.total_steps = s.step, event.total_steps
+            self.progress, self.eta_s, self.epoch = event.progress, event.eta_s, event.epoch
+            self.loss, self.lr = s.loss, s.lr
+            self.host_updates += int(bool(s.host_update))
+            self.selection_changed += int(s.selection_changed)
+            self.skipped += int(bool(s.skipped))
+            if s.window_len:
+                self.last_window = s.window_len
+        elif kind == "EvalEvent":
+            self.evals.append((event.step, dict(event.metrics)))
+        elif kind == "CheckpointSaved":
+            self.checkpoint = str(event.path)
+        elif kind == "RunFinished":
+            self.summary = dict(event.summary)
+
+    def mean(self, key: str) -> float | None:
+        vals = [r[key] for r in self.recent if isinstance(r.get(key), (int, float))]
+        vals = [v for v in vals if math.isfinite(v)]
+        return sum(vals) / len(vals) if vals else None
+
+    def step_total_ms(self) -> float | None:
+        """Mean wall time of one step: forward + backward + the engine's step."""
+        parts = [self.mean("forward_ms"), self.mean("backward_ms"), self.mean("step_ms")]
+        return None if any(p is None for p in parts) else sum(parts)
+
+    def bytes_per_step(self) -> float | None:
+        d2h, h2d = self.mean("d2h_bytes"), self.mean("h2d_bytes")
+        return None if d2h is None or h2d is None else d2h + h2d
+
+
+def _metric_text(metrics: dict, names: list[str]) -> str:
+    shown = [f"{k} {metrics[k]:.4f}" for k in names if isinstance(metrics.get(k), (int, float))]
+    return ", ".join(shown) or "-"
+
+
+def render_header(header: dict) -> Panel:
+    """Model, task, sources, engine and the resolved config."""
+    t = Table.grid(padding=(0, 2))
+    t.add_column(style="bold cyan", no_wrap=True)
+    t.add_column()
+    t.add_row(
+        "model",
+        escape(
+            f"{header.get('model')} ({header.get('params', 0) / 1e6:.1f}M params, "
+            f"init {header.get('init')})"
+        ),
+    )
+    t.add_row(
+        "task",
+        escape(
+            f"{header.get('task')}: {header.get('train_examples')} train / "
+            f"{header.get('eval_examples')} eval examples"
+        ),
+    )
+    for name, src in (header.get("sources") or {}).items():
+        t.add_row(f"{name} source", escape(str(src)))
+    resolved = header.get("engine_resolved") or {}
+    t.add_row(
+        "engine",
+        escape(
+            f"{header.get('engine_mode')} on {header.get('device')}, "
+            f"host kernel {resolved.get('host_kernel', '-')}"
+        ),
+    )
+    zf = header.get("zenflow")
+    if zf and header.get("engine_mode") == "zenflow":
+        t.add_row(
+            "zenflow",
+            escape(
+                f"topk {zf.get('topk_ratio')}, update_interval {zf.get('update_interval')}, "
+                f"select {zf.get('select_strategy')}/{zf.get('select_interval')}, "
+                f"overlap {zf.get('overlap_step')}, warm-up {zf.get('full_warm_up_rounds')}"
+            ),
+        )
+    t.add_row(
+        "batch",
+        escape(
+            f"micro {header.get('micro_batch')} x accum {header.get('gradient_accumulation_steps')}"
+            f", seq {header.get('seq_len')}, {header.get('steps_per_epoch')} steps/epoch, "
+            f"lr {header.get('lr')} ({header.get('scheduler') or 'constant'}), "
+            f"bf16 {header.get('bf16')}"
+        ),
+    )
+    t.add_row("run dir", escape(str(header.get("run_dir"))))
+    if header.get("resumed_from"):
+        t.add_row("resumed", escape(str(header["resumed_from"])))
+    return Panel(t, title="zfctl finetune", border_style="cyan")
+
+
+def render_step(state: DashboardState) -> Table:
+    """The live numbers: loss, time split, stall, throughput, traffic, windows, eval."""
+    t = Table(show_header=False, box=None, padding=(0, 2))
+    t.add_column(style="bold", no_wrap=True)
+    t.add_column()
+    total = state.step_total_ms()
+    t.add_row(
+        "loss",
+        f"{fmt_num(state.loss, '.4f')} (mean of last {len(state.recent)}: "
+        f"{fmt_num(state.mean('loss'), '.4f')})   lr {fmt_num(state.lr, '.3g')}",
+    )
+    parts = {p: state.mean(p) for p in TIME_PARTS}
+    split = "  ".join(f"{p[:-3].replace('_', ' ')} {fmt_num(v, '.1f')}" for p, v in parts.items())
+    t.add_row("step ms", f"{fmt_num(total, '.1f')}  =  {split}")
+    stall = parts["stall_ms"]
+    stall_pct = 100 * stall / total if stall is not None and total else None
+    t.add_row("stall", f"{fmt_num(stall_pct, '.1f')} % of step time")
+    t.add_row(
+        "throughput",
+        f"{fmt_num(state.mean('samples_per_s'), '.1f')} samples/s, "
+        f"{fmt_num(state.mean('tokens_per_s'), '.0f')} tokens/s",
+    )
+    bps = state.bytes_per_step()
+    model_bytes = state.header.get("model_bytes") or 0
+    x_model = f"{bps / model_bytes:.2f}x model" if bps is not None and model_bytes else "-"
+    t.add_row(
+        "traffic",
+        f"{fmt_bytes(bps)} per step ({x_model}; d2h "
+        f"{fmt_bytes(state.mean('d2h_bytes'))}, h2d "
+        f"{fmt_bytes(state.mean('h2d_bytes'))})",
+    )
+    t.add_row(
+        "windows",
+        f"last length {state.last_window or '-'}, host updates "
+        f"{state.host_updates}, columns moved {state.selection_changed}, "
+        f"skipped steps {state.skipped}",
+    )
+    if state.evals:
+        step, metrics = state.evals[-1]
+        names = list(state.header.get("metrics") or []) + ["eval_loss"]
+        t.add_row("eval", f"step {step}: {_metric_text(metrics, names)}")
+    else:
+        t.add_row("eval", "-")
+    return t
+
+
+def render_progress(state: DashboardState) -> Table:
+    t = Table.grid(padding=(0, 1))
+    t.add_column(width=40)
+    t.add_column()
+    t.add_row(
+        ProgressBar(total=max(state.total_steps, 1), completed=state.step, width=40),
+        f"step {state.step}/{state.total_steps}  epoch {state.epoch:.2f}  "
+        f"ETA {fmt_duration(state.eta_s)}",
+    )
+    return t
+
+
+def render_dashboard(state: DashboardState) -> Group:
+    return Group(render_header(state.header), render_progress(state), render_step(state))
+
+
+def format_plain_line(state: DashboardState) -> str:
+    """One line per reported step when stdout is not a terminal."""
+    total = state.step_total_ms()
+    stall = state.mean("stall_ms")
+    stall_pct = 100 * stall / total if stall is not None and total else None
+    return (
+        f"step {state.step}/{state.total_steps} loss {fmt_num(state.loss, '.4f')} "
+        f"lr {fmt_num(state.lr, '.3g')} step_ms {fmt_num(total, '.1f')} "
+        f"(fwd {fmt_num(state.mean('forward_ms'), '.1f')} "
+        f"bwd {fmt_num(state.mean('backward_ms'), '.1f')} "
+        f"opt {fmt_num(state.mean('device_opt_ms'), '.1f')} "
+        f"stall {fmt_num(stall, '.1f')}) stall {fmt_num(stall_pct, '.1f')}% "
+        f"samples/s {fmt_num(state.mean('samples_per_s'), '.1f')} "
+        f"bytes/step {fmt_bytes(state.bytes_per_step())} "
+        f"host_updates {state.host_updates} ETA {fmt_duration(state.eta_s)}"
+    )
+
+
+def format_plain_header(header: dict) -> list[str]:
+    zf = header.get("zenflow") or {}
+    lines = [
+        f"model {header.get('model')} ({header.get('params', 0) / 1e6:.1f}M params, "
+        f"init {header.get('init')}), task {header.get('task')}, "
+        f"engine {header.get('engine_mode')} on {header.get('device')}",
+    ]
+    lines += [f"{k} source: {v}" for k, v in (header.get("sources") or {}).items()]
+    if zf and header.get("engine_mode") == "zenflow":
+        lines.append("zenflow: " + ", ".join(f"{k}={v}" for k, v in zf.items()))
+    lines.append(f"run dir: {header.get('run_dir')}")
+    return lines
+
+
+def render_summary(summary: dict) -> Table:
+    t = Table(title="run summary", show_header=False)
+    t.add_column(style="bold")
+    t.add_column()
+    timing = summary.get("timing_ms_mean") or {}
+    t.add_row("steps", f"{summary.get('steps')} ({summary.get('status')})")
+    t.add_row("final loss", fmt_num(summary.get("final_loss"), ".4f"))
+    validation = summary.get("validation") or {}
+    t.add_row("validation", ", ".join(f"{k} {v:.4f}" for k, v in validation.items()) or "-")
+    t.add_row("mean step ms", fmt_num(timing.get("wall_ms"), ".1f"))
+    t.add_row("stall", f"{fmt_num(100 * (summary.get('stall_fraction') or 0), '.1f')} %")
+    t.add_row(
+        "bytes/step",
+        f"{fmt_bytes(summary.get('bytes_per_step'))} "
+        f"({fmt_num(summary.get('bytes_per_step_x_model'), '.2f')}x model)",
+    )
+    t.add_row("samples/s", fmt_num(summary.get("samples_per_s"), ".1f"))
+    t.add_row("wall time", fmt_duration(summary.get("wall_s")))
+    t.add_row("run dir", escape(str(summary.get("run_dir"))))
+    return t
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def event_to_json(event: Any) -> str:
+    """One JSON object per event for ``--json``: {"event": name, ...fields}."""
+    kind = type(event).__name__
+    if kind == "StepEvent":
+        body = {
+            **event.stats.to_dict(),
+            **{
+                k: getattr(event, k)
+                for k in (
+                    "samples_per_s",
+                    "tokens_per_s",
+                    "progress",
+                    "eta_s",
+                    "epoch",
+                    "total_steps",
+                )
+            },
+        }
+    elif kind == "RunInterrupted":
+        body = {
+            "step": event.step,
+            "checkpoint": event.checkpoint,
+            "resume_command": event.resume_command,
+        }
+    elif dataclasses.is_dataclass(event):
+        body = {f.name: getattr(event, f.name) for f in dataclasses.fields(event)}
+    else:
+        body = {"value": str(event)}
+    return json.dumps({"event": kind, **_jsonable(body)}, default=str)

@@ -1,0 +1,227 @@
+"""`zfctl finetune MODEL --task TASK`: parse, call zenflow.trainer, render its events.
+
+Three renderers of the same events: a Rich Live dashboard on a terminal, plain lines
+every ``steps_per_print`` steps otherwise, one JSON object per event with ``--json``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from zfctl.dashboard import (
+    DashboardState,
+    event_to_json,
+    format_plain_header,
+    format_plain_line,
+    render_dashboard,
+    render_summary,
+)
+from zfctl.errors import EXIT_INTERRUPTED, err_console, user_error
+
+ENGINES = ("zenflow", "offload", "device")
+INITS = ("pretrained", "random")
+
+
+def _choice(flag: str, value: str, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise user_error(f"{flag} {value!r} is not allowed; choose one of {', '.join(allowed)}.")
+    return value
+
+
+def _positive(flag: str, value: float | None) -> None:
+    if value is not None and value <= 0:
+        raise user_error(f"{flag} must be positive, got {value}.")
+
+
+def finetune(
+    model: Annotated[
+        str, typer.Argument(help="Hugging Face model id (cache or hub) or a local directory.")
+    ],
+    task: Annotated[str, typer.Option("--task", help="GLUE task, e.g. sst2.")],
+    config: Annotated[
+        Path | None,
+        typer.Option(help="DeepSpeed JSON config (default: templates/zenflow.json)."),
+    ] = None,
+    init: Annotated[
+        str,
+        typer.Option(help="pretrained (load weights) or random (the architecture, on purpose)."),
+    ] = "pretrained",
+    data_dir: Annotated[
+        Path | None,
+        typer.Option(envvar="GLUE_DIR", help="GLUE folder holding <task>/train.tsv and dev.tsv."),
+    ] = None,
+    sample_data: Annotated[
+        bool,
+        typer.Option(
+            help="Use a small synthetic SST-2-format sample written by zfctl instead of "
+            "--data-dir/GLUE_DIR (offline demo without GLUE data)."
+        ),
+    ] = False,
+    max_steps: Annotated[int | None, typer.Option(min=1, help="Stop after N steps.")] = None,
+    epochs: Annotated[float | None, typer.Option(help="Stop after N epochs.")] = None,
+    micro_batch: Annotated[int | None, typer.Option(min=1, help="Micro-batch size.")] = None,
+    seq_len: Annotated[int, typer.Option(min=2, help="Tokens per example.")] = 128,
+    lr: Annotated[float | None, typer.Option(help="Peak learning rate.")] = None,
+    seed: Annotated[int, typer.Option(help="Random seed (init, data order, dropout).")] = 42,
+    run_dir: Annotated[Path | None, typer.Option(help="Run directory (default: new).")] = None,
+    runs_root: Annotated[Path, typer.Option(help="Where new run directories go.")] = Path("runs"),
+    resume: Annotated[
+        str | None, typer.Option(help="auto (latest run of MODEL and TASK) or a run directory.")
+    ] = None,
+    eval_every: Annotated[
+        int | None, typer.Option(min=1, help="Also evaluate every N steps.")
+    ] = None,
+    max_eval_samples: Annotated[
+        int | None, typer.Option(min=1, help="Evaluate on the first N validation rows.")
+    ] = None,
+    checkpoint_every: Annotated[
+        int | None, typer.Option(min=1, help="Also checkpoint every N steps.")
+    ] = None,
+    engine: Annotated[str, typer.Option(help="zenflow, offload (ZeRO-Offload) or device.")] = (
+        "zenflow"
+    ),
+    set_: Annotated[
+        list[str] | None,
+        typer.Option("--set", help="Override a config key: dotted.json.path=value."),
+    ] = None,
+    hw_json: Annotated[
+        Path | None, typer.Option(help="tune-hw result saved with the run (default ./hw.json).")
+    ] = None,
+    no_dashboard: Annotated[
+        bool, typer.Option("--no-dashboard", help="Plain progress lines, no live dashboard.")
+    ] = False,
+    json_output: Annotated[
+        bool, typer.Option("--json", help="One JSON object per step/event on stdout.")
+    ] = False,
+) -> None:
+    """Fine-tune MODEL on a GLUE task with the ZenFlow engine (or a comparison engine)."""
+    from zenflow.config import load_config, parse_set_args
+    from zenflow.trainer import RunInterrupted, RunSpec, run_finetune
+    from zfctl.init_cmd import template_path
+
+    _choice("--engine", engine, ENGINES)
+    _choice("--init", init, INITS)
+    _positive("--epochs", epochs)
+    _positive("--lr", lr)
+    if config is not None and not config.is_file():
+        raise user_error(
+            f"--config {config}: no such file; write one with `zfctl init --output {config}`."
+        )
+    cfg = load_config(config or template_path("zenflow"), overrides=parse_set_args(set_ or []))
+    out = Console(highlight=False)
+    if sample_data:
+        if task != "sst2":
+            raise user_error(f"--sample-data provides SST-2 only, not {task!r}; pass --data-dir.")
+        from zenflow.data import write_sst2_sample
+
+        data_dir = write_sst2_sample(Path(runs_root) / ".sample-data")
+        if not json_output:
+            out.print(
+                "[yellow]note:[/] using a synthetic SST-2-format sample written by zfctl "
+                f"({escape(str(data_dir))}), not GLUE data."
+            )
+    if cfg.ignored and not json_output:
+        out.print(
+            "[yellow]note:[/] config keys not used by the zenflow engine: "
+            + escape(", ".join(cfg.ignored))
+        )
+    spec = RunSpec(
+        model=model, task=task, config=cfg, init=init,
+        data_dir=str(data_dir) if data_dir is not None else None, engine_mode=engine,
+        max_steps=max_steps, epochs=epochs, micro_batch=micro_batch, seq_len=seq_len, lr=lr,
+        seed=seed, run_dir=run_dir, runs_root=runs_root, resume=resume, eval_every=eval_every,
+        max_eval_samples=max_eval_samples, hw_json=hw_json, checkpoint_every=checkpoint_every,
+    )  # fmt: skip
+    if json_output:
+        renderer = _JsonRenderer()
+    elif out.is_terminal and not no_dashboard:
+        renderer = _LiveRenderer(out)
+    else:
+        renderer = _PlainRenderer(cfg.steps_per_print or 10)
+    try:
+        with renderer:
+            summary = run_finetune(spec, renderer)
+    except RunInterrupted as exc:
+        console = err_console()
+        console.print(f"[yellow]interrupted after step {exc.step}[/]")
+        if exc.resume_command:
+            console.print(f"checkpoint: {escape(str(exc.checkpoint))}")
+            console.print(f"resume with: [bold]{escape(exc.resume_command)}[/]")
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+    if not json_output:
+        out.print(render_summary(summary))
+        out.print(f"report: zfctl report {escape(summary['run_dir'])}")
+
+
+class _JsonRenderer:
+    """One JSON object per event on stdout, nothing else."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def __call__(self, event) -> None:
+        sys.stdout.write(event_to_json(event) + "\n")
+        sys.stdout.flush()
+
+
+class _PlainRenderer:
+    """Plain lines (not a terminal): the header, every ``every`` steps, evals, the end."""
+
+    def __init__(self, every: int):
+        self.every = max(1, int(every))
+        self.state = DashboardState()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def __call__(self, event) -> None:
+        self.state.apply(event)
+        kind = type(event).__name__
+        if kind == "RunStarted":
+            for line in format_plain_header(self.state.header):
+                print(line, flush=True)
+        elif kind == "StepEvent":
+            s = self.state
+            if s.step % self.every == 0 or s.step == s.total_steps or s.step == 1:
+                print(format_plain_line(s), flush=True)
+        elif kind == "EvalEvent":
+            metrics = ", ".join(
+                f"{k} {v:.4f}" for k, v in event.metrics.items() if isinstance(v, float)
+            )
+            print(f"eval at step {event.step}: {metrics}", flush=True)
+
+
+class _LiveRenderer:
+    """Rich Live dashboard: render_dashboard(state) after every event."""
+
+    def __init__(self, console: Console):
+        from rich.live import Live
+
+        self.state = DashboardState()
+        self.live = Live(console=console, refresh_per_second=4, transient=False)
+
+    def __enter__(self):
+        self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.live.__exit__(*exc)
+
+    def __call__(self, event) -> None:
+        self.state.apply(event)
+        if self.state.header:
+            self.live.update(
+                render_dashboard(self.state), refresh=type(event).__name__ != "StepEvent"
+            )
