@@ -58,3 +58,19 @@ def tiny_gpt2_dir(tmp_path_factory) -> Path:
     tok.pad_token = tok.eos_token
     tok.save_pretrained(d)
     return d
+
+
+@pytest.fixture
+def cli(monkeypatch):
+    """``cli(*args)`` runs ``zfctl *args`` in-process; a wide terminal so Rich does not wrap."""
+    from typer.testing import CliRunner
+
+    from zfctl.app import app
+
+    monkeypatch.setenv("COLUMNS", "200")
+    runner = CliRunner()
+
+    def invoke(*args, input: str | None = None):
+        return runner.invoke(app, [str(a) for a in args], input=input)
+
+    return invoke
