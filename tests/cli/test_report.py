@@ -1,0 +1,405 @@
+"""`zfctl report` on synthetic run directories: chosen runs, numbers, comparison, plot, errors."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from clihelp import assert_user_error
+
+from zenflow.runs import write_json_atomic
+from zfctl.report import compare, run_report
+
+MICRO_BATCH, GAS, SEQ_LEN = 8, 2, 64
+MODEL_BYTES = 4 * 2**20
+MiB = 2**20
+
+
+def step_line(step: int, wall_ms: float, loss: float | None = None) -> dict:
+    """A step line as the trainer writes it; the parts are fixed fractions of wall_ms."""
+    return {
+        "type": "step",
+        "step": step,
+        "lr": 2e-5,
+        "loss": 1.0 / step if loss is None else loss,
+        "wall_ms": wall_ms,
+        "step_ms": 0.25 * wall_ms,
+        "forward_ms": 0.3 * wall_ms,
+        "backward_ms": 0.4 * wall_ms,
+        "device_opt_ms": 0.1 * wall_ms,
+        "stall_ms": 0.05 * wall_ms,
+        "transfer_ms": 0.02 * wall_ms,
+        "d2h_bytes": 3 * MiB,
+        "h2d_bytes": 1 * MiB,
+        "host_update": step % 2 == 0,
+        "window_len": 2 if step % 2 == 0 else 0,
+        "selection_changed": 1 if step == 1 else 0,
+        "skipped": False,
+        "mode": "zenflow",
+        "epoch": step / 100,
+    }
+
+
+def eval_line(step: int, accuracy: float) -> dict:
+    return {
+        "type": "eval",
+        "step": step,
+        "accuracy": accuracy,
+        "eval_loss": 0.5,
+        "eval_samples": 32,
+    }
+
+
+def make_run(
+    root: Path,
+    name: str,
+    walls: list[float],
+    *,
+    model: str = "gpt2",
+    engine_mode: str = "zenflow",
+    accuracy: float | None = 0.875,
+    finished: bool = True,
+    checkpoint_step: int | None = None,
+    lines: list[dict] | None = None,
+) -> Path:
+    """A run directory like `zfctl finetune` leaves: config.json, metrics.jsonl and, when
+    ``finished``, a summary.json with the numbers the trainer computes from those lines."""
+    run_dir = root / name
+    run_dir.mkdir(parents=True)
+    zenflow = {"topk_ratio": 0.1, "update_interval": 4, "select_strategy": "epoch"}
+    zenflow |= {"select_interval": 1, "overlap_step": True, "full_warm_up_rounds": 0}
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        "gradient_accumulation_steps": GAS,
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": False},
+        "optimizer": {"type": "AdamW", "params": {"lr": 2e-5, "weight_decay": 0.01}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 2}},
+        "zero_optimization": {"stage": 2, "zenflow": zenflow},
+        "run": {
+            "model": model,
+            "task": "sst2",
+            "engine_mode": engine_mode,
+            "micro_batch": MICRO_BATCH,
+            "seq_len": SEQ_LEN,
+            "max_steps": len(walls),
+            "config_source": "ds_config.json",
+        },
+        "sources": {"model": f"hub cache: {model}", "tokenizer": "hub cache", "data": "glue"},
+    }
+    write_json_atomic(run_dir / "config.json", config)
+    if lines is None:
+        lines = [step_line(i + 1, w) for i, w in enumerate(walls)]
+        if accuracy is not None:
+            lines.append(eval_line(len(walls), accuracy))
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    if checkpoint_step is not None:
+        (run_dir / "checkpoints").mkdir()
+        (run_dir / "checkpoints" / f"step-{checkpoint_step:07d}.pt").write_bytes(b"")
+    if finished:
+        write_json_atomic(run_dir / "summary.json", summary_for(run_dir, walls, accuracy, config))
+    return run_dir
+
+
+def summary_for(run_dir: Path, walls: list[float], accuracy: float | None, config: dict) -> dict:
+    n = len(walls)
+    mean_wall = sum(walls) / n
+    samples = n * MICRO_BATCH * GAS
+    train_s = sum(walls) / 1e3
+    timing = {
+        "wall_ms": mean_wall,
+        "step_ms": 0.25 * mean_wall,
+        "forward_ms": 0.3 * mean_wall,
+        "backward_ms": 0.4 * mean_wall,
+        "device_opt_ms": 0.1 * mean_wall,
+        "stall_ms": 0.05 * mean_wall,
+        "transfer_ms": 0.02 * mean_wall,
+    }
+    last_eval = eval_line(n, accuracy) if accuracy is not None else None
+    if last_eval:
+        last_eval.pop("type")
+    return {
+        "status": "finished",
+        "run_dir": str(run_dir),
+        "model": config["run"]["model"],
+        "task": "sst2",
+        "engine_mode": config["run"]["engine_mode"],
+        "steps": n,
+        "total_steps": n,
+        "epochs": n / 100,
+        "final_loss": 1.0 / n,
+        "final_loss_mean_last_10": sum(1.0 / (i + 1) for i in range(n)[-10:]) / len(walls[-10:]),
+        "eval": last_eval,
+        "validation": {"accuracy": accuracy} if last_eval else None,
+        "validation_accuracy": accuracy,
+        "non_finite_steps": 0,
+        "timing_ms_mean": timing,
+        "stall_fraction": 0.05,
+        "d2h_bytes_total": n * 3 * MiB,
+        "h2d_bytes_total": n * MiB,
+        "bytes_per_step": 4 * MiB,
+        "bytes_per_step_x_model": 4 * MiB / MODEL_BYTES,
+        "host_updates": n // 2,
+        "mean_window_len": 2.0,
+        "selection_changes": 1,
+        "samples": samples,
+        "tokens": samples * SEQ_LEN,
+        "train_s": train_s,
+        "samples_per_s": samples / train_s,
+        "tokens_per_s": samples * SEQ_LEN / train_s,
+        "wall_s": train_s + 5.0,
+        "model_bytes": MODEL_BYTES,
+        "params": MODEL_BYTES // 4,
+        "sources": config["sources"],
+        "config": {
+            "source": "ds_config.json",
+            "lr": 2e-5,
+            "optimizer": "AdamW",
+            "weight_decay": 0.01,
+            "scheduler": "WarmupLR",
+            "micro_batch": MICRO_BATCH,
+            "gradient_accumulation_steps": GAS,
+            "seq_len": SEQ_LEN,
+            "gradient_clipping": 1.0,
+            "bf16": False,
+            "zenflow": config["zero_optimization"]["zenflow"],
+            "engine_resolved": {"host_kernel": "native"},
+        },
+        "checkpoint": str(run_dir / "checkpoints" / f"step-{n:07d}.pt"),
+    }
+
+
+def run_json(cli, *args) -> dict:
+    result = cli("report", "--json", *args)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)  # stdout is exactly one JSON document
+
+
+# ---------------------------------------------------------------------------- choosing runs
+
+
+def test_default_is_the_latest_run(cli, tmp_path):
+    root = tmp_path / "runs"
+    make_run(root, "20240101-120000-gpt2-sst2", [100.0] * 4)
+    newest = make_run(root, "20240102-090000-opt-sst2", [50.0] * 4, model="opt")
+    make_run(root, "not-a-run-dir", [10.0])  # no config.json -> ignored by latest_run
+    (root / "not-a-run-dir" / "config.json").unlink()
+    doc = run_json(cli, "--runs-root", root)
+    assert [r["run_dir"] for r in doc["runs"]] == [str(newest)]
+    assert doc["runs"][0]["model"] == "opt"
+    assert "comparison" not in doc
+
+
+def test_run_name_under_runs_root_and_file_inside_run(cli, tmp_path, monkeypatch):
+    root = tmp_path / "runs"
+    run = make_run(root, "20240101-120000-gpt2-sst2", [100.0] * 3)
+    monkeypatch.chdir(tmp_path)
+    doc = run_json(cli, "--runs-root", "runs", "20240101-120000-gpt2-sst2")
+    assert Path(doc["runs"][0]["run_dir"]).resolve() == run.resolve()
+    doc = run_json(cli, str(run / "summary.json"))
+    assert doc["runs"][0]["run_dir"] == str(run)
+
+
+# ---------------------------------------------------------------------------- numbers
+
+
+def test_json_fields_equal_the_summary(cli, tmp_path):
+    run = make_run(tmp_path, "20240101-120000-gpt2-sst2", [200.0, 220.0, 180.0, 200.0])
+    summary = json.loads((run / "summary.json").read_text())
+    (r,) = run_json(cli, run)["runs"]
+    assert r["status"] == "finished" and r["has_summary"] is True
+    for key in (
+        "model", "task", "engine_mode", "steps", "final_loss", "validation",
+        "validation_accuracy", "timing_ms_mean", "stall_fraction", "bytes_per_step",
+        "bytes_per_step_x_model", "samples_per_s", "tokens_per_s", "wall_s", "train_s",
+        "host_updates", "mean_window_len", "selection_changes", "sources", "checkpoint",
+    ):  # fmt: skip
+        assert r[key] == summary[key], key
+    assert r["timing_ms_mean"]["wall_ms"] == pytest.approx(200.0)
+    assert r["validation_accuracy"] == 0.875
+    assert r["eval_loss"] == 0.5 and r["eval_step"] == 4
+    assert r["config"]["lr"] == 2e-5 and r["config"]["micro_batch"] == MICRO_BATCH
+    assert r["config"]["zenflow"]["topk_ratio"] == 0.1
+    assert r["resume_command"] is None
+
+
+def test_comparison_speedup_against_the_first_run(cli, tmp_path):
+    a = make_run(tmp_path, "20240101-120000-gpt2-sst2", [200.0] * 5, engine_mode="offload")
+    b = make_run(tmp_path, "20240101-130000-gpt2-sst2", [100.0] * 5)
+    doc = run_json(cli, a, b)
+    assert [r["run_dir"] for r in doc["runs"]] == [str(a), str(b)]
+    first, second = doc["comparison"]
+    assert first["speedup_vs_first"] == 1.0 and first["samples_per_s_vs_first"] == 1.0
+    assert second["speedup_vs_first"] == pytest.approx(2.0)
+    assert second["samples_per_s_vs_first"] == pytest.approx(2.0)
+    assert second["mean_wall_ms"] == 100.0 and second["mean_stall_ms"] == pytest.approx(5.0)
+    assert (first["engine_mode"], second["engine_mode"]) == ("offload", "zenflow")
+    # Reversed order: the speed-up is relative to whichever run comes first.
+    assert compare([run_report_of(b), run_report_of(a)])[1]["speedup_vs_first"] == 0.5
+
+    table = cli("report", a, b)
+    assert table.exit_code == 0, table.output
+    assert "comparison" in table.stdout and "speed-up vs first" in table.stdout
+    assert "2.00x" in table.stdout and "1.00x" in table.stdout
+
+
+def run_report_of(run_dir: Path) -> dict:
+    from zenflow.runs import read_run
+
+    return run_report(read_run(run_dir))
+
+
+def test_unfinished_run_is_computed_from_metrics(cli, tmp_path):
+    walls = [100.0, 200.0, 300.0, 400.0]
+    run = make_run(tmp_path, "20240101-120000-gpt2-sst2", walls, finished=False, accuracy=0.75)
+    (r,) = run_json(cli, run)["runs"]
+    assert r["status"] == "unfinished" and r["has_summary"] is False
+    assert r["steps"] == 4 and r["total_steps"] == 4
+    assert r["timing_ms_mean"]["wall_ms"] == pytest.approx(250.0)
+    assert r["timing_ms_mean"]["stall_ms"] == pytest.approx(12.5)
+    assert r["stall_fraction"] == pytest.approx(0.05)
+    assert r["bytes_per_step"] == 4 * MiB
+    assert r["bytes_per_step_x_model"] is None  # the model size is only in summary.json
+    samples = 4 * MICRO_BATCH * GAS
+    assert r["samples"] == samples
+    assert r["samples_per_s"] == pytest.approx(samples / 1.0)  # 1000 ms of steps in all
+    assert r["tokens_per_s"] == pytest.approx(samples * SEQ_LEN)
+    assert r["final_loss"] == 0.25 and r["validation"] == {"accuracy": 0.75}
+    assert r["host_updates"] == 2 and r["mean_window_len"] == 2.0
+    assert r["config"]["lr"] == 2e-5 and r["config"]["seq_len"] == SEQ_LEN
+    assert r["checkpoint"] is None and r["resume_command"] is None
+
+    # The finished run's summary says the same as the computation from its lines.
+    done = make_run(tmp_path, "20240101-130000-gpt2-sst2", walls, accuracy=0.75)
+    summary = json.loads((done / "summary.json").read_text())
+    for key in ("timing_ms_mean", "stall_fraction", "bytes_per_step", "samples_per_s"):
+        assert r[key] == pytest.approx(summary[key]), key
+
+
+def test_interrupted_run_names_its_checkpoint(cli, tmp_path):
+    run = make_run(
+        tmp_path, "20240101-120000-gpt2-sst2", [100.0] * 3, finished=False, checkpoint_step=2
+    )
+    (r,) = run_json(cli, run)["runs"]
+    assert r["status"] == "interrupted" and r["checkpoint_step"] == 2
+    assert r["checkpoint"].endswith("step-0000002.pt")
+    assert r["resume_command"] == (
+        f"zfctl finetune gpt2 --task sst2 --resume {run} --config ds_config.json"
+    )
+    table = cli("report", run)
+    assert table.exit_code == 0, table.output
+    assert "interrupted (no summary.json; checkpoint at step 2)" in table.stdout
+    assert f"--resume {run}" in table.stdout
+
+
+def test_missing_values_render_as_dash(cli, tmp_path):
+    """NaN loss, a step without timings, an empty config: '-' and null, never a crash."""
+    lines = [
+        {"type": "step", "step": 1, "loss": math.nan, "skipped": True},
+        {"type": "step", "step": 2, "loss": None, "wall_ms": None, "d2h_bytes": None},
+    ]
+    run = tmp_path / "20240101-120000-x-sst2"
+    make_run(tmp_path, run.name, [], finished=False, lines=lines)
+    write_json_atomic(run / "config.json", {})
+    (r,) = run_json(cli, run)["runs"]
+    assert r["steps"] == 2 and r["non_finite_steps"] == 2
+    assert r["final_loss"] is None and r["timing_ms_mean"]["wall_ms"] is None
+    assert r["samples_per_s"] is None and r["validation"] is None
+    table = cli("report", run)
+    assert table.exit_code == 0, table.output
+    assert "wall - = forward -" in table.stdout
+
+    empty = tmp_path / "20240101-130000-y-sst2"
+    empty.mkdir()
+    write_json_atomic(empty / "config.json", {"run": {"model": "y"}})
+    doc = run_json(cli, run, empty)
+    assert doc["runs"][1]["steps"] == 0
+    assert doc["comparison"][1]["speedup_vs_first"] is None
+
+
+def test_table_shows_model_accuracy_and_config(cli, tmp_path):
+    run = make_run(tmp_path, "20240101-120000-gpt2-sst2", [200.0] * 4, model="my-gpt2")
+    result = cli("report", run)
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert "my-gpt2 / sst2 / zenflow" in out
+    assert "accuracy 0.8750" in out
+    assert "wall 200.0 = forward 60.0 + backward 80.0 + engine step 50.0 + other 10.0" in out
+    assert "5.0 % of wall time" in out
+    assert "4.2 MB (1.00x model" in out  # 4 MiB per step, shown in decimal units
+    assert "80.0 samples/s, 5120 tokens/s" in out  # 8 x 2 samples of 64 tokens per 200 ms
+    assert "topk_ratio 0.1, update_interval 4" in out
+    assert "lr 2e-05 (AdamW" in out and "micro batch 8 x grad accum 2" in out
+
+
+# ---------------------------------------------------------------------------- plot
+
+
+def test_plot_writes_a_png(cli, tmp_path):
+    a = make_run(tmp_path, "20240101-120000-gpt2-sst2", [200.0] * 6)
+    b = make_run(tmp_path, "20240101-130000-gpt2-sst2", [100.0] * 6, finished=False)
+    out = tmp_path / "cmp.png"
+    result = cli("report", a, b, "--plot", out)
+    assert result.exit_code == 0, result.output
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"wrote plot to {out}" in result.stdout
+
+    out.unlink()
+    result = cli("report", a, "--json", "--plot", out)
+    assert result.exit_code == 0, result.output
+    assert out.read_bytes()[:4] == b"\x89PNG"
+    assert json.loads(result.stdout)["runs"][0]["run_dir"] == str(a)
+    assert f"wrote plot to {out}" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("name", "fragment"),
+    [("cmp.svg", "must end in .png"), ("missing/cmp.png", "does not exist")],
+)
+def test_bad_plot_path_is_a_user_error(cli, tmp_path, name, fragment):
+    run = make_run(tmp_path, "20240101-120000-gpt2-sst2", [100.0] * 2)
+    target = tmp_path / name
+    assert_user_error(cli("report", run, "--plot", target), str(target), fragment)
+    assert not target.exists()
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+def test_missing_run_path(cli, tmp_path):
+    missing = tmp_path / "runs" / "nope"
+    assert_user_error(cli("report", missing), str(missing), "does not exist")
+
+
+def test_several_bad_run_paths_are_reported_together(cli, tmp_path):
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    missing = tmp_path / "nope"
+    result = cli("report", missing, plain)
+    assert_user_error(result, "2 RUN paths", str(missing), f"{plain} is not a zfctl run")
+
+
+def test_runs_root_given_as_run(cli, tmp_path):
+    root = tmp_path / "runs"
+    make_run(root, "20240101-120000-gpt2-sst2", [100.0])
+    assert_user_error(cli("report", root), "holds 1 runs", f"--runs-root {root}")
+
+
+def test_no_runs_under_runs_root(cli, tmp_path):
+    empty = tmp_path / "runs"
+    empty.mkdir()
+    assert_user_error(cli("report", "--runs-root", empty), f"no runs found under {empty}")
+    absent = tmp_path / "absent"
+    assert_user_error(cli("report", "--runs-root", absent), "does not exist", "zfctl finetune")
+
+
+def test_import_pulls_in_neither_torch_nor_matplotlib():
+    code = (
+        "import sys, zfctl.report; "
+        "sys.exit(int('torch' in sys.modules) + 2 * int('matplotlib' in sys.modules))"
+    )
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -1,0 +1,686 @@
+"""`zfctl report`: what finished or interrupted runs cost and reached; several side by side.
+
+``run_report`` turns one run directory (as ``zenflow.runs.read_run`` returns it) into plain
+data: the numbers of its summary.json, or, for a run without one (interrupted, crashed or
+still running), the same keys computed from its metrics.jsonl. ``compare`` adds the
+speed-up of each run against the first. The Rich tables and ``--json`` show that same data;
+``write_plot`` draws loss and the step-time split over steps (matplotlib, imported only
+when ``--plot`` is given).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from zfctl.dashboard import fmt_bytes, fmt_duration, fmt_num
+from zfctl.errors import err_console, user_error
+
+# The per-step timings the trainer records and summary.json averages
+# (zenflow.trainer.TIMING_FIELDS; not imported, the trainer module pulls in torch).
+TIMING_FIELDS = (
+    "wall_ms", "step_ms", "forward_ms", "backward_ms", "device_opt_ms", "stall_ms", "transfer_ms",
+)  # fmt: skip
+# The parts of a step stacked in the plot; what is left up to wall_ms is data loading,
+# batch copies and the rest of the engine's step.
+PLOT_PARTS = ("forward_ms", "backward_ms", "device_opt_ms", "stall_ms")
+# Keys of an eval line that are not task metrics.
+EVAL_EXTRA = ("type", "step", "eval_loss", "eval_samples")
+# The summary.json keys a report carries over as they are.
+SUMMARY_KEYS = (
+    "model", "task", "engine_mode", "steps", "total_steps", "epochs", "final_loss",
+    "final_loss_mean_last_10", "validation", "validation_accuracy", "non_finite_steps",
+    "timing_ms_mean", "stall_fraction", "d2h_bytes_total", "h2d_bytes_total", "bytes_per_step",
+    "bytes_per_step_x_model", "host_updates", "mean_window_len", "selection_changes",
+    "samples", "tokens", "train_s", "samples_per_s", "tokens_per_s", "wall_s", "model_bytes",
+    "params", "sources",
+)  # fmt: skip
+ZENFLOW_KEYS = (
+    "topk_ratio", "update_interval", "select_strategy", "select_interval", "overlap_step",
+    "full_warm_up_rounds",
+)  # fmt: skip
+_CKPT_STEP = re.compile(r"step-(\d+)\.pt$")
+
+
+# ---------------------------------------------------------------------------- small helpers
+
+
+def _finite(x: Any) -> float | None:
+    """``x`` as a finite float, else None (missing, text, NaN, inf)."""
+    if x is None or isinstance(x, bool):
+        return None
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
+
+
+def _mean(values) -> float | None:
+    vals = [v for v in map(_finite, values) if v is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+def _ratio(a: Any, b: Any) -> float | None:
+    a, b = _finite(a), _finite(b)
+    return a / b if a is not None and b else None
+
+
+def _get(d: Any, *keys: str) -> Any:
+    """``d[k1][k2]...`` or None when a level is missing or not a dict."""
+    for k in keys:
+        if not isinstance(d, dict):
+            return None
+        d = d.get(k)
+    return d
+
+
+def _jsonable(value: Any) -> Any:
+    """NaN and inf become null, so ``--json`` output is strict JSON."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+def _checkpoint_step(path: str | None) -> int | None:
+    m = _CKPT_STEP.search(path or "")
+    return int(m.group(1)) if m else None
+
+
+# ---------------------------------------------------------------------------- data
+
+
+def _config_highlights(config: dict, spec: dict) -> dict:
+    """The training settings worth seeing, from config.json (resolved DeepSpeed config plus
+    the run spec); used when summary.json is missing or lacks one."""
+    zf = _get(config, "zero_optimization", "zenflow")
+    return {
+        "source": spec.get("config_source"),
+        "lr": _get(config, "optimizer", "params", "lr"),
+        "optimizer": _get(config, "optimizer", "type"),
+        "weight_decay": _get(config, "optimizer", "params", "weight_decay"),
+        "scheduler": _get(config, "scheduler", "type"),
+        "micro_batch": spec.get("micro_batch") or config.get("train_micro_batch_size_per_gpu"),
+        "gradient_accumulation_steps": config.get("gradient_accumulation_steps"),
+        "seq_len": spec.get("seq_len"),
+        "gradient_clipping": config.get("gradient_clipping"),
+        "bf16": _get(config, "bf16", "enabled"),
+        "zenflow": zf if isinstance(zf, dict) else None,
+        "engine_resolved": config.get("engine_resolved"),
+    }
+
+
+def _from_metrics(steps: list[dict], evals: list[dict], config: dict, spec: dict) -> dict:
+    """What summary.json would say, computed from the step and eval lines the same way the
+    trainer does (zenflow.trainer ``summary``); what they cannot tell is None."""
+    n = len(steps)
+    timing = {f: _mean(m.get(f) for m in steps) for f in TIMING_FIELDS}
+    d2h = sum(_finite(m.get("d2h_bytes")) or 0 for m in steps)
+    h2d = sum(_finite(m.get("h2d_bytes")) or 0 for m in steps)
+    micro_batch = _finite(spec.get("micro_batch") or config.get("train_micro_batch_size_per_gpu"))
+    gas = _finite(config.get("gradient_accumulation_steps")) or 1
+    seq_len = _finite(spec.get("seq_len"))
+    samples = int(n * micro_batch * gas) if micro_batch else None
+    tokens = int(samples * seq_len) if samples is not None and seq_len else None
+    train_s = sum(_finite(m.get("wall_ms")) or 0 for m in steps) / 1e3
+    losses = [m.get("loss") for m in steps]
+    windows = [m.get("window_len") for m in steps if _finite(m.get("window_len"))]
+    last_eval = evals[-1] if evals else {}
+    validation = {
+        k: v for k, v in last_eval.items() if k not in EVAL_EXTRA and _finite(v) is not None
+    }
+    return {
+        "model": spec.get("model"),
+        "task": spec.get("task"),
+        "engine_mode": spec.get("engine_mode"),
+        "steps": n,
+        "total_steps": spec.get("max_steps"),
+        "epochs": _finite(steps[-1].get("epoch")) if steps else None,
+        "final_loss": _finite(losses[-1]) if losses else None,
+        "final_loss_mean_last_10": _mean(losses[-10:]),
+        "validation": validation or None,
+        "validation_accuracy": _finite(last_eval.get("accuracy")),
+        "non_finite_steps": sum(
+            1 for m in steps if m.get("skipped") or _finite(m.get("loss")) is None
+        ),
+        "timing_ms_mean": timing,
+        "stall_fraction": _ratio(timing["stall_ms"], timing["wall_ms"]),
+        "d2h_bytes_total": d2h,
+        "h2d_bytes_total": h2d,
+        "bytes_per_step": (d2h + h2d) / n if n else None,
+        "bytes_per_step_x_model": None,  # the model size is only in summary.json
+        "host_updates": sum(1 for m in steps if m.get("host_update")),
+        "mean_window_len": _mean(windows),
+        "selection_changes": int(sum(_finite(m.get("selection_changed")) or 0 for m in steps)),
+        "samples": samples,
+        "tokens": tokens,
+        "train_s": train_s,
+        "samples_per_s": samples / train_s if samples is not None and train_s > 0 else None,
+        "tokens_per_s": tokens / train_s if tokens is not None and train_s > 0 else None,
+        "wall_s": None,  # the session's wall clock is only in summary.json
+        "model_bytes": None,
+        "params": None,
+        "sources": config.get("sources"),
+        "eval_step": last_eval.get("step"),
+        "eval_loss": _finite(last_eval.get("eval_loss")),
+        "config": _config_highlights(config, spec),
+    }
+
+
+def run_report(run: dict) -> dict:
+    """One run as plain data (what ``--json`` prints for it).
+
+    ``run`` is what ``zenflow.runs.read_run`` returns. A finished run reports its
+    summary.json; a run without one gets the same keys computed from metrics.jsonl and the
+    status "interrupted" (a checkpoint exists: ``checkpoint``, ``checkpoint_step`` and
+    ``resume_command`` say how to continue) or "unfinished" (none). A run still in progress
+    looks like an interrupted one. Missing values are None.
+    """
+    config = run.get("config") if isinstance(run.get("config"), dict) else {}
+    spec = config.get("run") if isinstance(config.get("run"), dict) else {}
+    summary = run.get("summary") if isinstance(run.get("summary"), dict) else None
+    data = _from_metrics(run.get("metrics") or [], run.get("evals") or [], config, spec)
+    if summary is not None:
+        data.update({k: summary[k] for k in SUMMARY_KEYS if k in summary})
+        if isinstance(summary.get("eval"), dict):
+            data["eval_step"] = summary["eval"].get("step")
+            data["eval_loss"] = _finite(summary["eval"].get("eval_loss"))
+        if isinstance(summary.get("config"), dict):
+            data["config"] = {**data["config"], **summary["config"]}
+    timing = data.get("timing_ms_mean") if isinstance(data.get("timing_ms_mean"), dict) else {}
+    data["timing_ms_mean"] = {f: _finite(timing.get(f)) for f in TIMING_FIELDS}
+    checkpoint = run.get("checkpoint") or (summary or {}).get("checkpoint")
+    if summary is not None:
+        status = summary.get("status") or "finished"
+    else:
+        status = "interrupted" if checkpoint else "unfinished"
+    run_dir = str(run.get("run_dir") or (summary or {}).get("run_dir") or "")
+    return {
+        "run_dir": run_dir,
+        "name": Path(run_dir).name,
+        "status": status,
+        "has_summary": summary is not None,
+        **data,
+        "checkpoint": checkpoint,
+        "checkpoint_step": _checkpoint_step(checkpoint),
+        "resume_command": (
+            resume_command(spec, run_dir) if summary is None and checkpoint else None
+        ),
+    }
+
+
+def resume_command(spec: dict, run_dir: str) -> str:
+    """The ``zfctl finetune`` line that continues ``run_dir`` (settings come from the run)."""
+    args = ["zfctl", "finetune", str(spec.get("model") or "MODEL")]
+    args += ["--task", str(spec.get("task") or "TASK"), "--resume", run_dir]
+    source = spec.get("config_source")
+    if source and source != "<dict>":
+        args += ["--config", str(source)]
+    if spec.get("data_dir"):
+        args += ["--data-dir", str(spec["data_dir"])]
+    return " ".join(args)
+
+
+def compare(reports: list[dict]) -> list[dict]:
+    """One row per run, in the given order, with the key numbers and the speed-up against
+    the first run: ``speedup_vs_first`` = first run's mean wall ms per step / this run's,
+    ``samples_per_s_vs_first`` = this run's samples/s / the first run's (None when either
+    side is unknown)."""
+    if not reports:
+        return []
+    first = reports[0]
+    rows = []
+    for r in reports:
+        timing = r.get("timing_ms_mean") or {}
+        rows.append(
+            {
+                "run_dir": r.get("run_dir"),
+                "name": r.get("name"),
+                "status": r.get("status"),
+                "model": r.get("model"),
+                "task": r.get("task"),
+                "engine_mode": r.get("engine_mode"),
+                "steps": r.get("steps"),
+                **{f"mean_{f}": timing.get(f) for f in TIMING_FIELDS},
+                "stall_fraction": r.get("stall_fraction"),
+                "bytes_per_step": r.get("bytes_per_step"),
+                "bytes_per_step_x_model": r.get("bytes_per_step_x_model"),
+                "samples_per_s": r.get("samples_per_s"),
+                "tokens_per_s": r.get("tokens_per_s"),
+                "final_loss": r.get("final_loss"),
+                "validation_accuracy": r.get("validation_accuracy"),
+                "speedup_vs_first": _ratio(
+                    (first.get("timing_ms_mean") or {}).get("wall_ms"), timing.get("wall_ms")
+                ),
+                "samples_per_s_vs_first": _ratio(
+                    r.get("samples_per_s"), first.get("samples_per_s")
+                ),
+            }
+        )
+    return rows
+
+
+def report_document(reports: list[dict]) -> dict:
+    """The ``--json`` document: {"runs": [...], "comparison": [...] (2+ runs)}."""
+    doc: dict[str, Any] = {"runs": reports}
+    if len(reports) > 1:
+        doc["comparison"] = compare(reports)
+    return _jsonable(doc)
+
+
+# ---------------------------------------------------------------------------- finding runs
+
+
+def resolve_runs(runs: list[Path] | None, runs_root: Path) -> list[Path]:
+    """The run directories to report: the given ones (a name under --runs-root or a file
+    inside a run directory also works), or the latest under ``runs_root``."""
+    from zenflow.runs import CONFIG_FILE, latest_run, list_runs
+
+    if not runs:
+        latest = latest_run(runs_root)
+        if latest is None:
+            where = "does not exist" if not runs_root.exists() else "holds no run directories"
+            raise user_error(
+                f"no runs found under {runs_root} ({runs_root} {where}). Run `zfctl finetune "
+                "MODEL --task TASK` first, or pass --runs-root DIR or run directories."
+            )
+        return [latest]
+    found, problems = [], []
+    for path in runs:
+        if not path.exists() and not path.is_absolute() and (runs_root / path).is_dir():
+            path = runs_root / path
+        if not path.exists():
+            problems.append(
+                f"run {path} does not exist; pass a run directory written by `zfctl finetune` "
+                f"(they are under {runs_root}/), or no RUN for the latest."
+            )
+        elif path.is_file() and (path.parent / CONFIG_FILE).is_file():
+            found.append(path.parent)
+        elif path.is_dir() and not (path / CONFIG_FILE).is_file() and list_runs(path):
+            inner = list_runs(path)
+            problems.append(
+                f"{path} is not a run directory but holds {len(inner)} runs; pass one of them "
+                f"(e.g. {inner[-1]}), or --runs-root {path} for the latest."
+            )
+        elif not (path.is_dir() and (path / CONFIG_FILE).is_file()):
+            problems.append(
+                f"{path} is not a zfctl run directory (no {CONFIG_FILE}); pass a directory "
+                f"under {runs_root}/ written by `zfctl finetune`."
+            )
+        else:
+            found.append(path)
+    if len(problems) == 1:
+        raise user_error(problems[0])
+    if problems:
+        raise user_error(f"{len(problems)} RUN paths cannot be reported:\n" + "\n".join(problems))
+    return found
+
+
+def check_plot_path(path: Path) -> None:
+    """Refuse a --plot target that cannot be written as a PNG, before any work is done."""
+    if path.suffix.lower() != ".png":
+        raise user_error(
+            f"--plot {path}: the plot is written as PNG, so the file name must end in .png "
+            f"(e.g. --plot {path.with_name(path.name.rstrip('.') + '.png')})."
+        )
+    parent = path.parent
+    if not parent.is_dir():
+        raise user_error(
+            f"--plot {path}: folder {parent} does not exist; create it (mkdir -p {parent}) "
+            "or choose another path."
+        )
+    if path.is_dir():
+        raise user_error(f"--plot {path} is a directory; give a file name ending in .png.")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise user_error(f"--plot {path}: no permission to write there; choose another path.")
+
+
+# ---------------------------------------------------------------------------- rendering
+
+
+def _duration(seconds: Any) -> str:
+    """Seconds with a decimal below a minute (short runs), else h:mm:ss / m:ss."""
+    s = _finite(seconds)
+    return "-" if s is None else f"{s:.1f} s" if s < 60 else fmt_duration(s)
+
+
+def _ms(x: Any) -> str:
+    return fmt_num(_finite(x), ".1f")
+
+
+def _metrics_text(validation: Any) -> str:
+    if not isinstance(validation, dict):
+        return "-"
+    shown = [f"{k} {v:.4f}" for k, v in validation.items() if _finite(v) is not None]
+    return ", ".join(shown) or "-"
+
+
+def _count(n: Any) -> str:
+    n = _finite(n)
+    if n is None:
+        return "-"
+    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= div:
+            return f"{n / div:.1f}{unit}"
+    return f"{n:.0f}"
+
+
+def _status_text(r: dict) -> str:
+    status = str(r.get("status") or "-")
+    if r.get("has_summary"):
+        return status
+    if r.get("checkpoint"):
+        return f"{status} (no summary.json; checkpoint at step {r.get('checkpoint_step')})"
+    return f"{status} (no summary.json, no checkpoint; numbers from metrics.jsonl)"
+
+
+def _step_split(t: dict) -> str:
+    """wall = forward + backward + engine step + other (data loading, batch copies)."""
+    parts = [t.get("forward_ms"), t.get("backward_ms"), t.get("step_ms")]
+    other = None
+    if t.get("wall_ms") is not None and all(p is not None for p in parts):
+        other = t["wall_ms"] - sum(parts)
+    return (
+        f"wall {_ms(t.get('wall_ms'))} = forward {_ms(t.get('forward_ms'))} + backward "
+        f"{_ms(t.get('backward_ms'))} + engine step {_ms(t.get('step_ms'))} + other {_ms(other)}"
+    )
+
+
+def _config_text(c: dict) -> str:
+    def show(key: str) -> str:
+        return "-" if c.get(key) is None else str(c[key])
+
+    parts = [
+        f"lr {fmt_num(_finite(c.get('lr')), '.3g')} ({show('optimizer')}, weight decay "
+        f"{fmt_num(_finite(c.get('weight_decay')), '.3g')}, {c.get('scheduler') or 'constant'})",
+        f"micro batch {show('micro_batch')} x grad accum {show('gradient_accumulation_steps')}",
+        f"seq len {show('seq_len')}",
+        f"clip {fmt_num(_finite(c.get('gradient_clipping')))}",
+        f"bf16 {show('bf16')}",
+    ]
+    kernel = _get(c, "engine_resolved", "host_kernel")
+    if kernel:
+        parts.append(f"host kernel {kernel}")
+    return ", ".join(parts)
+
+
+def _zenflow_text(zf: dict, engine_mode: Any, resolved: Any) -> str:
+    text = ", ".join(f"{k} {zf.get(k, '-')}" for k in ZENFLOW_KEYS)
+    every = _get(resolved, "select_every_steps")
+    if every is not None and engine_mode in (None, "zenflow"):
+        text += f" (re-selection every {every} steps)"
+    if engine_mode not in (None, "zenflow"):
+        text += f" (not used: engine {engine_mode})"
+    return text
+
+
+def render_run(r: dict) -> Table:
+    """One run's table: what ran, where the step time went, traffic, throughput, quality."""
+    t = Table(title=f"run {escape(r.get('name') or '-')}", show_header=False, title_justify="left")
+    t.add_column(style="bold", no_wrap=True)
+    t.add_column()
+    timing = r.get("timing_ms_mean") or {}
+    n = _finite(r.get("steps"))
+
+    def row(label: str, text: str) -> None:
+        t.add_row(label, escape(text))
+
+    row("run dir", r.get("run_dir") or "-")
+    row("status", _status_text(r))
+    row("model / task / engine", f"{r.get('model')} / {r.get('task')} / {r.get('engine_mode')}")
+    total = r.get("total_steps")
+    epochs = _finite(r.get("epochs"))
+    row(
+        "steps",
+        f"{r.get('steps') if r.get('steps') is not None else '-'}"
+        + (f" of {total}" if total is not None else "")
+        + (f" ({epochs:.3g} epochs)" if epochs is not None else ""),
+    )
+    row(
+        "wall time",
+        f"{_duration(r.get('wall_s'))} (training steps {_duration(r.get('train_s'))})",
+    )
+    row("mean ms / step", _step_split(timing))
+    row(
+        "engine step ms",
+        f"device opt {_ms(timing.get('device_opt_ms'))}, stall {_ms(timing.get('stall_ms'))}, "
+        f"transfer {_ms(timing.get('transfer_ms'))}",
+    )
+    stall = _pct(r.get("stall_fraction"))
+    row("stall", "-" if stall == "-" else f"{stall} % of wall time")
+    d2h, h2d = _ratio(r.get("d2h_bytes_total"), n), _ratio(r.get("h2d_bytes_total"), n)
+    x_model = _finite(r.get("bytes_per_step_x_model"))
+    row(
+        "bytes / step",
+        f"{fmt_bytes(_finite(r.get('bytes_per_step')))} ("
+        + (f"{x_model:.2f}x model; " if x_model is not None else "")
+        + f"d2h {fmt_bytes(d2h)}, h2d {fmt_bytes(h2d)})",
+    )
+    row(
+        "throughput",
+        f"{fmt_num(_finite(r.get('samples_per_s')), '.1f')} samples/s, "
+        f"{fmt_num(_finite(r.get('tokens_per_s')), '.0f')} tokens/s",
+    )
+    row(
+        "final loss",
+        f"{fmt_num(_finite(r.get('final_loss')), '.4f')} (mean of last 10 "
+        f"{fmt_num(_finite(r.get('final_loss_mean_last_10')), '.4f')}; "
+        f"{r.get('non_finite_steps') or 0} non-finite steps)",
+    )
+    validation = _metrics_text(r.get("validation"))
+    if validation != "-":
+        validation += (
+            f", eval loss {fmt_num(_finite(r.get('eval_loss')), '.4f')} "
+            f"(step {r.get('eval_step') if r.get('eval_step') is not None else '-'})"
+        )
+    row("validation", validation)
+    row(
+        "host updates",
+        f"{r.get('host_updates') if r.get('host_updates') is not None else '-'}, mean window "
+        f"{fmt_num(_finite(r.get('mean_window_len')), '.1f')} steps, "
+        f"{r.get('selection_changes') if r.get('selection_changes') is not None else '-'} "
+        "selection changes",
+    )
+    if r.get("params") is not None or r.get("model_bytes") is not None:
+        row(
+            "model size",
+            f"{_count(r.get('params'))} params, {fmt_bytes(_finite(r.get('model_bytes')))}",
+        )
+    sources = r.get("sources")
+    if isinstance(sources, dict) and sources:
+        row("sources", ", ".join(f"{k} {v}" for k, v in sources.items()))
+    config = r.get("config") or {}
+    row("config", _config_text(config))
+    if isinstance(config.get("zenflow"), dict):
+        resolved = config.get("engine_resolved")
+        row("zenflow", _zenflow_text(config["zenflow"], r.get("engine_mode"), resolved))
+    if r.get("checkpoint"):
+        row("checkpoint", str(r["checkpoint"]))
+    if r.get("resume_command"):
+        row("resume with", r["resume_command"])
+    return t
+
+
+def _pct(fraction: Any) -> str:
+    x = _finite(fraction)
+    return "-" if x is None else f"{100 * x:.1f}"
+
+
+def _speedup(x: Any) -> str:
+    x = _finite(x)
+    return "-" if x is None else f"{x:.2f}x"
+
+
+# (label, formatter of one comparison row)
+COMPARISON_ROWS = (
+    ("status", lambda c: str(c.get("status") or "-")),
+    ("model / task", lambda c: f"{c.get('model')} / {c.get('task')}"),
+    ("engine", lambda c: str(c.get("engine_mode") or "-")),
+    ("steps", lambda c: str(c.get("steps") if c.get("steps") is not None else "-")),
+    ("wall ms / step", lambda c: _ms(c.get("mean_wall_ms"))),
+    ("forward ms", lambda c: _ms(c.get("mean_forward_ms"))),
+    ("backward ms", lambda c: _ms(c.get("mean_backward_ms"))),
+    ("engine step ms", lambda c: _ms(c.get("mean_step_ms"))),
+    ("device opt ms", lambda c: _ms(c.get("mean_device_opt_ms"))),
+    ("stall ms", lambda c: _ms(c.get("mean_stall_ms"))),
+    ("stall %", lambda c: _pct(c.get("stall_fraction"))),
+    ("bytes / step", lambda c: fmt_bytes(_finite(c.get("bytes_per_step")))),
+    ("x model / step", lambda c: fmt_num(_finite(c.get("bytes_per_step_x_model")), ".2f")),
+    ("samples/s", lambda c: fmt_num(_finite(c.get("samples_per_s")), ".1f")),
+    ("tokens/s", lambda c: fmt_num(_finite(c.get("tokens_per_s")), ".0f")),
+    ("final loss", lambda c: fmt_num(_finite(c.get("final_loss")), ".4f")),
+    ("accuracy", lambda c: fmt_num(_finite(c.get("validation_accuracy")), ".4f")),
+    ("speed-up vs first", lambda c: _speedup(c.get("speedup_vs_first"))),
+    ("samples/s vs first", lambda c: _speedup(c.get("samples_per_s_vs_first"))),
+)  # fmt: skip
+
+
+def render_comparison(rows: list[dict]) -> Table:
+    """Runs side by side, one column each; speed-ups are against the first column."""
+    t = Table(title="comparison (speed-up against #1)", title_justify="left")
+    t.add_column("", style="bold", no_wrap=True)
+    for i, c in enumerate(rows, 1):
+        t.add_column(escape(f"#{i} {c.get('name') or '-'}"), justify="right")
+    for label, fmt in COMPARISON_ROWS:
+        t.add_row(label, *(escape(fmt(c)) for c in rows))
+    return t
+
+
+# ---------------------------------------------------------------------------- plot
+
+
+def _series(steps: list[dict], key: str, missing: float) -> list[float]:
+    out = []
+    for m in steps:
+        v = _finite(m.get(key))
+        out.append(missing if v is None else v)
+    return out
+
+
+def write_plot(runs: list[dict], reports: list[dict], path: Path) -> None:
+    """Loss over steps for every run (eval accuracy as points on a second axis), then one
+    panel per run with the step time split stacked (forward, backward, device optimizer,
+    stall) under its wall time; saved as PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    n = len(runs)
+    fig = Figure(figsize=(10, 3.2 * (1 + n)), layout="constrained")
+    axes = fig.subplots(1 + n, 1, sharex=True, squeeze=False)[:, 0]
+    ax_loss = axes[0]
+    ax_acc = None
+    for i, (run, rep) in enumerate(zip(runs, reports, strict=True)):
+        label = f"#{i + 1} {rep.get('name')} ({rep.get('engine_mode') or '-'})"
+        color = f"C{i % 10}"
+        steps = run.get("metrics") or []
+        xs = _series(steps, "step", math.nan)
+        ax_loss.plot(xs, _series(steps, "loss", math.nan), color=color, lw=1, label=label)
+        evals = [e for e in run.get("evals") or [] if _finite(e.get("accuracy")) is not None]
+        if evals:
+            if ax_acc is None:
+                ax_acc = ax_loss.twinx()
+                ax_acc.set_ylabel("eval accuracy")
+            ax_acc.plot(
+                _series(evals, "step", math.nan),
+                _series(evals, "accuracy", math.nan),
+                "o--",
+                color=color,
+                ms=5,
+                lw=0.8,
+                label=f"#{i + 1} accuracy",
+            )
+        ax = axes[1 + i]
+        if i:  # one y scale for every run's time panel: a faster run looks lower
+            ax.sharey(axes[1])
+        ax.set_title(f"{label}: step time by part", fontsize=9, loc="left")
+        ax.set_ylabel("ms")
+        if not steps:
+            ax.text(0.5, 0.5, "no steps recorded", ha="center", va="center")
+            continue
+        parts = [_series(steps, f, 0.0) for f in PLOT_PARTS]
+        names = [f.removesuffix("_ms").replace("_", " ") for f in PLOT_PARTS]
+        ax.margins(y=0.25)  # room for the legend above the wall line
+        ax.stackplot(xs, *parts, labels=names, alpha=0.8)
+        ax.plot(xs, _series(steps, "wall_ms", math.nan), color="k", lw=0.8, label="wall")
+        ax.legend(loc="upper right", fontsize=8, ncol=5)
+    ax_loss.set_title("training loss (lines), eval accuracy (points)", fontsize=9, loc="left")
+    ax_loss.set_ylabel("loss")
+    handles, labels = ax_loss.get_legend_handles_labels()
+    if ax_acc is not None:
+        more = ax_acc.get_legend_handles_labels()
+        handles, labels = handles + more[0], labels + more[1]
+    ax_loss.legend(handles, labels, loc="upper right", fontsize=8)
+    axes[-1].set_xlabel("step")
+    try:
+        fig.savefig(path, format="png", dpi=110)
+    except OSError as exc:
+        raise user_error(f"--plot {path}: cannot write it ({exc.strerror or exc}).") from None
+
+
+# ---------------------------------------------------------------------------- command
+
+
+def report(
+    runs: Annotated[
+        list[Path] | None,
+        typer.Argument(
+            help="Run directories (default: the latest under --runs-root). Several are "
+            "compared side by side, with the speed-up against the first.",
+            metavar="RUN",
+            show_default=False,
+        ),
+    ] = None,
+    runs_root: Annotated[
+        Path,
+        typer.Option("--runs-root", help="Where `zfctl finetune` writes its run directories."),
+    ] = Path("runs"),
+    plot: Annotated[
+        Path | None,
+        typer.Option(
+            "--plot",
+            metavar="FILE.png",
+            help="Write loss and step-time breakdown over steps to FILE.png.",
+        ),
+    ] = None,
+    as_json: Annotated[
+        bool,
+        typer.Option("--json", help="Print one JSON document (runs, comparison), no tables."),
+    ] = False,
+) -> None:
+    """Report runs: step-time split, stall, traffic, throughput, loss, accuracy; compare."""
+    from zenflow.runs import read_run
+
+    if plot is not None:
+        check_plot_path(plot)
+    loaded = [read_run(p) for p in resolve_runs(runs, runs_root)]
+    reports = [run_report(r) for r in loaded]
+    if plot is not None:
+        write_plot(loaded, reports, plot)
+    if as_json:
+        typer.echo(json.dumps(report_document(reports), indent=2, allow_nan=False))
+    else:
+        console = Console(highlight=False)
+        for r in reports:
+            console.print(render_run(r))
+        if len(reports) > 1:
+            console.print(render_comparison(compare(reports)))
+    if plot is not None:
+        note = err_console() if as_json else Console(highlight=False)
+        note.print(f"wrote plot to {escape(str(plot))}")
