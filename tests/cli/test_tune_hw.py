@@ -8,37 +8,16 @@ import sys
 from pathlib import Path
 
 import pytest
-import typer
 from typer.testing import CliRunner
 
-from zfctl.tune_hw import tune_hw
+from zfctl.app import app
 
 TEMPLATE = Path(__file__).parents[2] / "templates" / "zenflow.json"
 TOY = ["--model", "builtin:gpt2-2x128", "--micro-batch", "2", "--seq-len", "16"]
 
 
-def make_app() -> typer.Typer:
-    """zfctl's app when it registers tune-hw, else a Typer app with just this command."""
-    try:
-        from zfctl.app import app
-
-        names = {c.name for c in app.registered_commands}
-        if "tune-hw" in names:
-            return app
-    except ImportError:
-        pass
-    app = typer.Typer()
-    app.command("tune-hw")(tune_hw)
-
-    @app.callback()
-    def _root() -> None:
-        """Keep tune-hw a subcommand."""
-
-    return app
-
-
 def invoke(*args: str):
-    return CliRunner().invoke(make_app(), ["tune-hw", *args])
+    return CliRunner().invoke(app, ["tune-hw", *args])
 
 
 def check_choices(choices: dict) -> None:
