@@ -13,21 +13,20 @@ Torch is imported inside the functions that need it, so the parsers and ``choose
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
-import json
 import math
 import os
 import re
 import resource
 import statistics
-import tempfile
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from zenflow.runs import write_json_atomic
 
 # SIMD features the native CPU Adam (and torch's CPU kernels) can use. "amx" is true when
 # any amx_* flag is present (amx_tile, amx_bf16, amx_int8).
@@ -1044,26 +1043,6 @@ def update_config(path: Path, doc: dict, block: dict, *, write: bool) -> dict:
 
 
 _UNSET = object()
-
-
-def write_json_atomic(path: Path, doc: dict) -> None:
-    """Write JSON to a temporary file beside ``path``, fsync, then rename over it."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f, indent=2)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        if path.exists():
-            os.chmod(tmp, path.stat().st_mode & 0o777)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 # --------------------------------------------------------------------------------------

@@ -12,9 +12,11 @@ Layout of one run (written by ``zenflow.trainer``)::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import tempfile
 import time
 from pathlib import Path
 
@@ -53,13 +55,24 @@ def create_run_dir(runs_root: str | Path, model: str, task: str, now: float | No
 
 
 def write_json_atomic(path: str | Path, obj) -> None:
-    """Write JSON to a temp file beside ``path``, then os.replace: never a half-written file."""
+    """Write JSON to a temporary file beside ``path`` (parents created), fsync, then
+    os.replace: never a half-written file, and an existing file keeps its permissions."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, sort_keys=False, default=_json_default)
-        f.write("\n")
-    os.replace(tmp, path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=2, sort_keys=False, default=_json_default)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        if path.exists():
+            os.chmod(tmp, path.stat().st_mode & 0o777)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def _json_default(obj):
@@ -100,6 +113,12 @@ def read_metrics(path: str | Path) -> list[dict]:
             except json.JSONDecodeError:
                 break  # only a crash mid-write leaves a bad line, and only as the last one
     return out
+
+
+def checkpoint_step(path: str | Path | None) -> int | None:
+    """The step of a checkpoint file named ``step-0000012.pt`` (12), else None."""
+    m = _CKPT_RE.match(Path(path).name) if path else None
+    return int(m.group(1)) if m else None
 
 
 def checkpoints(run_dir: str | Path) -> list[Path]:

@@ -5,6 +5,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+# The per-step timings a run records (metrics.jsonl) and summary.json averages: the
+# StepStats times plus "wall_ms", the trainer's wall clock of the whole iteration.
+TIMING_FIELDS = (
+    "wall_ms", "step_ms", "forward_ms", "backward_ms", "device_opt_ms", "stall_ms", "transfer_ms",
+)  # fmt: skip
+
 
 @dataclass(frozen=True)
 class StepStats:

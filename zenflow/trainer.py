@@ -37,12 +37,9 @@ from zenflow.data import batches as data_batches
 from zenflow.data import compute_metrics, encode, eval_batches, get_task, load_task
 from zenflow.data import steps_per_epoch as data_steps_per_epoch
 from zenflow.errors import UserInputError
-from zenflow.stats import StepStats
+from zenflow.stats import TIMING_FIELDS, StepStats
 
 ENGINE_MODES = ("zenflow", "offload", "device")
-TIMING_FIELDS = (
-    "wall_ms", "step_ms", "forward_ms", "backward_ms", "device_opt_ms", "stall_ms", "transfer_ms",
-)  # fmt: skip
 KEEP_CHECKPOINTS = 2  # the latest and one previous
 CHECKPOINT_FORMAT = 1
 

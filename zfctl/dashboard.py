@@ -285,13 +285,14 @@ def render_summary(summary: dict) -> Table:
     return t
 
 
-def _jsonable(value: Any) -> Any:
+def jsonable(value: Any) -> Any:
+    """Plain JSON data: Paths as strings, keys as strings, NaN and inf as null (strict JSON)."""
     if isinstance(value, Path):
         return str(value)
     if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
+        return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
+        return [jsonable(v) for v in value]
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value
@@ -325,4 +326,4 @@ def event_to_json(event: Any) -> str:
         body = {f.name: getattr(event, f.name) for f in dataclasses.fields(event)}
     else:
         body = {"value": str(event)}
-    return json.dumps({"event": kind, **_jsonable(body)}, default=str)
+    return json.dumps({"event": kind, **jsonable(body)}, default=str)

@@ -7,8 +7,6 @@ result with the engine's own parser and only then writes it (atomically).
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -41,7 +39,7 @@ def template_path(name: str) -> Path:
     return path
 
 
-def _int_or_auto(flag: str, text: str | None) -> int | str | None:
+def _int_or_auto(text: str | None) -> int | str | None:
     """'auto' stays a string, digits become an int; anything else is left for the config
     validator, which names the key, the value and what is allowed."""
     if text is None:
@@ -54,19 +52,6 @@ def _doc(field: str) -> str:
     from zenflow.config import FIELD_DOCS
 
     return FIELD_DOCS[field]
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def init(
@@ -129,8 +114,8 @@ def init(
     zenflow_flags = {
         "topk_ratio": topk_ratio,
         "select_strategy": select_strategy,
-        "select_interval": _int_or_auto("--select-interval", select_interval),
-        "update_interval": _int_or_auto("--update-interval", update_interval),
+        "select_interval": _int_or_auto(select_interval),
+        "update_interval": _int_or_auto(update_interval),
         "full_warm_up_rounds": full_warm_up_rounds,
         "overlap_step": overlap_step,
         "auto_ratio": auto_ratio,
@@ -179,6 +164,8 @@ def init(
             f"{output} already exists; pass --force to overwrite it, or --output PATH to "
             "write elsewhere."
         )
+    from zenflow.runs import write_json_atomic
+
     write_json_atomic(output, data)
     console = Console(highlight=False)
     console.print(f"[green]wrote[/] {escape(str(output))} (template {template})")

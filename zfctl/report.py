@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -21,13 +20,11 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from zenflow.runs import checkpoint_step
+from zenflow.stats import TIMING_FIELDS
+from zfctl.dashboard import jsonable
 from zfctl.errors import err_console, user_error
 
-# The per-step timings the trainer records and summary.json averages
-# (zenflow.trainer.TIMING_FIELDS; not imported, the trainer module pulls in torch).
-TIMING_FIELDS = (
-    "wall_ms", "step_ms", "forward_ms", "backward_ms", "device_opt_ms", "stall_ms", "transfer_ms",
-)  # fmt: skip
 # The parts of a step stacked in the plot; what is left up to wall_ms is data loading,
 # batch copies and the rest of the engine's step.
 PLOT_PARTS = ("forward_ms", "backward_ms", "device_opt_ms", "stall_ms")
@@ -46,7 +43,6 @@ ZENFLOW_KEYS = (
     "topk_ratio", "update_interval", "select_strategy", "select_interval", "overlap_step",
     "full_warm_up_rounds",
 )  # fmt: skip
-_CKPT_STEP = re.compile(r"step-(\d+)\.pt$")
 
 
 # ---------------------------------------------------------------------------- small helpers
@@ -80,24 +76,6 @@ def _get(d: Any, *keys: str) -> Any:
             return None
         d = d.get(k)
     return d
-
-
-def _jsonable(value: Any) -> Any:
-    """NaN and inf become null, so ``--json`` output is strict JSON."""
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, Path):
-        return str(value)
-    return value
-
-
-def _checkpoint_step(path: str | None) -> int | None:
-    m = _CKPT_STEP.search(path or "")
-    return int(m.group(1)) if m else None
 
 
 # ---------------------------------------------------------------------------- data
@@ -215,7 +193,7 @@ def run_report(run: dict) -> dict:
         "has_summary": summary is not None,
         **data,
         "checkpoint": checkpoint,
-        "checkpoint_step": _checkpoint_step(checkpoint),
+        "checkpoint_step": checkpoint_step(checkpoint),
         "resume_command": (
             resume_command(spec, run_dir) if summary is None and checkpoint else None
         ),
@@ -278,7 +256,7 @@ def report_document(reports: list[dict]) -> dict:
     doc: dict[str, Any] = {"runs": reports}
     if len(reports) > 1:
         doc["comparison"] = compare(reports)
-    return _jsonable(doc)
+    return jsonable(doc)
 
 
 # ---------------------------------------------------------------------------- finding runs
