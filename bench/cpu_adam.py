@@ -84,6 +84,9 @@ def make_torch(numel: int, **flags) -> Callable[[], None]:
 def make_deepspeed(numel: int) -> Callable[[], None]:
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
+    from zenflow.ops.loader import load_deepspeed_op
+
+    load_deepspeed_op("CPUAdamBuilder")  # guarded JIT build; DeepSpeedCPUAdam reuses it
     param = _param_with_grad(numel, seed=2)
     opt = DeepSpeedCPUAdam([param], adamw_mode=True, **HYPER)
     return opt.step

@@ -36,7 +36,7 @@ def test_exactly_two_commands_at_the_top():
 def test_make_targets_set_up_first(target, monkeypatch):
     monkeypatch.setenv("GLUE_DIR", "/data/glue")
     out = subprocess.run(
-        ["make", "-n", target], cwd=ROOT, capture_output=True, text=True, check=True
+        ["make", "-n", target], cwd=ROOT, capture_output=True, text=True, check=True, timeout=60
     ).stdout
     setup = out.index("scripts/setup.sh")  # raises when the target does not set up
     if target == "demo":

@@ -193,6 +193,7 @@ def collect_native(problems: list[str]) -> dict[str, Any]:
     out["compiler"] = {"command": cxx, "path": shutil.which(cxx)}
     out["build_log"] = None
     out["lock_age_s"] = None
+    out["build_running"] = False
     if out["build_dir"]:
         directory = Path(out["build_dir"])
         log = directory / loader.BUILD_LOG_NAME
@@ -209,11 +210,8 @@ def collect_native(problems: list[str]) -> dict[str, Any]:
             out["lock_age_s"] = round(time.time() - lock.stat().st_mtime, 1)
         except FileNotFoundError:
             pass
-        if out["lock_age_s"] is not None and out["lock_age_s"] >= loader.STALE_LOCK_SECONDS:
-            problems.append(
-                f"stale native build lock {lock} ({out['lock_age_s']:.0f} s old); if no build "
-                f"is running, remove it with `rm {lock}`"
-            )
+        # A lock with no live guard holder is a killed build's; the next build clears it.
+        out["build_running"] = loader.build_running(directory)
     if out["state"] == "failed" or (out["error"] and out["state"] == "not-built"):
         problems.append(f"native CPU Adam: {out['error']}")
     if out["compiler"]["path"] is None and not _native_ready(out):

@@ -160,8 +160,13 @@ def native_rows(native: dict) -> list[Row]:
     if native["build_log"]:
         log = native["build_log"]
         rows.append(("build log", escape(f"{log['path']}: {log['first_line']}")))
-    if native["lock_age_s"] is not None:
-        rows.append(("build lock", f"present, {native['lock_age_s']:.0f} s old"))
+    if native["build_running"]:
+        rows.append(("build lock", "a build is running in another process"))
+    elif native["lock_age_s"] is not None:
+        rows.append((
+            "build lock",
+            f"left by a killed build {native['lock_age_s']:.0f} s ago; the next build clears it",
+        ))  # fmt: skip
     if native["error"]:
         rows.append(("error", f"[red]{escape(native['error'])}[/red]"))
     attempt = native.get("build_attempt")

@@ -67,5 +67,5 @@ def test_import_zenflow_is_light():
         "bad = [m for m in ('typer', 'rich', 'zfctl') if m in sys.modules]; "
         "assert not bad, bad; print('ok')"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.stdout.strip() == "ok", out.stderr

@@ -1,4 +1,4 @@
-"""The native-op loader: cache key, stale build lock, failures, ZENFLOW_OPS routing."""
+"""The native-op loader: cache key, build guard and killed builds, failures, ZENFLOW_OPS routing."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -42,31 +41,58 @@ def test_build_dir_honours_env(monkeypatch, tmp_path):
     assert loader.build_dir().parent == Path.home() / ".cache" / "zenflow" / "build"
 
 
-def test_stale_lock_raises_with_path_and_fix(tmp_path):
+def test_guard_clears_a_dead_builds_lock(tmp_path):
     lock = tmp_path / "lock"
     lock.write_text("")
-    old = time.time() - 3600
-    os.utime(lock, (old, old))
-    with pytest.raises(NativeBuildError) as info:
-        loader.check_build_lock(tmp_path)
-    assert str(lock) in str(info.value)
-    assert f"rm {lock}" in str(info.value)
-    assert "ZENFLOW_OPS=reference" in str(info.value)
+    assert not loader.build_running(tmp_path)
+    with loader.exclusive_build(tmp_path):
+        assert not lock.exists()
+        lock.write_text("")  # what torch's cpp_extension does while it builds
+    assert lock.exists()  # the guard never touches a lock it does not know to be dead
 
 
-def test_live_lock_is_waited_on_until_released(tmp_path):
-    lock = tmp_path / "lock"
-    lock.write_text("")
-    threading.Timer(0.3, lock.unlink).start()
-    start = time.perf_counter()
-    loader.check_build_lock(tmp_path, stale_after=30.0)
-    assert 0.2 < time.perf_counter() - start < 5.0
+_HOLD_GUARD = """
+import sys, time
+from pathlib import Path
+from zenflow.ops import loader
+directory = Path(sys.argv[1])
+with loader.exclusive_build(directory):
+    (directory / "lock").write_text("")
+    print("held", flush=True)
+    time.sleep(120)
+"""
 
 
-def test_live_lock_that_outlives_the_limit_raises(tmp_path):
-    (tmp_path / "lock").write_text("")
-    with pytest.raises(NativeBuildError, match="stale build lock"):
-        loader.check_build_lock(tmp_path, stale_after=0.5)
+def test_guard_waits_for_a_live_build_then_takes_over_from_a_killed_one(tmp_path):
+    """The real failure: a build killed mid-way must not block the next one forever."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_GUARD, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert loader.build_running(tmp_path)
+        entered = threading.Event()
+        lock_seen_inside: list[bool] = []
+
+        def enter():
+            with loader.exclusive_build(tmp_path):
+                lock_seen_inside.append((tmp_path / "lock").exists())
+                entered.set()
+
+        waiter = threading.Thread(target=enter, daemon=True)
+        waiter.start()
+        assert not entered.wait(0.5), "entered while another process was building"
+        assert (tmp_path / "lock").exists()
+        holder.kill()  # SIGKILL: no clean-up runs, the lock file stays behind
+        holder.wait(timeout=10)
+        assert entered.wait(10), "a killed build's lock blocked the next build"
+        waiter.join(10)
+        assert lock_seen_inside == [False]
+        assert not loader.build_running(tmp_path)
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
+        holder.stdout.close()
 
 
 def _run_python(code: str, env_extra: dict[str, str]) -> subprocess.CompletedProcess:
@@ -75,28 +101,6 @@ def _run_python(code: str, env_extra: dict[str, str]) -> subprocess.CompletedPro
     return subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
     )
-
-
-def test_load_native_reports_stale_lock_instead_of_waiting(tmp_path):
-    """End to end in a fresh process: a killed build's lock is reported, nothing built."""
-    key_dir = tmp_path / loader.current_key()
-    key_dir.mkdir()
-    lock = key_dir / "lock"
-    lock.write_text("")
-    old = time.time() - 3600
-    os.utime(lock, (old, old))
-    code = (
-        "from zenflow.ops import load_native, native_status\n"
-        "try:\n    load_native()\nexcept Exception as exc:\n"
-        "    print(type(exc).__name__, exc)\n"
-        "print(native_status()['state'])\n"
-    )
-    result = _run_python(code, {"ZENFLOW_BUILD_DIR": str(tmp_path)})
-    assert result.returncode == 0, result.stderr
-    assert "NativeBuildError" in result.stdout
-    assert f"rm {lock}" in result.stdout
-    assert result.stdout.strip().endswith("failed")
-    assert sorted(p.name for p in key_dir.iterdir()) == ["lock"]
 
 
 def test_import_builds_nothing(tmp_path):
@@ -119,6 +123,8 @@ def test_failed_build_names_log_and_fallback(tmp_path, monkeypatch):
     (src / "cpu_adam.cpp").write_text("#error zenflow test: deliberately broken source\n")
     monkeypatch.setattr(loader, "csrc_dir", lambda: src)
     build = tmp_path / "build"
+    build.mkdir()
+    (build / "lock").write_text("")  # left by a killed build: cleared, not waited on
     with pytest.raises(NativeBuildError) as info:
         loader._build(build)
     log = build / loader.BUILD_LOG_NAME

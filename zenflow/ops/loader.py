@@ -14,11 +14,13 @@ instructions the CPU lacks. Nothing is built at import time.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import platform
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +32,11 @@ EXTENSION_NAME = "zenflow_cpu_adam"
 SOURCE_FILES = ("cpu_adam.cpp",)
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
-# torch.utils.cpp_extension holds this file while ninja runs; a killed build leaves it.
+# torch.utils.cpp_extension holds this file while ninja runs; a killed build leaves it, and
+# torch then waits on it forever.
 LOCK_FILE_NAME = "lock"
-# A healthy build takes about a minute; a lock this old belongs to a dead build.
-STALE_LOCK_SECONDS = 300.0
+# Every zenflow build holds an flock on this file; the kernel drops it when the holder dies.
+GUARD_FILE_NAME = "build.flock"
 BUILD_LOG_NAME = "build.log"
 # /proc/cpuinfo flags that change what -march=native emits for this kernel.
 _SIMD_FLAG_PREFIXES = ("sse", "ssse", "avx", "fma", "f16c", "amx", "bmi")
@@ -116,37 +119,97 @@ def build_dir() -> Path:
     return build_root() / current_key()
 
 
-def check_build_lock(directory: Path, stale_after: float = STALE_LOCK_SECONDS) -> None:
-    """Wait for a live build in ``directory``; raise at once if its lock is stale.
+@contextlib.contextmanager
+def exclusive_build(directory: Path) -> Iterator[None]:
+    """Hold the right to build in ``directory``; clear a killed build's lock first.
 
-    torch's cpp_extension waits forever on a lock left by a killed build. Here a lock older
-    than ``stale_after`` seconds is reported with the command that clears it, and a younger
-    one (another process building now) is waited on only until it would become stale.
+    torch's cpp_extension marks a build with a plain ``lock`` file and waits forever on one
+    left by a killed build. Every zenflow build (ours and the DeepSpeed ops we build) runs
+    inside this guard, which holds an ``flock`` on ``build.flock`` in the same folder. The
+    kernel releases an flock when its holder dies, so once it is ours no other guarded build
+    is alive, and a ``lock`` file still there is a dead build's: it is removed. A live build
+    in another process is waited for. POSIX only; elsewhere the guard does nothing.
     """
-    lock = directory / LOCK_FILE_NAME
-    while True:
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    with open(directory / GUARD_FILE_NAME, "a+") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
         try:
-            age = time.time() - lock.stat().st_mtime
-        except FileNotFoundError:
-            return
-        if age >= stale_after:
-            raise NativeBuildError(
-                f"A stale build lock {lock} ({age:.0f} s old) is left by a build that was "
-                f"killed. If no other zenflow build is running, remove it with `rm {lock}` "
-                "and retry, or set ZENFLOW_OPS=reference to skip the native op."
-            )
-        time.sleep(min(1.0, stale_after - age))
+            (directory / LOCK_FILE_NAME).unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(guard, fcntl.LOCK_UN)
+
+
+def build_running(directory: Path) -> bool:
+    """True while another process holds ``directory``'s build guard (a build is running)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        return False
+    try:
+        guard = open(directory / GUARD_FILE_NAME, "rb")
+    except FileNotFoundError:
+        return False
+    with guard:
+        try:
+            fcntl.flock(guard, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(guard, fcntl.LOCK_UN)
+        return False
+
+
+def load_deepspeed_op(builder_name: str) -> Any:
+    """JIT-build (first use) and load one of DeepSpeed's ops, guarded like our own build.
+
+    ``builder_name`` is an op builder class name of the current DeepSpeed accelerator
+    (``"CPUAdamBuilder"``, ``"ShareMemCommBuilder"``). The build goes to
+    ``<build_root>/deepspeed/<op>`` instead of torch's shared default, so only guarded
+    builds ever write there. DeepSpeed keeps the loaded module, so a later
+    ``deepspeed.initialize`` or ``DeepSpeedCPUAdam`` in this process reuses it.
+    """
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder(builder_name)
+    if builder is None:
+        raise NativeBuildError(
+            f"DeepSpeed's {get_accelerator().device_name()} accelerator has no {builder_name}."
+        )
+    root = build_root() / "deepspeed"
+    previous = os.environ.get("TORCH_EXTENSIONS_DIR")
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(root)  # DeepSpeed's jit_load takes no folder
+    try:
+        with exclusive_build(root / builder.NAME):
+            return builder.load(verbose=False)
+    finally:
+        if previous is None:
+            os.environ.pop("TORCH_EXTENSIONS_DIR", None)
+        else:
+            os.environ["TORCH_EXTENSIONS_DIR"] = previous
 
 
 def _build(directory: Path) -> None:
+    log_path = directory / BUILD_LOG_NAME
+    started = time.perf_counter()
+    with exclusive_build(directory):
+        cached = (directory / f"{EXTENSION_NAME}.so").is_file()
+        _compile(directory, log_path)
+        if not cached:
+            log_path.write_text(
+                f"zenflow native build ok in {time.perf_counter() - started:.1f} s\n"
+                f"flags: {' '.join(CFLAGS + LDFLAGS)}\ncapability: {cpu_capability()}\n"
+            )
+    _state["state"] = "cached" if cached else "built"
+
+
+def _compile(directory: Path, log_path: Path) -> None:
     from torch.utils import cpp_extension
 
-    directory.mkdir(parents=True, exist_ok=True)
-    check_build_lock(directory)
-    log_path = directory / BUILD_LOG_NAME
-    library = directory / f"{EXTENSION_NAME}.so"
-    cached = library.is_file()
-    started = time.perf_counter()
     try:
         # verbose=False: on failure cpp_extension puts ninja's full output (the compiler's
         # messages) into the exception text, which goes to the log below.
@@ -166,12 +229,6 @@ def _build(directory: Path) -> None:
             f"output is in {log_path}. Set ZENFLOW_OPS=reference to run with the PyTorch "
             "reference instead."
         ) from exc
-    if not cached:
-        log_path.write_text(
-            f"zenflow native build ok in {time.perf_counter() - started:.1f} s\n"
-            f"flags: {' '.join(CFLAGS + LDFLAGS)}\ncapability: {cpu_capability()}\n"
-        )
-    _state["state"] = "cached" if cached else "built"
 
 
 def load_native() -> None:
