@@ -1,6 +1,6 @@
 """`zfctl tune-hw`: probe this machine, measure, and choose the zenflow block.
 
-Thin: parse flags, call ``zenflow.hw.run_tune``, render its plain dict with Rich, write
+Thin: parse flags, call ``zenflow.tuning.run_tune``, render its plain dict with Rich, write
 hw.json and (with ``--config``) the config's zenflow block. Torch and zenflow are imported
 inside the command so ``zfctl --help`` stays light.
 """
@@ -65,24 +65,24 @@ def tune_hw(
     if topk is not None and not 0.0 < topk <= 1.0:
         raise typer.BadParameter(f"{topk} is not in 0 < x <= 1.", param_hint="--topk")
 
-    from zenflow import hw
+    from zenflow import measure, runs, tuning
 
-    config_doc = hw.read_config_document(config) if config is not None else None
+    config_doc = tuning.read_config_document(config) if config is not None else None
     err = Console(stderr=True)
-    settings = hw.TuneSettings(
-        model=model or (hw.BUILTIN_SMALL if quick else "gpt2"),
+    settings = tuning.TuneSettings(
+        model=model or (measure.BUILTIN_SMALL if quick else "gpt2"),
         micro_batch=micro_batch or (4 if quick else 8),
         seq_len=seq_len or (32 if quick else 128),
         quick=quick,
         topk_ratio=topk,
         progress=lambda msg: err.print(f"[dim]tune-hw: {msg}…[/dim]", highlight=False),
     )
-    result = hw.run_tune(settings)
-    hw.write_json_atomic(output, result)
+    result = tuning.run_tune(settings)
+    runs.write_json_atomic(output, result)
 
     update = None
     if config is not None:
-        update = hw.update_config(config, config_doc, result["choices"], write=write)
+        update = tuning.update_config(config, config_doc, result["choices"], write=write)
     if json_output:
         typer.echo(json.dumps(result, indent=2))
         return

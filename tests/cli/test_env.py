@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import zfctl
-from zenflow import hw, ops
+from zenflow import hw, ops, runs, tuning
 from zfctl import env_cmd
 
 
@@ -25,9 +25,9 @@ def env_json(cli, *args) -> dict:
 
 
 def tune_hw_result() -> dict:
-    """A hw.json in tune-hw's format, decided by zenflow.hw.choose from synthetic figures."""
-    choices = hw.choose(
-        hw.TuneInputs(
+    """A hw.json in tune-hw's format, decided by zenflow.tuning.choose from synthetic figures."""
+    choices = tuning.choose(
+        tuning.TuneInputs(
             cores=8, params_total=124_000_000, params_2d=85_000_000, fb_all_ms=120.0,
             fb_split_ms=200.0, train_threads=4, adam_rate_worker=2.0e8, adam_rate_all=4.0e8,
             mem_available_bytes=64 * 2**30,
@@ -42,7 +42,7 @@ def tune_hw_result() -> dict:
         "choices": choices.zenflow_block(),
         "reasons": choices.reasons,
         "windows": choices.windows,
-        "memory_check": {**choices.memory, "verdict": hw.memory_verdict(choices.memory)},
+        "memory_check": {**choices.memory, "verdict": tuning.memory_verdict(choices.memory)},
         "notes": [],
     }
 
@@ -157,7 +157,7 @@ def test_offline_variables_and_glue_dir(cli, tmp_path, monkeypatch):
 def test_hw_json_choices_shown(cli, tmp_path):
     result = tune_hw_result()
     path = tmp_path / "hw.json"
-    hw.write_json_atomic(path, result)
+    runs.write_json_atomic(path, result)
     info = env_json(cli, "--hw", path)
     shown = info["hw"]
     assert shown["present"] is True and shown["path"] == str(path)
@@ -176,7 +176,7 @@ def test_hw_json_from_older_torch_gets_a_note(cli, tmp_path):
     result = tune_hw_result()
     result["versions"]["torch"] = "1.0.0"
     path = tmp_path / "hw.json"
-    hw.write_json_atomic(path, result)
+    runs.write_json_atomic(path, result)
     notes = env_json(cli, "--hw", path)["hw"]["notes"]
     assert len(notes) == 1 and "measured with torch 1.0.0" in notes[0]
 

@@ -1,0 +1,391 @@
+"""Timed measurements of the training work: host Adam, forward+backward, and the overlap.
+
+``measure_cpu_adam`` times the CPU Adam step (native or, with the reason, the reference) on
+a given number of threads; ``measure_fwd_bwd`` times forward+backward of a probe model
+(``load_probe_model``: a Hugging Face model or a built-in GPT-2 shape); ``measure_overlap``
+runs one update window with the host step on a worker thread beside the device work, and
+without; ``measure_engine`` times real ``ZenFlowEngine`` steps. Each returns plain data
+that ``zenflow.tuning`` decides from.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from zenflow.hw import median_seconds, torch_threads
+
+# Built-in GPT-2 shapes (layers, width, heads; GPT-2 vocabulary), random init. The first is
+# the --quick default, the architecture of ZENFLOW.md section 7 (38.4M params); the second
+# is a toy for tests.
+BUILTIN_SHAPES = {"builtin:gpt2-4x512": (4, 512, 8), "builtin:gpt2-2x128": (2, 128, 4)}
+BUILTIN_SMALL = "builtin:gpt2-4x512"
+
+# Hyper-parameters of the timed Adam steps (the time does not depend on them).
+_ADAM_HP = {"lr": 1e-4, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
+
+
+# --------------------------------------------------------------------------------------
+# CPU Adam
+
+
+@dataclass(frozen=True)
+class AdamProbe:
+    backend: str  # "native" or "reference"
+    fallback_reason: str | None  # why the reference ran instead of the native op
+    num_threads: int
+    numel: int
+    ms: float  # median time of one step over numel params
+    params_per_s: float
+
+
+def resolve_adam(allow_build: bool = True) -> tuple[Callable, str, str | None]:
+    """(adamw_step fn, backend name, fallback reason). Never falls back silently.
+
+    The native op builds on first use (about a minute); with ``allow_build=False`` an
+    op not built yet is left unbuilt and the reference is used, with the reason.
+    """
+    import torch
+
+    from zenflow import ops
+
+    reference = ops.adamw_step_reference_
+    native = getattr(ops, "adamw_step_", None)
+    status_fn = getattr(ops, "native_status", None)
+    if native is None or status_fn is None:
+        return reference, "reference", "the native op is not available in zenflow.ops"
+    status = status_fn()
+    if status.get("ops") == "reference":
+        return reference, "reference", "ZENFLOW_OPS=reference is set"
+    ready = status.get("state") in ("built", "cached") or status.get("cached_library")
+    if not allow_build and not ready:
+        return (
+            reference,
+            "reference",
+            "the native op is not built yet and --quick does not build it (about a minute); "
+            "run tune-hw without --quick to build and measure it",
+        )
+    try:
+        t = [torch.zeros(8) for _ in range(4)]
+        native(*t, step=1, **_ADAM_HP)  # builds or loads the op
+    except Exception as exc:  # a failed build or load: report it, measure the reference
+        text = str(exc).strip()
+        first = text.splitlines()[0] if text else type(exc).__name__
+        return reference, "reference", f"the native op failed to build or load: {first}"
+    return native, "native", None
+
+
+def measure_cpu_adam(
+    numel: int,
+    num_threads: int,
+    repeats: int = 5,
+    adam: tuple[Callable, str, str | None] | None = None,
+) -> AdamProbe:
+    """Median time of one AdamW step over ``numel`` fp32 params on ``num_threads`` threads.
+
+    The reference ignores ``num_threads``, so torch's thread count is set to it while
+    measuring (and restored).
+    """
+    import torch
+
+    fn, backend, reason = adam or resolve_adam()
+    param, grad = torch.randn(numel), torch.randn(numel)
+    exp_avg, exp_avg_sq = torch.zeros(numel), torch.zeros(numel)
+    step = [0]
+
+    def one() -> None:
+        step[0] += 1
+        fn(param, grad, exp_avg, exp_avg_sq, step=step[0], **_ADAM_HP, num_threads=num_threads)
+
+    with torch_threads(num_threads):
+        one()  # warm-up
+        seconds = median_seconds(one, repeats)
+    return AdamProbe(backend, reason, num_threads, numel, seconds * 1e3, numel / seconds)
+
+
+# --------------------------------------------------------------------------------------
+# Model forward+backward
+
+
+@dataclass
+class ProbeModel:
+    """The model whose forward+backward is timed, with its parameter counts."""
+
+    name: str
+    source: str  # where the weights came from, in words
+    model: object
+    batch: dict
+    params_total: int
+    params_2d: int
+    micro_batch: int
+    seq_len: int
+
+
+def load_probe_model(name: str, micro_batch: int, seq_len: int, seed: int = 0) -> ProbeModel:
+    """Build the model (2 labels, like a GLUE task) and a random token batch for timing."""
+    import torch
+
+    torch.manual_seed(seed)
+    if name in BUILTIN_SHAPES:
+        from transformers import GPT2Config, GPT2ForSequenceClassification
+
+        layers, width, heads = BUILTIN_SHAPES[name]
+        cfg = GPT2Config(
+            n_layer=layers, n_embd=width, n_head=heads, num_labels=2, pad_token_id=50256
+        )
+        model = GPT2ForSequenceClassification(cfg)
+        source = f"built-in GPT-2 shape ({layers} layers, width {width}), random init"
+    else:
+        model, source = _resolve_named_model(name, seed)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model.to(device).train()
+    cfg = model.config
+    if getattr(cfg, "pad_token_id", None) is None:
+        cfg.pad_token_id = getattr(cfg, "eos_token_id", None) or 0
+    limit = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+    if limit and seq_len > limit:
+        from zenflow.errors import UserInputError
+
+        raise UserInputError(
+            f"--seq-len {seq_len} is longer than {name}'s {limit} positions; use --seq-len "
+            f"{limit} or less."
+        )
+    vocab = cfg.vocab_size
+    high = max(2, vocab - 1)
+    ids = torch.randint(0, high, (micro_batch, seq_len))
+    ids[ids == cfg.pad_token_id] = 1  # no pad tokens: the last position is the sequence end
+    batch = {
+        "input_ids": ids.to(device),
+        "attention_mask": torch.ones_like(ids).to(device),
+        "labels": torch.randint(0, 2, (micro_batch,)).to(device),
+    }
+    params = [p for p in model.parameters() if p.requires_grad]
+    return ProbeModel(
+        name=name,
+        source=source,
+        model=model,
+        batch=batch,
+        params_total=sum(p.numel() for p in params),
+        params_2d=sum(p.numel() for p in params if p.dim() == 2),
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+    )
+
+
+def _resolve_named_model(name: str, seed: int) -> tuple[object, str]:
+    """The model through zenflow.models: its weights if available, else random init (said)."""
+    from zenflow.errors import ModelSourceError
+    from zenflow.models import resolve_model
+
+    try:
+        resolved = resolve_model(name, task_num_labels=2, init="pretrained", seed=seed)
+        return resolved.model, resolved.sources.get("model", "pretrained weights")
+    except ModelSourceError as exc:
+        first = str(exc).split(". ")[0]
+        resolved = resolve_model(name, task_num_labels=2, init="random", seed=seed)
+        return resolved.model, f"random init, seed {seed} (weights not available: {first})"
+
+
+def fwd_bwd_once(pm: ProbeModel) -> None:
+    """One forward+backward; waits for the device so wall time covers its work."""
+    import torch
+
+    out = pm.model(**pm.batch)
+    out.loss.backward()
+    pm.model.zero_grad(set_to_none=True)
+    if pm.batch["input_ids"].is_cuda:
+        torch.cuda.synchronize()
+
+
+def measure_fwd_bwd(pm: ProbeModel, num_threads: int, repeats: int = 5) -> float:
+    """Median ms of one forward+backward on ``num_threads`` torch threads (restored after)."""
+    with torch_threads(num_threads):
+        fwd_bwd_once(pm)  # warm-up (allocator, lazy init)
+        return median_seconds(lambda: fwd_bwd_once(pm), repeats) * 1e3
+
+
+# --------------------------------------------------------------------------------------
+# Overlap: host step on a background thread while forward+backward runs
+
+
+@dataclass(frozen=True)
+class OverlapProbe:
+    """Both options of ZENFLOW.md section 7, measured at one update interval S.
+
+    on: S forward+backward steps on ``train_threads`` while the host step runs concurrently
+    on a worker thread with ``worker_threads``; the window ends when both are done.
+    off: S forward+backward steps on all threads, then the host step on all threads.
+    """
+
+    update_interval: int
+    train_threads: int
+    worker_threads: int
+    all_threads: int
+    host_numel: int
+    on_window_ms: float
+    on_fb_ms: float  # median forward+backward during the window (with the worker running)
+    on_host_ms: float  # median worker time of the host step (with training running)
+    on_wait_ms: float  # median time the training thread waited for the worker at the end
+    off_window_ms: float
+    off_fb_ms: float  # median forward+backward on all threads
+    off_host_ms: float  # median host step on all threads, after the window's steps
+    repeats: int
+
+
+def measure_overlap(
+    pm: ProbeModel,
+    *,
+    update_interval: int,
+    train_threads: int,
+    worker_threads: int,
+    all_threads: int,
+    host_numel: int,
+    adam: tuple[Callable, str, str | None],
+    repeats: int = 3,
+    chunk_numel: int = 16 * 2**20,
+) -> OverlapProbe:
+    """Measure one window each way (median of ``repeats`` after a warm-up).
+
+    The host step covers ``host_numel`` params in chunks of at most ``chunk_numel`` (the
+    same buffers reused, 16 bytes/param), which costs the same memory traffic as distinct
+    buffers once they exceed the caches while capping memory at 256 MiB.
+    """
+    import torch
+
+    fn = adam[0]
+    n = max(1, min(host_numel, chunk_numel))
+    param, grad = torch.randn(n), torch.randn(n)
+    exp_avg, exp_avg_sq = torch.zeros(n), torch.zeros(n)
+    step = [0]
+
+    def host_step(threads: int) -> None:
+        step[0] += 1
+        left = host_numel
+        while left > 0:
+            k = min(left, n)
+            fn(
+                param[:k],
+                grad[:k],
+                exp_avg[:k],
+                exp_avg_sq[:k],
+                step=step[0],
+                **_ADAM_HP,
+                num_threads=threads,
+            )
+            left -= k
+
+    on_windows, on_fbs, on_hosts, on_waits = [], [], [], []
+    off_windows, off_fbs, off_hosts = [], [], []
+    with torch_threads(train_threads):
+        for r in range(repeats + 1):
+            host_s: list[float] = []
+            failed: list[BaseException] = []
+
+            def worker(out: list[float] = host_s, err: list[BaseException] = failed) -> None:
+                t = time.perf_counter()
+                try:
+                    host_step(worker_threads)
+                except BaseException as exc:  # re-raised on the training thread below
+                    err.append(exc)
+                out.append(time.perf_counter() - t)
+
+            t0 = time.perf_counter()
+            th = threading.Thread(target=worker, name="zenflow-hw-host-step")
+            th.start()
+            fbs = []
+            for _ in range(update_interval):
+                t = time.perf_counter()
+                fwd_bwd_once(pm)
+                fbs.append(time.perf_counter() - t)
+            t_join = time.perf_counter()
+            th.join()
+            t1 = time.perf_counter()
+            if failed:
+                raise failed[0]
+            if r:  # the first window is a warm-up
+                on_windows.append(t1 - t0)
+                on_fbs.append(statistics.median(fbs))
+                on_hosts.append(host_s[0])
+                on_waits.append(t1 - t_join)
+    with torch_threads(all_threads):
+        for r in range(repeats + 1):
+            fbs = []
+            t0 = time.perf_counter()
+            for _ in range(update_interval):
+                t = time.perf_counter()
+                fwd_bwd_once(pm)
+                fbs.append(time.perf_counter() - t)
+            t_host = time.perf_counter()
+            host_step(all_threads)
+            t1 = time.perf_counter()
+            if r:
+                off_windows.append(t1 - t0)
+                off_fbs.append(statistics.median(fbs))
+                off_hosts.append(t1 - t_host)
+    med = statistics.median
+    return OverlapProbe(
+        update_interval=update_interval,
+        train_threads=train_threads,
+        worker_threads=worker_threads,
+        all_threads=all_threads,
+        host_numel=host_numel,
+        on_window_ms=med(on_windows) * 1e3,
+        on_fb_ms=med(on_fbs) * 1e3,
+        on_host_ms=med(on_hosts) * 1e3,
+        on_wait_ms=med(on_waits) * 1e3,
+        off_window_ms=med(off_windows) * 1e3,
+        off_fb_ms=med(off_fbs) * 1e3,
+        off_host_ms=med(off_hosts) * 1e3,
+        repeats=repeats,
+    )
+
+
+def measure_engine(pm: ProbeModel, block: dict, overlap: bool, windows: int = 2) -> dict:
+    """Mean ms per step of real ZenFlowEngine steps with ``block`` and overlap on or off.
+
+    Runs on a copy of the model: one warm-up window (selection, first host step), then
+    ``windows`` whole windows timed, so each host step's cost is counted once per window.
+    """
+    import torch
+
+    from zenflow.config import load_config
+    from zenflow.engine import ZenFlowEngine
+
+    s = int(block["update_interval"])
+    raw = {
+        "train_micro_batch_size_per_gpu": pm.micro_batch,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0.01}},
+        "zero_optimization": {
+            "stage": 2,
+            "offload_optimizer": {"device": "cpu", "pin_memory": torch.cuda.is_available()},
+            "zenflow": {**block, "overlap_step": overlap, "full_warm_up_rounds": 0},
+        },
+    }
+    model = copy.deepcopy(pm.model)
+    prev = torch.get_num_threads()
+    engine = ZenFlowEngine(model, load_config(raw), mode="zenflow", steps_per_epoch=10**6)
+    try:
+
+        def one() -> None:
+            with engine.autocast():
+                loss = model(**pm.batch).loss
+            loss.backward()
+            engine.step(loss)
+            engine.zero_grad()
+
+        for _ in range(s + 1):  # warm-up window, plus the step that applies its host result
+            one()
+        t0 = time.perf_counter()
+        for _ in range(windows * s):
+            one()
+        ms = (time.perf_counter() - t0) * 1e3 / (windows * s)
+    finally:
+        engine.close()
+        torch.set_num_threads(prev)
+    return {"overlap_step": overlap, "update_interval": s, "steps": windows * s,
+            "ms_per_step": ms, "host_kernel": engine.resolved.get("host_kernel")}  # fmt: skip
