@@ -31,6 +31,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 
 #include <omp.h>
 
@@ -287,6 +288,18 @@ void adamw_step_(const at::Tensor& param, const at::Tensor& grad, const at::Tens
   }
 }
 
+// Which vector body this build compiled (the same macros that pick it above), so tests
+// and `zfctl env` can say which path the element-wise checks exercised.
+std::string simd_path() {
+#if defined(__AVX512F__)
+  return "avx512";
+#elif defined(__AVX2__) && defined(__FMA__)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(zenflow, m) {
@@ -294,6 +307,7 @@ TORCH_LIBRARY(zenflow, m) {
       "adamw_step_(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "
       "Tensor(d!)? param_bf16, int step, float lr, float beta1, float beta2, float eps, "
       "float weight_decay, float grad_scale, bool adamw_mode, int num_threads) -> ()");
+  m.def("simd_path() -> str", &simd_path);
 }
 
 TORCH_LIBRARY_IMPL(zenflow, CPU, m) { m.impl("adamw_step_", &adamw_step_); }

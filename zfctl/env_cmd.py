@@ -53,6 +53,7 @@ ENV_VARS = (
     "GLUE_DIR",
     "ZENFLOW_OPS",
     "ZENFLOW_BUILD_DIR",
+    "ZENFLOW_NATIVE_MARCH",
 )
 # What an unset variable means, for the rendered table.
 UNSET_MEANS = {
@@ -62,6 +63,7 @@ UNSET_MEANS = {
     "GLUE_DIR": "zfctl finetune then needs --data-dir or --sample-data",
     "ZENFLOW_OPS": "the native CPU Adam is used",
     "ZENFLOW_BUILD_DIR": "native builds go to ~/.cache/zenflow/build",
+    "ZENFLOW_NATIVE_MARCH": "the native op is compiled with -march=native",
 }
 NO_CUDA = "cpu (no CUDA device: the device is the CPU itself)"
 DEFAULT_HW = Path("hw.json")

@@ -150,7 +150,10 @@ def native_rows(native: dict) -> list[Row]:
         ("build dir", escape(str(native["build_dir"]))),
         ("cache key", escape(str(native["key"]))),
         ("CPU capability", escape(native["cpu_capability"])),
+        ("compile flags", escape(native["flags"])),
     ]  # fmt: skip
+    if native.get("simd_path"):
+        rows.append(("SIMD path", f"{native['simd_path']} (the vector body this build runs)"))
     compiler = native["compiler"]
     rows.append((
         "compiler",

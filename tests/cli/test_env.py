@@ -266,6 +266,8 @@ def test_build_loads_a_cached_native_op(cli, tmp_path, monkeypatch):
     assert attempt["ok"] is True and attempt["state"] in ("built", "cached")
     assert info["native"]["state"] == attempt["state"] == ops.native_status()["state"]
     assert hasattr(torch.ops.zenflow, "adamw_step_")
+    assert info["native"]["simd_path"] == ops.simd_path() in ("avx512", "avx2", "scalar")
+    assert "-march=" in info["native"]["flags"]
 
 
 def test_env_module_imports_no_torch():

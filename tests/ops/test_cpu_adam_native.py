@@ -10,16 +10,46 @@ the result: 1e-7 * 5 ~ one ulp of the terms.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
-from zenflow.ops import adamw_step_, adamw_step_reference_
+from zenflow.ops import adamw_step_, adamw_step_reference_, simd_path
 
 SIZES = [1, 7, 4096, 4097, 2**20 + 3]
 # (adamw_mode, weight_decay, grad_scale)
 CONFIGS = [(True, 0.0, 1.0), (True, 0.05, 0.25), (False, 0.05, 1.0), (False, 0.0, 0.25)]
 STEPS = 3
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8)
+
+
+def best_simd_path(cpuinfo: str) -> str:
+    """The path ``-march=native`` compiles on a CPU with these /proc/cpuinfo flags."""
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    if "avx512f" in flags:
+        return "avx512"
+    return "avx2" if {"avx2", "fma"} <= flags else "scalar"
+
+
+def test_the_checks_here_run_the_expected_simd_path(native):
+    """Names the vector body every comparison in this file exercised.
+
+    tests/ops/test_simd_paths.py reruns this file on builds for the other paths and sets
+    ZENFLOW_EXPECT_SIMD to the one it asked for.
+    """
+    expected = os.environ.get("ZENFLOW_EXPECT_SIMD")
+    if expected is None:
+        cpuinfo = Path("/proc/cpuinfo")
+        if not cpuinfo.is_file():
+            pytest.skip("no /proc/cpuinfo to predict -march=native from")
+        expected = best_simd_path(cpuinfo.read_text())
+    assert simd_path() == expected
 
 
 def _state(numel: int, seed: int, grad_dtype: torch.dtype):

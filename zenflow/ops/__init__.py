@@ -7,7 +7,8 @@ Public API (other modules and external checks build on these names):
   one in-place AdamW step with the native SIMD kernel (built on first use; routed to the
   reference when ``ZENFLOW_OPS=reference``).
 - ``adamw_step_reference_(...)``: the same step in plain PyTorch, same signature.
-- ``load_native()``, ``native_status()``, ``NativeBuildError``: see ``zenflow.ops.loader``.
+- ``load_native()``, ``native_status()``, ``simd_path()``, ``NativeBuildError``: see
+  ``zenflow.ops.loader``.
 
 ``step`` is the 1-based step number used for bias correction. ``grad_scale`` multiplies
 the gradient before use (pass 1/S to average a window's gradient *sum* without a
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from zenflow.ops.loader import NativeBuildError, load_native, native_status, ops_mode
+from zenflow.ops.loader import NativeBuildError, load_native, native_status, ops_mode, simd_path
 from zenflow.ops.reference import adamw_step_reference_
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "adamw_step_reference_",
     "load_native",
     "native_status",
+    "simd_path",
 ]
 
 

@@ -5,6 +5,8 @@ This is the one place that reads environment variables for native-build settings
 - ``ZENFLOW_OPS=reference`` routes every ``zenflow.ops.adamw_step_`` call to the plain
   PyTorch reference (for debugging, or where no compiler is available).
 - ``ZENFLOW_BUILD_DIR`` overrides the build cache root (default ``~/.cache/zenflow/build``).
+- ``ZENFLOW_NATIVE_MARCH`` overrides ``-march=native`` (``x86-64-v3`` builds the AVX2 path
+  on an AVX-512 machine, ``x86-64`` the scalar one), so every SIMD path can be checked here.
 
 The build lives in ``<root>/<key>``, where the key hashes the source text, the torch
 version, the compiler flags and the CPU's SIMD capability, so a cache copied to another
@@ -30,7 +32,6 @@ from zenflow.errors import UserInputError
 
 EXTENSION_NAME = "zenflow_cpu_adam"
 SOURCE_FILES = ("cpu_adam.cpp",)
-CFLAGS = ("-O3", "-march=native", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 # torch.utils.cpp_extension holds this file while ninja runs; a killed build leaves it, and
 # torch then waits on it forever.
@@ -54,6 +55,12 @@ def ops_mode() -> str:
     """``"reference"`` when ``ZENFLOW_OPS=reference``, else ``"native"``."""
     value = os.environ.get("ZENFLOW_OPS", "").strip().lower()
     return "reference" if value == "reference" else "native"
+
+
+def compile_flags() -> tuple[str, ...]:
+    """``-O3 -march=<ZENFLOW_NATIVE_MARCH or native> -fopenmp``."""
+    march = os.environ.get("ZENFLOW_NATIVE_MARCH", "").strip() or "native"
+    return ("-O3", f"-march={march}", "-fopenmp")
 
 
 def build_root() -> Path:
@@ -111,7 +118,7 @@ def _sources() -> list[Path]:
 def current_key() -> str:
     """The cache key of this checkout's sources on this CPU with this torch."""
     text = "".join(path.read_text() for path in _sources())
-    return cache_key(text, torch.__version__, CFLAGS + LDFLAGS, cpu_capability())
+    return cache_key(text, torch.__version__, compile_flags() + LDFLAGS, cpu_capability())
 
 
 def build_dir() -> Path:
@@ -202,7 +209,7 @@ def _build(directory: Path) -> None:
         if not cached:
             log_path.write_text(
                 f"zenflow native build ok in {time.perf_counter() - started:.1f} s\n"
-                f"flags: {' '.join(CFLAGS + LDFLAGS)}\ncapability: {cpu_capability()}\n"
+                f"flags: {' '.join(compile_flags() + LDFLAGS)}\ncapability: {cpu_capability()}\n"
             )
     _state["state"] = "cached" if cached else "built"
 
@@ -216,7 +223,7 @@ def _compile(directory: Path, log_path: Path) -> None:
         cpp_extension.load(
             name=EXTENSION_NAME,
             sources=[str(path) for path in _sources()],
-            extra_cflags=list(CFLAGS),
+            extra_cflags=list(compile_flags()),
             extra_ldflags=list(LDFLAGS),
             build_directory=str(directory),
             is_python_module=False,
@@ -255,6 +262,15 @@ def load_native() -> None:
             raise
 
 
+def simd_path() -> str:
+    """Which vector body the native op was compiled with: ``avx512``, ``avx2`` or ``scalar``.
+
+    Builds or loads the op first (it is the compiled library that knows).
+    """
+    load_native()
+    return str(torch.ops.zenflow.simd_path())
+
+
 def native_status() -> dict[str, Any]:
     """Plain data for ``zfctl env``: state, build dir, key, CPU capability, error, ops mode.
 
@@ -267,6 +283,9 @@ def native_status() -> dict[str, Any]:
         "build_dir": None,
         "key": None,
         "cpu_capability": cpu_capability(),
+        "flags": " ".join(compile_flags()),
+        # The vector body the loaded build compiled: "avx512", "avx2" or "scalar".
+        "simd_path": simd_path() if _state["state"] in ("built", "cached") else None,
         "error": _state["error"],
     }
     try:
