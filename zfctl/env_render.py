@@ -163,6 +163,9 @@ def native_rows(native: dict) -> list[Row]:
     if native["build_log"]:
         log = native["build_log"]
         rows.append(("build log", escape(f"{log['path']}: {log['first_line']}")))
+    if native.get("cleared_lock"):
+        cleared = escape(native["cleared_lock"])
+        rows.append(("build lock", f"cleared {cleared}, left by a killed build"))
     if native["build_running"]:
         rows.append(("build lock", "a build is running in another process"))
     elif native["lock_age_s"] is not None:

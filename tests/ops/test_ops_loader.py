@@ -122,11 +122,13 @@ def test_failed_build_names_log_and_fallback(tmp_path, monkeypatch):
     src.mkdir()
     (src / "cpu_adam.cpp").write_text("#error zenflow test: deliberately broken source\n")
     monkeypatch.setattr(loader, "csrc_dir", lambda: src)
+    monkeypatch.delitem(loader._state, "cleared_lock", raising=False)  # restored after
     build = tmp_path / "build"
     build.mkdir()
     (build / "lock").write_text("")  # left by a killed build: cleared, not waited on
     with pytest.raises(NativeBuildError) as info:
         loader._build(build)
+    assert loader._state["cleared_lock"] == str(build / "lock")  # and reported
     log = build / loader.BUILD_LOG_NAME
     assert str(log) in str(info.value)
     assert "ZENFLOW_OPS=reference" in str(info.value)

@@ -127,27 +127,30 @@ def build_dir() -> Path:
 
 
 @contextlib.contextmanager
-def exclusive_build(directory: Path) -> Iterator[None]:
+def exclusive_build(directory: Path) -> Iterator[bool]:
     """Hold the right to build in ``directory``; clear a killed build's lock first.
 
     torch's cpp_extension marks a build with a plain ``lock`` file and waits forever on one
     left by a killed build. Every zenflow build (ours and the DeepSpeed ops we build) runs
     inside this guard, which holds an ``flock`` on ``build.flock`` in the same folder. The
     kernel releases an flock when its holder dies, so once it is ours no other guarded build
-    is alive, and a ``lock`` file still there is a dead build's: it is removed. A live build
-    in another process is waited for. POSIX only; elsewhere the guard does nothing.
+    is alive, and a ``lock`` file still there is a dead build's: it is removed, and the
+    context value says so (True) for the caller to report. A live build in another process
+    is waited for. POSIX only; elsewhere the guard does nothing.
     """
     directory.mkdir(parents=True, exist_ok=True)
     try:
         import fcntl
     except ImportError:  # pragma: no cover - not POSIX
-        yield
+        yield False
         return
     with open(directory / GUARD_FILE_NAME, "a+") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)
         try:
-            (directory / LOCK_FILE_NAME).unlink(missing_ok=True)
-            yield
+            lock = directory / LOCK_FILE_NAME
+            cleared = lock.exists()
+            lock.unlink(missing_ok=True)
+            yield cleared
         finally:
             fcntl.flock(guard, fcntl.LOCK_UN)
 
@@ -203,13 +206,16 @@ def load_deepspeed_op(builder_name: str) -> Any:
 def _build(directory: Path) -> None:
     log_path = directory / BUILD_LOG_NAME
     started = time.perf_counter()
-    with exclusive_build(directory):
+    with exclusive_build(directory) as cleared:
+        if cleared:
+            _state["cleared_lock"] = str(directory / LOCK_FILE_NAME)
         cached = (directory / f"{EXTENSION_NAME}.so").is_file()
         _compile(directory, log_path)
         if not cached:
             log_path.write_text(
                 f"zenflow native build ok in {time.perf_counter() - started:.1f} s\n"
                 f"flags: {' '.join(compile_flags() + LDFLAGS)}\ncapability: {cpu_capability()}\n"
+                + (f"cleared {_state['cleared_lock']}, left by a killed build\n" if cleared else "")
             )
     _state["state"] = "cached" if cached else "built"
 
@@ -287,6 +293,8 @@ def native_status() -> dict[str, Any]:
         # The vector body the loaded build compiled: "avx512", "avx2" or "scalar".
         "simd_path": simd_path() if _state["state"] in ("built", "cached") else None,
         "error": _state["error"],
+        # A lock file of a killed build that this process's build found and removed.
+        "cleared_lock": _state.get("cleared_lock"),
     }
     try:
         status["key"] = current_key()
