@@ -24,7 +24,10 @@ TEMPLATE = Path(__file__).resolve().parents[1] / "templates" / "zenflow.json"
 def main(deadline_s: float) -> None:
     faulthandler.dump_traceback_later(deadline_s, exit=True)
     os.environ.update(DS_ACCELERATOR="cpu", LOCAL_SIZE="1", LOCAL_RANK="0", RANK="0")
-    os.environ.update(WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29511")
+    # MASTER_ADDR/MASTER_PORT only name DeepSpeed's shared-memory segment here; the parent
+    # test picks the port and removes the segment afterwards.
+    os.environ.setdefault("MASTER_PORT", "29511")
+    os.environ.update(WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
 
     import deepspeed
     import torch.distributed as dist
@@ -36,7 +39,7 @@ def main(deadline_s: float) -> None:
     for builder in ("CPUAdamBuilder", "ShareMemCommBuilder"):
         load_deepspeed_op(builder)
     # A single-process gloo group on an in-memory store: no TCP rendezvous to hang on.
-    # DeepSpeed wraps a group that is already there (MASTER_* above only name its shm).
+    # DeepSpeed wraps a group that is already there.
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
     config = json.loads(TEMPLATE.read_text())

@@ -15,6 +15,7 @@ The first run JIT-builds DeepSpeed's cpu_adam and shm comm ops into zenflow's bu
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -36,12 +37,20 @@ def test_deepspeed_version_is_the_pinned_one():
 
 
 def test_zenflow_initialize_keeps_every_weight():
-    result = subprocess.run(
-        [sys.executable, str(CHECK), str(DEADLINE_S)],
-        capture_output=True,
-        text=True,
-        timeout=DEADLINE_S + 60,
-    )
+    # DeepSpeed's CPU comm creates a /dev/shm segment named after MASTER_ADDR/MASTER_PORT
+    # (about 70 MB) and never removes it: give this run its own name, and remove it after.
+    port = str(20000 + os.getpid() % 20000)
+    try:
+        result = subprocess.run(
+            [sys.executable, str(CHECK), str(DEADLINE_S)],
+            env=dict(os.environ, MASTER_PORT=port),
+            capture_output=True,
+            text=True,
+            timeout=DEADLINE_S + 60,
+        )
+    finally:
+        for segment in Path("/dev/shm").glob(f"deepspeed_*_127.0.0.1_{port}_*"):
+            segment.unlink(missing_ok=True)
     output = f"--- stdout\n{result.stdout}\n--- stderr\n{result.stderr[-20000:]}"
     assert result.returncode == 0, output
     assert "ok: 6 parameters unchanged through deepspeed.initialize" in result.stdout, output
