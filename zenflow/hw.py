@@ -238,7 +238,7 @@ def probe_accelerator(buffer_mb: int = 256, repeats: int = 5) -> AcceleratorProb
 
 
 # --------------------------------------------------------------------------------------
-# Timing helpers (shared with zenflow.measure)
+# Timing helper (shared with zenflow.measure)
 
 
 def median_seconds(fn: Callable[[], object], repeats: int) -> float:
@@ -248,21 +248,3 @@ def median_seconds(fn: Callable[[], object], repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - t)
     return statistics.median(times)
-
-
-class torch_threads:
-    """Context manager: torch.set_num_threads(n), restored on exit."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __enter__(self) -> None:
-        import torch
-
-        self.prev = torch.get_num_threads()
-        torch.set_num_threads(self.n)
-
-    def __exit__(self, *exc: object) -> None:
-        import torch
-
-        torch.set_num_threads(self.prev)

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from zenflow.hw import median_seconds, torch_threads
+from zenflow.hw import median_seconds
 
 # Built-in GPT-2 shapes (layers, width, heads; GPT-2 vocabulary), random init. The first is
 # the --quick default, the architecture of ZENFLOW.md section 7 (38.4M params); the second
@@ -389,3 +389,21 @@ def measure_engine(pm: ProbeModel, block: dict, overlap: bool, windows: int = 2)
         torch.set_num_threads(prev)
     return {"overlap_step": overlap, "update_interval": s, "steps": windows * s,
             "ms_per_step": ms, "host_kernel": engine.resolved.get("host_kernel")}  # fmt: skip
+
+
+class torch_threads:
+    """Context manager: torch.set_num_threads(n), restored on exit."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __enter__(self) -> None:
+        import torch
+
+        self.prev = torch.get_num_threads()
+        torch.set_num_threads(self.n)
+
+    def __exit__(self, *exc: object) -> None:
+        import torch
+
+        torch.set_num_threads(self.prev)
