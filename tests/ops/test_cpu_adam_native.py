@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from zenflow.hw import parse_cpuinfo
 from zenflow.ops import adamw_step_, adamw_step_reference_, simd_path
 
 SIZES = [1, 7, 4096, 4097, 2**20 + 3]
@@ -25,13 +26,8 @@ STEPS = 3
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8)
 
 
-def best_simd_path(cpuinfo: str) -> str:
+def best_simd_path(flags: set[str]) -> str:
     """The path ``-march=native`` compiles on a CPU with these /proc/cpuinfo flags."""
-    flags: set[str] = set()
-    for line in cpuinfo.splitlines():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            break
     if "avx512f" in flags:
         return "avx512"
     return "avx2" if {"avx2", "fma"} <= flags else "scalar"
@@ -48,7 +44,7 @@ def test_the_checks_here_run_the_expected_simd_path(native):
         cpuinfo = Path("/proc/cpuinfo")
         if not cpuinfo.is_file():
             pytest.skip("no /proc/cpuinfo to predict -march=native from")
-        expected = best_simd_path(cpuinfo.read_text())
+        expected = best_simd_path(parse_cpuinfo(cpuinfo.read_text())["flags"])
     assert simd_path() == expected
 
 

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from zenflow.hw import parse_cpuinfo
+
 NATIVE_TESTS = Path(__file__).resolve().parent / "test_cpu_adam_native.py"
 # x86-64 micro-architecture levels (GCC >= 11): v3 has AVX2+FMA and no AVX-512; the
 # baseline has only SSE2, so neither vector body compiles.
@@ -26,13 +28,9 @@ LEVELS = [("x86-64-v3", "avx2", {"avx2", "fma", "bmi2", "movbe"}), ("x86-64", "s
 
 def _cpu_flags() -> set[str]:
     try:
-        text = Path("/proc/cpuinfo").read_text()
+        return parse_cpuinfo(Path("/proc/cpuinfo").read_text())["flags"]
     except OSError:
         return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 levels only")

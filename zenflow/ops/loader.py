@@ -30,6 +30,11 @@ import torch
 
 from zenflow.errors import UserInputError
 
+try:
+    import fcntl  # the build guard's flock; POSIX only
+except ImportError:  # pragma: no cover - not POSIX: builds run unguarded
+    fcntl = None
+
 EXTENSION_NAME = "zenflow_cpu_adam"
 SOURCE_FILES = ("cpu_adam.cpp",)
 LDFLAGS = ("-fopenmp",)
@@ -139,9 +144,7 @@ def exclusive_build(directory: Path) -> Iterator[bool]:
     is waited for. POSIX only; elsewhere the guard does nothing.
     """
     directory.mkdir(parents=True, exist_ok=True)
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - not POSIX
+    if fcntl is None:  # pragma: no cover - not POSIX
         yield False
         return
     with open(directory / GUARD_FILE_NAME, "a+") as guard:
@@ -157,9 +160,7 @@ def exclusive_build(directory: Path) -> Iterator[bool]:
 
 def build_running(directory: Path) -> bool:
     """True while another process holds ``directory``'s build guard (a build is running)."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - not POSIX
+    if fcntl is None:  # pragma: no cover - not POSIX
         return False
     try:
         guard = open(directory / GUARD_FILE_NAME, "rb")
