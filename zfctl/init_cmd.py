@@ -164,7 +164,7 @@ def init(
             f"{output} already exists; pass --force to overwrite it, or --output PATH to "
             "write elsewhere."
         )
-    from zenflow.runs import write_json_atomic
+    from zenflow.train.runs import write_json_atomic
 
     write_json_atomic(output, data)
     console = Console(highlight=False)

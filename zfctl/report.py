@@ -1,6 +1,6 @@
 """`zfctl report`: what finished or interrupted runs cost and reached; several side by side.
 
-``run_report`` turns one run directory (as ``zenflow.runs.read_run`` returns it) into plain
+``run_report`` turns one run directory (as ``zenflow.train.runs.read_run`` returns it) into plain
 data: the numbers of its summary.json, or, for a run without one (interrupted, crashed or
 still running), the same keys computed from its metrics.jsonl. ``compare`` adds the
 speed-up of each run against the first. The Rich tables (``zfctl.report_render``) and
@@ -11,7 +11,6 @@ split over steps (matplotlib, imported only when ``--plot`` is given).
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 from typing import Annotated, Any
@@ -20,14 +19,19 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from zenflow.runs import checkpoint_step
-from zenflow.stats import TIMING_FIELDS
+from zenflow.engine.stats import TIMING_FIELDS
+from zenflow.train.runs import checkpoint_step
 from zfctl.dashboard import jsonable
 from zfctl.errors import err_console, user_error
+from zfctl.report_render import (
+    _finite,
+    _get,
+    _ratio,
+    render_comparison,
+    render_run,
+    write_plot,
+)
 
-# The parts of a step stacked in the plot; what is left up to wall_ms is data loading,
-# batch copies and the rest of the engine's step.
-PLOT_PARTS = ("forward_ms", "backward_ms", "device_opt_ms", "stall_ms")
 # Keys of an eval line that are not task metrics.
 EVAL_EXTRA = ("type", "step", "eval_loss", "eval_samples")
 # The summary.json keys a report carries over as they are.
@@ -39,43 +43,14 @@ SUMMARY_KEYS = (
     "samples", "tokens", "train_s", "samples_per_s", "tokens_per_s", "wall_s", "model_bytes",
     "params", "sources",
 )  # fmt: skip
-ZENFLOW_KEYS = (
-    "topk_ratio", "update_interval", "select_strategy", "select_interval", "overlap_step",
-    "full_warm_up_rounds",
-)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- small helpers
 
 
-def _finite(x: Any) -> float | None:
-    """``x`` as a finite float, else None (missing, text, NaN, inf)."""
-    if x is None or isinstance(x, bool):
-        return None
-    try:
-        v = float(x)
-    except (TypeError, ValueError):
-        return None
-    return v if math.isfinite(v) else None
-
-
 def _mean(values) -> float | None:
     vals = [v for v in map(_finite, values) if v is not None]
     return sum(vals) / len(vals) if vals else None
-
-
-def _ratio(a: Any, b: Any) -> float | None:
-    a, b = _finite(a), _finite(b)
-    return a / b if a is not None and b else None
-
-
-def _get(d: Any, *keys: str) -> Any:
-    """``d[k1][k2]...`` or None when a level is missing or not a dict."""
-    for k in keys:
-        if not isinstance(d, dict):
-            return None
-        d = d.get(k)
-    return d
 
 
 # ---------------------------------------------------------------------------- data
@@ -103,7 +78,7 @@ def _config_highlights(config: dict, spec: dict) -> dict:
 
 def _from_metrics(steps: list[dict], evals: list[dict], config: dict, spec: dict) -> dict:
     """What summary.json would say, computed from the step and eval lines the same way the
-    trainer does (zenflow.trainer ``summary``); what they cannot tell is None."""
+    trainer does (zenflow.train.trainer ``summary``); what they cannot tell is None."""
     n = len(steps)
     timing = {f: _mean(m.get(f) for m in steps) for f in TIMING_FIELDS}
     d2h = sum(_finite(m.get("d2h_bytes")) or 0 for m in steps)
@@ -161,7 +136,7 @@ def _from_metrics(steps: list[dict], evals: list[dict], config: dict, spec: dict
 def run_report(run: dict) -> dict:
     """One run as plain data (what ``--json`` prints for it).
 
-    ``run`` is what ``zenflow.runs.read_run`` returns. A finished run reports its
+    ``run`` is what ``zenflow.train.runs.read_run`` returns. A finished run reports its
     summary.json; a run without one gets the same keys computed from metrics.jsonl and the
     status "interrupted" (a checkpoint exists: ``checkpoint``, ``checkpoint_step`` and
     ``resume_command`` say how to continue) or "unfinished" (none). A run still in progress
@@ -265,7 +240,7 @@ def report_document(reports: list[dict]) -> dict:
 def resolve_runs(runs: list[Path] | None, runs_root: Path) -> list[Path]:
     """The run directories to report: the given ones (a name under --runs-root or a file
     inside a run directory also works), or the latest under ``runs_root``."""
-    from zenflow.runs import CONFIG_FILE, latest_run, list_runs
+    from zenflow.train.runs import CONFIG_FILE, latest_run, list_runs
 
     if not runs:
         latest = latest_run(runs_root)
@@ -357,8 +332,7 @@ def report(
     ] = False,
 ) -> None:
     """Report runs: step-time split, stall, traffic, throughput, loss, accuracy; compare."""
-    from zenflow.runs import read_run
-    from zfctl.report_render import render_comparison, render_run, write_plot
+    from zenflow.train.runs import read_run
 
     if plot is not None:
         check_plot_path(plot)

@@ -1,7 +1,7 @@
 """Rendering of `zfctl report` data: Rich tables per run and side by side, and the PNG plot.
 
 Pure functions of the plain dicts that ``zfctl.report.run_report`` and ``compare`` build
-(and of the runs as ``zenflow.runs.read_run`` returns them, for the per-step plot series).
+(and of the runs as ``zenflow.train.runs.read_run`` returns them, for the per-step plot series).
 matplotlib is imported only inside ``write_plot``.
 """
 
@@ -16,7 +16,40 @@ from rich.table import Table
 
 from zfctl.dashboard import fmt_bytes, fmt_duration, fmt_num
 from zfctl.errors import user_error
-from zfctl.report import PLOT_PARTS, ZENFLOW_KEYS, _finite, _get, _ratio
+
+# The parts of a step stacked in the plot; what is left up to wall_ms is data loading,
+# batch copies and the rest of the engine's step.
+PLOT_PARTS = ("forward_ms", "backward_ms", "device_opt_ms", "stall_ms")
+ZENFLOW_KEYS = (
+    "topk_ratio", "update_interval", "select_strategy", "select_interval", "overlap_step",
+    "full_warm_up_rounds",
+)  # fmt: skip
+
+
+def _finite(x: Any) -> float | None:
+    """``x`` as a finite float, else None (missing, text, NaN, inf)."""
+    if x is None or isinstance(x, bool):
+        return None
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
+
+
+def _ratio(a: Any, b: Any) -> float | None:
+    a, b = _finite(a), _finite(b)
+    return a / b if a is not None and b else None
+
+
+def _get(d: Any, *keys: str) -> Any:
+    """``d[k1][k2]...`` or None when a level is missing or not a dict."""
+    for k in keys:
+        if not isinstance(d, dict):
+            return None
+        d = d.get(k)
+    return d
+
 
 # ---------------------------------------------------------------------------- rendering
 

@@ -1,6 +1,6 @@
 """`zfctl tune-hw`: probe this machine, measure, and choose the zenflow block.
 
-Thin: parse flags, call ``zenflow.tuning.run_tune``, render its plain dict with Rich, write
+Thin: parse flags, call ``zenflow.hardware.tuning.run_tune``, render its plain dict with Rich, write
 hw.json and (with ``--config``) the config's zenflow block. Torch and zenflow are imported
 inside the command so ``zfctl --help`` stays light.
 """
@@ -65,7 +65,8 @@ def tune_hw(
     if topk is not None and not 0.0 < topk <= 1.0:
         raise typer.BadParameter(f"{topk} is not in 0 < x <= 1.", param_hint="--topk")
 
-    from zenflow import measure, runs, tuning
+    from zenflow.hardware import measure, tuning
+    from zenflow.train import runs
 
     config_doc = tuning.read_config_document(config) if config is not None else None
     err = Console(stderr=True)

@@ -7,8 +7,8 @@ import json
 
 from rich.console import Console
 
-from zenflow.stats import StepStats
-from zenflow.trainer import EvalEvent, RunFinished, RunStarted, StepEvent
+from zenflow.engine.stats import StepStats
+from zenflow.train.events import EvalEvent, RunFinished, RunStarted, StepEvent
 from zfctl.dashboard import (
     DashboardState,
     event_to_json,

@@ -13,7 +13,10 @@ import pytest
 import torch
 
 import zfctl
-from zenflow import hw, ops, runs, tuning
+from zenflow import ops
+from zenflow.hardware import probes as hw
+from zenflow.hardware import tuning
+from zenflow.train import runs
 from zfctl import env_cmd
 
 
@@ -25,7 +28,8 @@ def env_json(cli, *args) -> dict:
 
 
 def tune_hw_result() -> dict:
-    """A hw.json in tune-hw's format, decided by zenflow.tuning.choose from synthetic figures."""
+    """A hw.json in tune-hw's format, decided by zenflow.hardware.tuning.choose from synthetic
+    figures."""
     choices = tuning.choose(
         tuning.TuneInputs(
             cores=8, params_total=124_000_000, params_2d=85_000_000, fb_all_ms=120.0,

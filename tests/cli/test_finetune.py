@@ -8,7 +8,7 @@ import json
 import pytest
 from clihelp import assert_user_error
 
-from zenflow import runs
+from zenflow.train import runs
 
 SHORT = ["--max-steps", "3", "--micro-batch", "4", "--seq-len", "16", "--max-eval-samples", "16"]
 

@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 
-from zenflow import runs
+from zenflow.train import runs
 
 
 def test_sigint_saves_and_prints_resume_command(tiny_gpt2_dir, glue_dir, tmp_path):

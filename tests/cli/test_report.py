@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from clihelp import assert_user_error
 
-from zenflow.runs import write_json_atomic
+from zenflow.train.runs import write_json_atomic
 from zfctl.report import compare, run_report
 
 MICRO_BATCH, GAS, SEQ_LEN = 8, 2, 64
@@ -248,7 +248,7 @@ def test_comparison_speedup_against_the_first_run(cli, tmp_path):
 
 
 def run_report_of(run_dir: Path) -> dict:
-    from zenflow.runs import read_run
+    from zenflow.train.runs import read_run
 
     return run_report(read_run(run_dir))
 

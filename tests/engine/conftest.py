@@ -134,7 +134,7 @@ def torch_style_kernel(
 ):  # fmt: skip
     """A host kernel with torch.optim.AdamW's exact op order (lerp etc.): lets tests
     check the SCHEDULE bit-tight on models where Adam amplifies kernel rounding."""
-    from zenflow.device_adam import AdamHyper, adamw_dense_
+    from zenflow.engine.device_adam import AdamHyper, adamw_dense_
 
     g = grad if grad_scale == 1.0 else grad * grad_scale
     hp = AdamHyper(lr, beta1, beta2, eps, weight_decay, adamw_mode)

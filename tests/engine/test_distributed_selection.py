@@ -22,7 +22,7 @@ import sys
 import torch
 import torch.distributed as dist
 from zenflow import ZenFlowEngine, load_config
-from zenflow.selection import column_scores
+from zenflow.engine.selection import column_scores
 
 rank, world, store_path, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 torch.set_num_threads(1)

@@ -9,7 +9,7 @@ from conftest import BETAS, EPS, LR, WD, make_config
 from transformers.pytorch_utils import Conv1D
 
 from zenflow import ZenFlowEngine
-from zenflow.reference_schedule import run_reference
+from zenflow.engine.reference_schedule import run_reference
 
 
 class ParamModel(torch.nn.Module):

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from zenflow.hw import parse_cpuinfo
+from zenflow.hardware.probes import parse_cpuinfo
 from zenflow.ops import adamw_step_, adamw_step_reference_, simd_path
 
 SIZES = [1, 7, 4096, 4097, 2**20 + 3]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from zenflow.hw import parse_cpuinfo
+from zenflow.hardware.probes import parse_cpuinfo
 
 NATIVE_TESTS = Path(__file__).resolve().parent / "test_cpu_adam_native.py"
 # x86-64 micro-architecture levels (GCC >= 11): v3 has AVX2+FMA and no AVX-512; the

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from zenflow import data
-from zenflow.data import DataError, Example, get_task, load_task
-from zenflow.models import packaged_gpt2_tokenizer
+from zenflow.train import data
+from zenflow.train.data import DataError, Example, get_task, load_task
+from zenflow.train.models import packaged_gpt2_tokenizer
 
 
 @pytest.fixture(scope="module")

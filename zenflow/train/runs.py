@@ -1,6 +1,6 @@
 """Run directories: create, find the latest, read back (config, summary, metrics, hw).
 
-Layout of one run (written by ``zenflow.trainer``)::
+Layout of one run (written by ``zenflow.train.trainer``)::
 
     runs/<YYYYmmdd-HHMMSS>-<model basename>-<task>/
         config.json     resolved DeepSpeed config + {"run": spec, "sources": ...}

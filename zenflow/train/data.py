@@ -305,7 +305,7 @@ def write_sst2_sample(
     for name, count in (("train.tsv", n), ("dev.tsv", n_dev)):
         (d / name).write_text("sentence\tlabel\n" + "".join(rows(count)), encoding="utf-8")
     (d / SYNTHETIC_MARKER).write_text(
-        "Synthetic SST-2-format sample written by zfctl (zenflow.data.write_sst2_sample), "
+        "Synthetic SST-2-format sample written by zfctl (zenflow.train.data.write_sst2_sample), "
         "not GLUE. Template sentences; label 1 = positive, 0 = negative.\n",
         encoding="utf-8",
     )

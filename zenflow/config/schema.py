@@ -1,4 +1,4 @@
-"""Parse and validate a DeepSpeed JSON config into frozen dataclasses, once.
+"""The validated DeepSpeed config as frozen dataclasses, and the error type that lists problems.
 
 Config flows one way: a JSON file (or dict) plus CLI overrides -> ``load_config`` ->
 ``Config`` -> engine. The engine never reads the file again.
@@ -18,19 +18,18 @@ caller, never silently dropped and never an error):
   ``gradient_clipping``, ``bf16.enabled``, ``fp16.enabled``, ``steps_per_print``,
   ``wall_clock_breakdown``.
 
-The rules themselves are in ``zenflow.config_rules``. Every problem of one file is collected
-and raised together in one ``ConfigError``; each names the JSON path, the bad value, what is
-allowed and how to fix it. ``null`` for an honoured key outside the zenflow block means "not
-given" (as in DeepSpeed). HF-style ``"auto"`` values are accepted only where the zenflow
-table allows them; everywhere else a number is required.
+The rules are in ``zenflow.config.rules``, loading in ``zenflow.config.loader``. Every
+problem of one file is collected and raised together in one ``ConfigError``; each names
+the JSON path, the bad value, what is allowed and how to fix it. ``null`` for an honoured
+key outside the zenflow block means "not given" (as in DeepSpeed). HF-style ``"auto"``
+values are accepted only where the zenflow table allows them; everywhere else a number is
+required.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import json
-import os
 import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -46,9 +45,6 @@ __all__ = [
     "OptimizerConfig",
     "SchedulerConfig",
     "ZenFlowConfig",
-    "apply_overrides",
-    "load_config",
-    "parse_set_args",
 ]
 
 
@@ -297,185 +293,9 @@ class Config:
         out["zero_optimization"] = zero
         return out
 
-    def replace_zenflow(self, **changes: Any) -> Config:
-        """Return a copy whose zenflow block has ``changes`` applied (validated like the JSON).
-
-        Starts from the current block, or from the defaults when there is none. Only the
-        block's own rules are checked (not the stage/offload rules of the whole file). Raises
-        ``ConfigError`` on a bad field or value.
-        """
-        base = dataclasses.asdict(self.zenflow) if self.zenflow else {}
-        block = {**base, **changes}
-        problems: list[ConfigProblem] = []
-        from zenflow.config_rules import parse_zenflow  # the rules import this module
-
-        zf = parse_zenflow(block, "zero_optimization.zenflow", problems)
-        if problems:
-            raise ConfigError(problems, self.source)
-        raw = copy.deepcopy(dict(self.raw))
-        zero = raw.setdefault("zero_optimization", {})
-        if isinstance(zero, dict):
-            zero["zenflow"] = dataclasses.asdict(zf)
-        return dataclasses.replace(self, zenflow=zf, raw=raw)
-
 
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
 def _as_dict(value: Any) -> dict[str, Any]:
     return dict(value) if isinstance(value, Mapping) else {}
-
-
-# --------------------------------------------------------------------------------------
-# Loading and overrides
-# --------------------------------------------------------------------------------------
-
-
-def _read_json(path: str) -> Any:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
-    except OSError as exc:
-        raise ConfigError(
-            [
-                ConfigProblem(
-                    "(file)",
-                    path,
-                    f"cannot be read ({exc.strerror or exc})",
-                    "check the path, or create a config with `zfctl init`",
-                )
-            ],
-            path,
-        ) from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError(
-            [
-                ConfigProblem(
-                    "(file)",
-                    path,
-                    f"is not UTF-8 text ({exc.reason})",
-                    "save the config as UTF-8 JSON",
-                )
-            ],
-            path,
-        ) from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        line_text = text.splitlines()[exc.lineno - 1] if text.splitlines() else ""
-        raise ConfigError(
-            [
-                ConfigProblem(
-                    f"(JSON syntax) line {exc.lineno}, column {exc.colno}",
-                    line_text.strip(),
-                    f"not valid JSON: {exc.msg}",
-                    f"correct the JSON at line {exc.lineno}, column {exc.colno} of {path} "
-                    "(common causes: a trailing comma, a missing comma, single quotes, "
-                    "or a comment)",
-                )
-            ],
-            path,
-        ) from None
-
-
-def load_config(
-    src: str | os.PathLike | Mapping,
-    overrides: Mapping[str, Any] | None = None,
-    *,
-    world_size: int = 1,
-) -> Config:
-    """Read, override and validate a DeepSpeed config; raise ``ConfigError`` listing every problem.
-
-    ``src`` is a path to a JSON file or an already-parsed dict (source ``"<dict>"``).
-    ``overrides`` maps dotted paths to values (see ``apply_overrides``), applied before
-    validation; ``Config.raw`` holds the result. ``world_size`` enters the batch-size rule.
-    """
-    from zenflow.config_rules import validate  # the rules import this module
-
-    if isinstance(src, Mapping):
-        source, raw = "<dict>", copy.deepcopy(dict(src))
-    else:
-        source = os.fspath(src)
-        raw = _read_json(source)
-    if overrides:
-        if not isinstance(raw, Mapping):
-            validate(raw, source, world_size)  # raises the top-level problem
-        raw = apply_overrides(raw, overrides, source=source)
-    return validate(raw, source, world_size)
-
-
-def apply_overrides(raw: Mapping, overrides: Mapping[str, Any], *, source: str = "--set") -> dict:
-    """Return a deep copy of ``raw`` with each dotted path in ``overrides`` set to its value.
-
-    Missing intermediate objects are created. A path whose intermediate exists but is not an
-    object (``"bf16.enabled"`` when ``bf16`` is ``true``) is a ``ConfigError``; all such
-    paths are reported together.
-    """
-    out = copy.deepcopy(dict(raw))
-    problems: list[ConfigProblem] = []
-    for dotted, value in overrides.items():
-        parts = str(dotted).split(".")
-        if not all(parts):
-            problems.append(
-                ConfigProblem(
-                    str(dotted),
-                    value,
-                    "must be a dotted key path",
-                    "write it like zero_optimization.zenflow.topk_ratio",
-                )
-            )
-            continue
-        node: dict = out
-        for i, part in enumerate(parts[:-1]):
-            child = node.get(part)
-            if child is None:
-                child = node[part] = {}
-            elif not isinstance(child, dict):
-                prefix = ".".join(parts[: i + 1])
-                problems.append(
-                    ConfigProblem(
-                        prefix,
-                        child,
-                        f"is not a JSON object, so {dotted} cannot be set",
-                        f"override {prefix} itself, or fix the path {dotted}",
-                    )
-                )
-                break
-            node = child
-        else:
-            node[parts[-1]] = copy.deepcopy(value)
-    if problems:
-        raise ConfigError(problems, source)
-    return out
-
-
-def parse_set_args(items: Sequence[str]) -> dict[str, Any]:
-    """Parse CLI ``--set a.b.c=value`` items into ``{"a.b.c": value}``.
-
-    The value is parsed as JSON when it parses (``0.05``, ``true``, ``4``, ``"x"``, ``[0.9,
-    0.99]``, ``null``) and kept as a string otherwise (``auto``, ``AdamW``). Items without
-    ``=`` or with an empty key are reported together in one ``ConfigError``.
-    """
-    out: dict[str, Any] = {}
-    problems: list[ConfigProblem] = []
-    for item in items:
-        key, sep, text = item.partition("=")
-        key = key.strip()
-        if not sep or not key or not all(key.split(".")):
-            problems.append(
-                ConfigProblem(
-                    "--set",
-                    item,
-                    "must look like KEY.PATH=VALUE",
-                    "write e.g. --set zero_optimization.zenflow.topk_ratio=0.05",
-                )
-            )
-            continue
-        try:
-            value: Any = json.loads(text)
-        except ValueError:
-            value = text
-        out[key] = value
-    if problems:
-        raise ConfigError(problems, "--set")
-    return out

@@ -9,7 +9,7 @@ import pytest
 
 from zenflow.config import load_config
 
-TEMPLATES_DIR = Path(__file__).resolve().parents[1] / "templates"
+TEMPLATES_DIR = Path(__file__).resolve().parents[2] / "templates"
 TEMPLATES = sorted(TEMPLATES_DIR.glob("*.json"))
 
 

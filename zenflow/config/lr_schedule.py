@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 
-from zenflow.config import Config
+from zenflow.config.schema import Config
 
 __all__ = ["lr_at"]
 

@@ -1,10 +1,10 @@
-"""zenflow.measure: CPU Adam, forward+backward, overlap and engine timings, small and real."""
+"""zenflow.hardware.measure: CPU Adam, forward+backward, overlap and engine timings."""
 
 from __future__ import annotations
 
 import pytest
 
-from zenflow import measure
+from zenflow.hardware import measure
 
 
 def test_resolve_adam_never_falls_back_silently(monkeypatch):

@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 
 from zenflow.config import (
     FIELD_DOCS,
-    MISSING,
     Config,
     ConfigError,
     ConfigProblem,
@@ -22,7 +21,9 @@ from zenflow.config import (
     apply_overrides,
     load_config,
     parse_set_args,
+    replace_zenflow,
 )
+from zenflow.config.schema import MISSING
 from zenflow.errors import UserInputError
 
 ZF = "zero_optimization.zenflow"
@@ -786,15 +787,15 @@ def test_to_json_dict_resolved_replaces_only_auto_values():
 
 def test_replace_zenflow():
     cfg = load_config(base(topk_ratio=0.05))
-    new = cfg.replace_zenflow(update_interval=8, overlap_step=True)
+    new = replace_zenflow(cfg, update_interval=8, overlap_step=True)
     assert new.zenflow == ZenFlowConfig(topk_ratio=0.05, update_interval=8, overlap_step=True)
     assert cfg.zenflow.update_interval == "auto"
     assert load_config(new.to_json_dict()) == new
     with pytest.raises(ConfigError) as info:
-        cfg.replace_zenflow(topk_ratio=0, bogus=1)
+        replace_zenflow(cfg, topk_ratio=0, bogus=1)
     assert {p.path for p in info.value.problems} == {f"{ZF}.topk_ratio", f"{ZF}.bogus"}
     plain = load_config({})
-    assert plain.replace_zenflow(topk_ratio=0.2).zenflow == ZenFlowConfig(topk_ratio=0.2)
+    assert replace_zenflow(plain, topk_ratio=0.2).zenflow == ZenFlowConfig(topk_ratio=0.2)
 
 
 def test_config_equality_ignores_source(tmp_path):

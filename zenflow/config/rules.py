@@ -17,7 +17,7 @@ import types
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from zenflow.config import (
+from zenflow.config.schema import (
     _BATCH_KEYS,
     MISSING,
     Config,

@@ -1,4 +1,4 @@
-"""zenflow.lr_schedule.lr_at against DeepSpeed 0.19.6's own scheduler classes."""
+"""zenflow.config.lr_schedule.lr_at against DeepSpeed 0.19.6's own scheduler classes."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from zenflow.config import load_config
-from zenflow.lr_schedule import lr_at
+from zenflow.config.lr_schedule import lr_at
 
 lr_schedules = pytest.importorskip("deepspeed.runtime.lr_schedules")
 

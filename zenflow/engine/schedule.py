@@ -51,9 +51,10 @@ from dataclasses import dataclass
 
 import torch
 
-from zenflow.device_adam import AdamHyper, adamw_columns_, adamw_dense_
-from zenflow.errors import UserInputError
-from zenflow.host import (
+from zenflow.config.lr_schedule import lr_at
+from zenflow.engine.checkpoint import engine_state_dict, load_engine_state
+from zenflow.engine.device_adam import AdamHyper, adamw_columns_, adamw_dense_
+from zenflow.engine.host import (
     HostJob,
     HostState,
     HostTask,
@@ -64,7 +65,7 @@ from zenflow.host import (
     resolve_kernel,
     run_host_tasks,
 )
-from zenflow.selection import (
+from zenflow.engine.selection import (
     DEFAULT_MIN_NUMEL,
     ParamSpec,
     allreduce_scores_,
@@ -75,15 +76,12 @@ from zenflow.selection import (
     select_topk,
     split_handover,
 )
-from zenflow.stats import StepStats
+from zenflow.engine.stats import StepStats
+from zenflow.errors import EngineError
 
 AUTO_INTERVAL_MAX = 64  # bound of update_interval "auto" (window length 1..64)
 MODES = ("zenflow", "offload", "device")
 _HP_REST = ("beta1", "beta2", "eps", "weight_decay", "adamw_mode")
-
-
-class EngineError(UserInputError, ValueError):
-    """The engine cannot run with this model/config combination (message says how to fix)."""
 
 
 def _cores() -> int:
@@ -448,19 +446,13 @@ class ZenFlowEngine:
                 self._wait_inflight(self.global_step)
 
     def state_dict(self) -> dict:
-        from zenflow.checkpoint import engine_state_dict
-
         return engine_state_dict(self)
 
     def load_state_dict(self, sd: dict) -> None:
-        from zenflow.checkpoint import load_engine_state
-
         load_engine_state(self, sd)
 
     # ------------------------------------------------------------------ the step
     def _lr_at(self, step: int) -> float:
-        from zenflow.lr_schedule import lr_at
-
         return float(lr_at(self.config, step))
 
     def step(self, loss=None) -> StepStats:

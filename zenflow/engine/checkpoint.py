@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import torch
 
+from zenflow.engine.host import HostJob
+from zenflow.errors import EngineError
+
 FORMAT = "zenflow-engine/1"
 
 
@@ -93,14 +96,10 @@ def engine_state_dict(engine) -> dict:
 
 def _check(cond: bool, msg: str) -> None:
     if not cond:
-        from zenflow.engine import EngineError
-
         raise EngineError(f"Cannot load engine state: {msg}")
 
 
 def load_engine_state(engine, sd: dict) -> None:
-    from zenflow.host import HostJob
-
     _check(sd.get("format") == FORMAT, f"format {sd.get('format')!r}, expected {FORMAT!r}.")
     _check(
         sd["mode"] == engine.mode,

@@ -11,20 +11,20 @@ import signal
 import pytest
 import torch
 
-from zenflow import runs
 from zenflow.config import load_config
-from zenflow.data import write_sst2_sample
 from zenflow.errors import UserInputError
-from zenflow.trainer import (
+from zenflow.train import runs
+from zenflow.train.data import write_sst2_sample
+from zenflow.train.events import (
     CheckpointSaved,
     EvalEvent,
     RunFinished,
     RunInterrupted,
-    RunSpec,
     RunStarted,
     StepEvent,
-    run_finetune,
 )
+from zenflow.train.spec import RunSpec
+from zenflow.train.trainer import run_finetune
 
 # Constant lr (no scheduler) so every step moves the weights; a small ZenFlow window and
 # step-wise reselection so a 6-step run crosses windows, a reselection and an in-flight
@@ -146,8 +146,8 @@ def test_end_to_end_sst2_run_files(glue_dir, tiny_gpt2_dir, tmp_path):
     # The reported accuracy is the accuracy of the saved model on the first 32 dev rows.
     from transformers import GPT2ForSequenceClassification
 
-    from zenflow.data import encode, load_task
-    from zenflow.models import packaged_gpt2_tokenizer
+    from zenflow.train.data import encode, load_task
+    from zenflow.train.models import packaged_gpt2_tokenizer
 
     model = GPT2ForSequenceClassification.from_pretrained(tiny_gpt2_dir)
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -218,9 +218,9 @@ def test_resume_is_exact(mode, kw, tiny_gpt2_dir, sample_dir, tmp_path, straight
 def test_lr_and_micro_batch_override_the_config():
     from pathlib import Path
 
-    from zenflow.trainer import _effective_config
+    from zenflow.train.spec import effective_config as _effective_config
 
-    template = Path(__file__).resolve().parents[1] / "templates" / "zenflow.json"
+    template = Path(__file__).resolve().parents[2] / "templates" / "zenflow.json"
     cfg = load_config({**json.loads(template.read_text()), "gradient_accumulation_steps": 2})
     spec = RunSpec(model="m", task="sst2", config=cfg, lr=5e-5, micro_batch=3)
     eff = _effective_config(spec)
@@ -287,9 +287,9 @@ def test_interrupt_mid_step_rewinds(
     """A KeyboardInterrupt inside the forward of step 3 drops that partial step: the
     checkpoint is step 2's, and resuming reproduces the straight run exactly."""
     losses, params = straight_runs("device")
-    import zenflow.models
+    import zenflow.train.models
 
-    real = zenflow.models.resolve_model
+    real = zenflow.train.models.resolve_model
     calls = {"n": 0}
 
     def hooked(*a, **kw):
@@ -305,12 +305,12 @@ def test_interrupt_mid_step_rewinds(
         r.model.score.register_forward_hook(hook)
         return r
 
-    monkeypatch.setattr(zenflow.models, "resolve_model", hooked)
+    monkeypatch.setattr(zenflow.train.models, "resolve_model", hooked)
     spec = _spec(tiny_gpt2_dir, sample_dir, tmp_path, engine_mode="device", max_steps=6)
     with pytest.raises(RunInterrupted) as exc:
         run_finetune(spec)
     assert exc.value.checkpoint.name == "step-0000002.pt"
-    monkeypatch.setattr(zenflow.models, "resolve_model", real)
+    monkeypatch.setattr(zenflow.train.models, "resolve_model", real)
     s = run_finetune(dataclasses.replace(spec, resume=str(exc.value.checkpoint)))
     assert _losses(s["run_dir"]) == losses
     _assert_same_params(_final_model(s["run_dir"]), params)

@@ -20,241 +20,50 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import random
-import shlex
 import shutil
 import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from zenflow import runs
-from zenflow.data import batches as data_batches
-from zenflow.data import compute_metrics, encode, eval_batches, get_task, load_task
-from zenflow.data import steps_per_epoch as data_steps_per_epoch
+from zenflow.engine.stats import TIMING_FIELDS
 from zenflow.errors import UserInputError
-from zenflow.stats import TIMING_FIELDS, StepStats
+from zenflow.train import runs
+from zenflow.train.checkpointing import (
+    CHECKPOINT_FORMAT,
+    read_checkpoint,
+    rng_state,
+    set_rng_state,
+    write_checkpoint,
+)
+from zenflow.train.data import batches as data_batches
+from zenflow.train.data import compute_metrics, encode, eval_batches, get_task, load_task
+from zenflow.train.data import steps_per_epoch as data_steps_per_epoch
+from zenflow.train.events import (
+    CheckpointSaved,
+    EvalEvent,
+    RunFinished,
+    RunInterrupted,
+    RunStarted,
+    StepEvent,
+)
+from zenflow.train.spec import (
+    ENGINE_MODES,
+    RunSpec,
+    effective_config,
+    merge_resumed_spec,
+    resolve_resume,
+    resume_command,
+    spec_record,
+)
 
-ENGINE_MODES = ("zenflow", "offload", "device")
-KEEP_CHECKPOINTS = 2  # the latest and one previous
-CHECKPOINT_FORMAT = 1
-
-
-@dataclass(frozen=True)
-class RunSpec:
-    """What to fine-tune and how. ``None`` means "from the config / the default"."""
-
-    model: str  # hub id or local directory
-    task: str  # GLUE task name (see zenflow.data.GLUE_TASKS)
-    config: Any  # zenflow.config.Config
-    init: str = "pretrained"  # pretrained | random
-    data_dir: str | None = None  # GLUE root holding <task>/train.tsv; None: the hub
-    engine_mode: str = "zenflow"  # zenflow | offload | device
-    max_steps: int | None = None  # stop after this many optimizer steps
-    epochs: float | None = None  # or after this many epochs; neither: 1 epoch; both: first hit
-    micro_batch: int | None = None  # None: config.train_micro_batch_size_per_gpu, else 8
-    seq_len: int = 128  # tokens per example (truncated / padded)
-    lr: float | None = None  # overrides optimizer lr (and the scheduler's warmup_max_lr)
-    seed: int = 42
-    run_dir: Path | None = None  # None: runs_root/<timestamp>-<model>-<task>
-    runs_root: Path = Path("runs")
-    resume: str | None = None  # "auto", a run directory or a checkpoint file
-    eval_every: int | None = None  # also evaluate every N steps (always at the end)
-    max_eval_samples: int | None = None  # evaluate on the first N validation rows only
-    hw_json: Path | None = None  # copied into the run dir (default: ./hw.json if present)
-    checkpoint_every: int | None = None  # also checkpoint every N steps (always at eval/end)
-
-
-# Fields that define the trajectory: a resumed run takes them from the saved run.
-_TRAJECTORY_FIELDS = ("model", "task", "init", "data_dir", "engine_mode", "micro_batch",
-                      "seq_len", "lr", "seed")  # fmt: skip
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RunSpec)}
-
-
-# --------------------------------------------------------------------------- events
-
-
-@dataclass(frozen=True)
-class RunStarted:
-    header: dict  # everything worth showing before the first step (see _header)
-
-
-@dataclass(frozen=True)
-class StepEvent:
-    stats: StepStats
-    samples_per_s: float
-    tokens_per_s: float  # input positions (micro_batch x seq_len x accumulation) per second
-    progress: float  # 0..1 of total_steps
-    eta_s: float | None
-    epoch: float  # fractional epoch at the end of this step
-    total_steps: int
-
-
-@dataclass(frozen=True)
-class EvalEvent:
-    step: int
-    metrics: dict  # task metric(s), "eval_loss", "eval_samples"
-
-
-@dataclass(frozen=True)
-class CheckpointSaved:
-    step: int
-    path: Path
-
-
-@dataclass(frozen=True)
-class RunFinished:
-    summary: dict
-
-
-class RunInterrupted(Exception):  # noqa: N818 - also the event's name
-    """The run was interrupted (Ctrl-C). Emitted as an event, then raised.
-
-    ``checkpoint`` is the saved checkpoint to resume from (None if none could be saved) and
-    ``resume_command`` the command line that continues the run.
-    """
-
-    def __init__(self, step: int, checkpoint: Path | None, resume_command: str | None):
-        self.step = step
-        self.checkpoint = checkpoint
-        self.resume_command = resume_command
-        where = f"checkpoint {checkpoint}" if checkpoint else "no checkpoint"
-        super().__init__(f"Interrupted after step {step}; {where}. Resume: {resume_command}")
-
-
-# ------------------------------------------------------------------------ helpers
+__all__ = ["RunInterrupted", "RunSpec", "resume_command", "run_finetune"]
 
 
 def _noop(_event) -> None:
     pass
-
-
-def _effective_config(spec: RunSpec):
-    """The spec's config with --lr / --micro-batch applied (validated again)."""
-    from zenflow.config import load_config
-
-    config = spec.config
-    overrides: dict[str, Any] = {}
-    if spec.lr is not None:
-        overrides["optimizer.params.lr"] = spec.lr
-        sched = (config.raw.get("scheduler") or {}).get("params") or {}
-        if "warmup_max_lr" in sched:  # the scheduler's peak is the lr the user means
-            overrides["scheduler.params.warmup_max_lr"] = spec.lr
-    if spec.micro_batch is not None and spec.micro_batch != config.train_micro_batch_size_per_gpu:
-        overrides["train_micro_batch_size_per_gpu"] = spec.micro_batch
-        overrides["gradient_accumulation_steps"] = config.gradient_accumulation_steps
-        overrides["train_batch_size"] = None  # re-derived (null = not given)
-    if not overrides:
-        return config
-    new = load_config(config.raw, overrides=overrides)
-    return dataclasses.replace(new, source=config.source)
-
-
-def _resolve_resume(spec: RunSpec) -> tuple[Path, Path]:
-    """(run_dir, checkpoint file) for ``spec.resume``; UserInputError when there is none."""
-    if spec.resume == "auto":
-        run_dir = runs.latest_run(spec.runs_root, spec.model, spec.task, with_checkpoint=True)
-        if run_dir is None:
-            raise UserInputError(
-                f"--resume auto: no run of {spec.model!r} on {spec.task} with a checkpoint "
-                f"under {spec.runs_root}. Start a new run (omit --resume) or pass --resume "
-                "RUN_DIR."
-            )
-        return run_dir, runs.latest_checkpoint(run_dir)
-    p = Path(spec.resume).expanduser()
-    if p.is_file():
-        return p.parent.parent, p
-    if p.is_dir():
-        ckpt = runs.latest_checkpoint(p)
-        if ckpt is None:
-            raise UserInputError(
-                f"--resume {p}: the run directory has no checkpoint in {p / 'checkpoints'}. "
-                "Start a new run, or pass --resume auto to pick the latest resumable run."
-            )
-        return p, ckpt
-    raise UserInputError(
-        f"--resume {spec.resume}: no such run directory or checkpoint file. Pass a directory "
-        "under runs/ or --resume auto."
-    )
-
-
-def _merge_resumed_spec(spec: RunSpec, run_dir: Path) -> RunSpec:
-    """Take the trajectory fields from the saved run; refuse explicit conflicting values."""
-    saved_cfg = runs.read_json(run_dir / runs.CONFIG_FILE) or {}
-    saved = saved_cfg.get("run") or {}
-    if not saved:
-        raise UserInputError(f"{run_dir / runs.CONFIG_FILE} has no run spec; cannot resume it.")
-    changes: dict[str, Any] = {"run_dir": run_dir}
-    conflicts = []
-    for name in _TRAJECTORY_FIELDS:
-        mine, theirs = getattr(spec, name), saved.get(name)
-        if name == "model" and runs._same_model(theirs, mine):
-            continue
-        if mine != theirs and mine != _DEFAULTS[name]:
-            conflicts.append(f"{name}: run has {theirs!r}, given {mine!r}")
-        changes[name] = theirs
-    if saved.get("config_input") is not None and dict(spec.config.raw) != saved["config_input"]:
-        conflicts.append("config: the given DeepSpeed config differs from the run's")
-    if conflicts:
-        raise UserInputError(
-            f"Cannot resume {run_dir} with different settings ({'; '.join(conflicts)}). A "
-            "resumed run continues exactly; omit those options or pass the run's values "
-            "(its config.json 'run' section), or start a new run."
-        )
-    from zenflow.config import load_config
-
-    if saved.get("config_input") is not None:
-        changes["config"] = dataclasses.replace(
-            load_config(saved["config_input"]), source=saved.get("config_source", "<dict>")
-        )
-    for name in ("max_steps", "epochs", "eval_every", "max_eval_samples", "checkpoint_every"):
-        if getattr(spec, name) is None and saved.get(name) is not None:
-            changes[name] = saved[name]
-    if spec.max_steps is not None or spec.epochs is not None:  # a new extent replaces the old
-        changes["max_steps"], changes["epochs"] = spec.max_steps, spec.epochs
-    return dataclasses.replace(spec, **changes)
-
-
-def resume_command(spec: RunSpec, run_dir: Path) -> str:
-    """The ``zfctl finetune`` command line that continues ``run_dir``."""
-    args = ["zfctl", "finetune", spec.model, "--task", spec.task, "--resume", str(run_dir)]
-    if spec.init != "pretrained":
-        args += ["--init", spec.init]
-    if spec.data_dir is not None:
-        args += ["--data-dir", str(spec.data_dir)]
-    if getattr(spec.config, "source", "<dict>") not in ("<dict>", None, ""):
-        args += ["--config", str(spec.config.source)]
-    if spec.engine_mode != "zenflow":
-        args += ["--engine", spec.engine_mode]
-    for flag, name in (
-        ("--max-steps", "max_steps"), ("--epochs", "epochs"), ("--micro-batch", "micro_batch"),
-        ("--lr", "lr"), ("--eval-every", "eval_every"),
-        ("--max-eval-samples", "max_eval_samples"), ("--checkpoint-every", "checkpoint_every"),
-    ):  # fmt: skip
-        if getattr(spec, name) is not None:
-            args += [flag, str(getattr(spec, name))]
-    if spec.seq_len != _DEFAULTS["seq_len"]:
-        args += ["--seq-len", str(spec.seq_len)]
-    if spec.seed != _DEFAULTS["seed"]:
-        args += ["--seed", str(spec.seed)]
-    return shlex.join(args)
-
-
-def _spec_record(spec: RunSpec) -> dict:
-    """The spec as JSON (config by its input dict and source)."""
-    out = {}
-    for f in dataclasses.fields(RunSpec):
-        if f.name in ("config", "resume"):
-            continue
-        v = getattr(spec, f.name)
-        out[f.name] = str(v) if isinstance(v, Path) else v
-    out["config_input"] = dict(spec.config.raw)
-    out["config_source"] = spec.config.source
-    return out
 
 
 class _SigintDeferral:
@@ -280,20 +89,6 @@ class _SigintDeferral:
             signal.signal(signal.SIGINT, self._old)
 
 
-def _rng_state(torch, device) -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def _set_rng_state(torch, device, state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
-
-
 def _finite_mean(values) -> float | None:
     vals = [float(v) for v in values if v is not None and math.isfinite(float(v))]
     return sum(vals) / len(vals) if vals else None
@@ -315,8 +110,8 @@ class _Run:
                 f"{', '.join(ENGINE_MODES)} (--engine)."
             )
         if spec.resume:
-            run_dir, self.resumed_from = _resolve_resume(spec)
-            spec = _merge_resumed_spec(spec, run_dir)
+            run_dir, self.resumed_from = resolve_resume(spec)
+            spec = merge_resumed_spec(spec, run_dir)
         for name in ("max_steps", "micro_batch", "eval_every", "max_eval_samples", "seq_len"):
             v = getattr(spec, name)
             if v is not None and v < 1:
@@ -329,11 +124,11 @@ class _Run:
     def setup(self) -> None:
         import torch
 
-        from zenflow.models import count_params, resolve_model
+        from zenflow.train.models import count_params, resolve_model
 
         spec = self.spec
         self.torch = torch
-        self.config = _effective_config(spec)
+        self.config = effective_config(spec)
         self.micro_batch = spec.micro_batch or self.config.train_micro_batch_size_per_gpu or 8
         # Record the effective value: a resumed run compares against it.
         self.spec = spec = dataclasses.replace(spec, micro_batch=self.micro_batch)
@@ -375,7 +170,7 @@ class _Run:
             "rng": rng,
             "metrics_lines": self.metrics_lines,
             "wall_s": wall_s,
-            "run": _spec_record(self.spec),
+            "run": spec_record(self.spec),
         }
 
     def save_checkpoint(self, step, epoch, index, rng, wall_s, *, state=None) -> Path:
@@ -383,25 +178,13 @@ class _Run:
         if state is None:
             state = self.checkpoint_state(step, epoch, index, rng, wall_s)
         state["metrics_lines"] = self.metrics_lines
-        d = self.run_dir / runs.CHECKPOINT_DIR
-        d.mkdir(exist_ok=True)
-        path = d / f"step-{step:07d}.pt"
-        tmp = d / f".{path.name}.tmp"
-        self.torch.save(state, tmp)
-        os.replace(tmp, path)
-        for old in runs.checkpoints(self.run_dir)[:-KEEP_CHECKPOINTS]:
-            old.unlink(missing_ok=True)
+        path = write_checkpoint(self.torch, self.run_dir, step, state)
         self.last_checkpoint = path
         self.on_event(CheckpointSaved(step, path))
         return path
 
     def load_checkpoint(self, path: Path) -> dict:
-        try:
-            state = self.torch.load(path, map_location=self.device, weights_only=False)
-        except Exception as exc:
-            raise UserInputError(f"Cannot read checkpoint {path}: {exc}.") from exc
-        if state.get("format") != CHECKPOINT_FORMAT:
-            raise UserInputError(f"{path} is not a zfctl checkpoint of format {CHECKPOINT_FORMAT}.")
+        state = read_checkpoint(self.torch, path, self.device)
         self.model.load_state_dict(state["model"])
         self.engine.load_state_dict(state["engine"])
         return state
@@ -598,7 +381,7 @@ class _Run:
             keep = lines[: state["metrics_lines"]]
             mpath.write_text("".join(keep), encoding="utf-8")
             self.metrics_lines = len(keep)
-            _set_rng_state(torch, self.device, state["rng"])
+            set_rng_state(torch, self.device, state["rng"])
             pos = state["position"]
             self.last_checkpoint = self.resumed_from
             start = (state["step"], pos["epoch"], pos["index"], float(state.get("wall_s", 0.0)))
@@ -614,7 +397,7 @@ class _Run:
             random.seed(spec.seed)
             start = (0, 0, 0, 0.0)
         cfg_json = self.config.to_json_dict(self.engine.resolved)
-        cfg_json["run"] = _spec_record(spec)
+        cfg_json["run"] = spec_record(spec)
         cfg_json["sources"] = self.sources
         cfg_json["engine_resolved"] = dict(self.engine.resolved)
         cfg_json["config_ignored"] = list(self.config.ignored)
@@ -639,7 +422,7 @@ class _Run:
 
         # The consistent state at the last step boundary (what a checkpoint holds).
         boundary = {"step": step, "epoch": epoch, "index": index}
-        boundary["rng"] = _rng_state(torch, self.device)
+        boundary["rng"] = rng_state(torch, self.device)
         in_engine_step = False
         it = None
         step_times: list[float] = []
@@ -701,7 +484,7 @@ class _Run:
                         }
                     )
                     boundary = {"step": step, "epoch": epoch, "index": index}
-                    boundary["rng"] = _rng_state(torch, self.device)
+                    boundary["rng"] = rng_state(torch, self.device)
                     recent = step_times[-20:]
                     eta = (self.total_steps - step) * sum(recent) / len(recent)
                     self.on_event(

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from zenflow.errors import ModelSourceError
-from zenflow.models import count_params, packaged_gpt2_tokenizer, resolve_model
+from zenflow.train.models import count_params, packaged_gpt2_tokenizer, resolve_model
 
 
 def _in_hub_cache(repo: str) -> bool:

@@ -2,8 +2,8 @@
 
 Parsers of /proc and /sys text (``parse_cpuinfo``, ``parse_meminfo``, ...) are pure; the
 probes (``probe_cpu``, ``probe_memory``, ``probe_accelerator``) return frozen dataclasses of
-plain numbers. Timed measurements of the training work itself are in ``zenflow.measure``
-and the decisions drawn from both in ``zenflow.tuning``.
+plain numbers. Timed measurements of the training work itself are in ``zenflow.hardware.measure``
+and the decisions drawn from both in ``zenflow.hardware.tuning``.
 
 Torch is imported inside the functions that need it, so the parsers stay cheap.
 """
@@ -238,7 +238,7 @@ def probe_accelerator(buffer_mb: int = 256, repeats: int = 5) -> AcceleratorProb
 
 
 # --------------------------------------------------------------------------------------
-# Timing helper (shared with zenflow.measure)
+# Timing helper (shared with zenflow.hardware.measure)
 
 
 def median_seconds(fn: Callable[[], object], repeats: int) -> float:

@@ -1,4 +1,4 @@
-"""zenflow.runs: the atomic JSON writer."""
+"""zenflow.train.runs: the atomic JSON writer."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 import os
 import stat
 
-from zenflow import runs
+from zenflow.train import runs
 
 
 def test_write_json_atomic_keeps_mode_and_leaves_no_temp(tmp_path):

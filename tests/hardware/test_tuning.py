@@ -1,4 +1,4 @@
-"""zenflow.tuning: the pure decision rules on synthetic figures, and the config update."""
+"""zenflow.hardware.tuning: the pure decision rules on synthetic figures, and the config update."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from zenflow import measure, tuning
+from zenflow.hardware import measure, tuning
 
 
 def inputs(**kw) -> tuning.TuneInputs:
@@ -196,7 +196,7 @@ def test_read_config_document_errors(tmp_path):
 def test_update_config_keeps_other_keys(tmp_path):
     from zenflow.config import load_config
 
-    template = json.loads((Path(__file__).parents[1] / "templates" / "zenflow.json").read_text())
+    template = json.loads((Path(__file__).parents[2] / "templates" / "zenflow.json").read_text())
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(template))
     doc = tuning.read_config_document(path)

@@ -1,8 +1,8 @@
 """tune-hw's decisions and the whole tune run (ZENFLOW.md sections 3 and 7).
 
 ``choose(TuneInputs) -> Choices`` is a pure function of measured numbers, so its rules are
-tested with synthetic figures. ``run_tune`` wires the probes (``zenflow.hw``) and the
-measurements (``zenflow.measure``) into it and returns the hw.json dict;
+tested with synthetic figures. ``run_tune`` wires the probes (``zenflow.hardware.probes``) and the
+measurements (``zenflow.hardware.measure``) into it and returns the hw.json dict;
 ``update_config`` writes the chosen keys into a config's zenflow block.
 """
 
@@ -16,8 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from zenflow.hw import probe_accelerator, probe_cpu, probe_memory
-from zenflow.measure import (
+from zenflow.hardware.measure import (
     OverlapProbe,
     load_probe_model,
     measure_cpu_adam,
@@ -26,7 +25,8 @@ from zenflow.measure import (
     measure_overlap,
     resolve_adam,
 )
-from zenflow.runs import write_json_atomic
+from zenflow.hardware.probes import probe_accelerator, probe_cpu, probe_memory
+from zenflow.train.runs import write_json_atomic
 
 UPDATE_INTERVAL_MIN = 1
 UPDATE_INTERVAL_MAX = 64

@@ -1,8 +1,8 @@
-"""zenflow.hw: /proc and /sys parsers on fixture text, and the real probes on this machine."""
+"""zenflow.hardware.probes: /proc and /sys parsers on fixture text, and the real probes."""
 
 from __future__ import annotations
 
-from zenflow import hw
+from zenflow.hardware import probes as hw
 
 # Two physical cores, two hyper-threads each: processors 0..3, core ids 0, 1, 0, 1.
 CPUINFO_2x2 = "\n\n".join(

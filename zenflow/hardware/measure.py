@@ -5,7 +5,7 @@ a given number of threads; ``measure_fwd_bwd`` times forward+backward of a probe
 (``load_probe_model``: a Hugging Face model or a built-in GPT-2 shape); ``measure_overlap``
 runs one update window with the host step on a worker thread beside the device work, and
 without; ``measure_engine`` times real ``ZenFlowEngine`` steps. Each returns plain data
-that ``zenflow.tuning`` decides from.
+that ``zenflow.hardware.tuning`` decides from.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from zenflow.hw import median_seconds
+from zenflow.hardware.probes import median_seconds
 
 # Built-in GPT-2 shapes (layers, width, heads; GPT-2 vocabulary), random init. The first is
 # the --quick default, the architecture of ZENFLOW.md section 7 (38.4M params); the second
@@ -177,9 +177,9 @@ def load_probe_model(name: str, micro_batch: int, seq_len: int, seed: int = 0) -
 
 
 def _resolve_named_model(name: str, seed: int) -> tuple[object, str]:
-    """The model through zenflow.models: its weights if available, else random init (said)."""
+    """The model through zenflow.train.models: its weights if available, else random init (said)."""
     from zenflow.errors import ModelSourceError
-    from zenflow.models import resolve_model
+    from zenflow.train.models import resolve_model
 
     try:
         resolved = resolve_model(name, task_num_labels=2, init="pretrained", seed=seed)

@@ -1,0 +1,32 @@
+"""zenflow.config: the DeepSpeed config contract (ZENFLOW.md section 3) and the LR schedules.
+
+``schema`` holds the frozen dataclasses and ``ConfigError``; ``rules`` the checks;
+``loader`` reading, overrides and ``load_config``; ``lr_schedule`` DeepSpeed's schedules.
+"""
+
+from zenflow.config.loader import apply_overrides, load_config, parse_set_args, replace_zenflow
+from zenflow.config.lr_schedule import lr_at
+from zenflow.config.schema import (
+    FIELD_DOCS,
+    Config,
+    ConfigError,
+    ConfigProblem,
+    OptimizerConfig,
+    SchedulerConfig,
+    ZenFlowConfig,
+)
+
+__all__ = [
+    "FIELD_DOCS",
+    "Config",
+    "ConfigError",
+    "ConfigProblem",
+    "OptimizerConfig",
+    "SchedulerConfig",
+    "ZenFlowConfig",
+    "apply_overrides",
+    "load_config",
+    "lr_at",
+    "parse_set_args",
+    "replace_zenflow",
+]

@@ -1,0 +1,174 @@
+"""What a fine-tuning run is: ``RunSpec``, the config it trains with, and resuming one.
+
+``resolve_resume`` finds the run directory and checkpoint of ``--resume``;
+``merge_resumed_spec`` takes the trajectory-defining fields from the saved run (and refuses
+conflicting ones); ``resume_command`` is the command line that continues a run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from zenflow.errors import UserInputError
+from zenflow.train import runs
+
+ENGINE_MODES = ("zenflow", "offload", "device")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What to fine-tune and how. ``None`` means "from the config / the default"."""
+
+    model: str  # hub id or local directory
+    task: str  # GLUE task name (see zenflow.train.data.GLUE_TASKS)
+    config: Any  # zenflow.config.Config
+    init: str = "pretrained"  # pretrained | random
+    data_dir: str | None = None  # GLUE root holding <task>/train.tsv; None: the hub
+    engine_mode: str = "zenflow"  # zenflow | offload | device
+    max_steps: int | None = None  # stop after this many optimizer steps
+    epochs: float | None = None  # or after this many epochs; neither: 1 epoch; both: first hit
+    micro_batch: int | None = None  # None: config.train_micro_batch_size_per_gpu, else 8
+    seq_len: int = 128  # tokens per example (truncated / padded)
+    lr: float | None = None  # overrides optimizer lr (and the scheduler's warmup_max_lr)
+    seed: int = 42
+    run_dir: Path | None = None  # None: runs_root/<timestamp>-<model>-<task>
+    runs_root: Path = Path("runs")
+    resume: str | None = None  # "auto", a run directory or a checkpoint file
+    eval_every: int | None = None  # also evaluate every N steps (always at the end)
+    max_eval_samples: int | None = None  # evaluate on the first N validation rows only
+    hw_json: Path | None = None  # copied into the run dir (default: ./hw.json if present)
+    checkpoint_every: int | None = None  # also checkpoint every N steps (always at eval/end)
+
+
+# Fields that define the trajectory: a resumed run takes them from the saved run.
+_TRAJECTORY_FIELDS = ("model", "task", "init", "data_dir", "engine_mode", "micro_batch",
+                      "seq_len", "lr", "seed")  # fmt: skip
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RunSpec)}
+
+
+def effective_config(spec: RunSpec):
+    """The spec's config with --lr / --micro-batch applied (validated again)."""
+    from zenflow.config import load_config
+
+    config = spec.config
+    overrides: dict[str, Any] = {}
+    if spec.lr is not None:
+        overrides["optimizer.params.lr"] = spec.lr
+        sched = (config.raw.get("scheduler") or {}).get("params") or {}
+        if "warmup_max_lr" in sched:  # the scheduler's peak is the lr the user means
+            overrides["scheduler.params.warmup_max_lr"] = spec.lr
+    if spec.micro_batch is not None and spec.micro_batch != config.train_micro_batch_size_per_gpu:
+        overrides["train_micro_batch_size_per_gpu"] = spec.micro_batch
+        overrides["gradient_accumulation_steps"] = config.gradient_accumulation_steps
+        overrides["train_batch_size"] = None  # re-derived (null = not given)
+    if not overrides:
+        return config
+    new = load_config(config.raw, overrides=overrides)
+    return dataclasses.replace(new, source=config.source)
+
+
+def resolve_resume(spec: RunSpec) -> tuple[Path, Path]:
+    """(run_dir, checkpoint file) for ``spec.resume``; UserInputError when there is none."""
+    if spec.resume == "auto":
+        run_dir = runs.latest_run(spec.runs_root, spec.model, spec.task, with_checkpoint=True)
+        if run_dir is None:
+            raise UserInputError(
+                f"--resume auto: no run of {spec.model!r} on {spec.task} with a checkpoint "
+                f"under {spec.runs_root}. Start a new run (omit --resume) or pass --resume "
+                "RUN_DIR."
+            )
+        return run_dir, runs.latest_checkpoint(run_dir)
+    p = Path(spec.resume).expanduser()
+    if p.is_file():
+        return p.parent.parent, p
+    if p.is_dir():
+        ckpt = runs.latest_checkpoint(p)
+        if ckpt is None:
+            raise UserInputError(
+                f"--resume {p}: the run directory has no checkpoint in {p / 'checkpoints'}. "
+                "Start a new run, or pass --resume auto to pick the latest resumable run."
+            )
+        return p, ckpt
+    raise UserInputError(
+        f"--resume {spec.resume}: no such run directory or checkpoint file. Pass a directory "
+        "under runs/ or --resume auto."
+    )
+
+
+def merge_resumed_spec(spec: RunSpec, run_dir: Path) -> RunSpec:
+    """Take the trajectory fields from the saved run; refuse explicit conflicting values."""
+    saved_cfg = runs.read_json(run_dir / runs.CONFIG_FILE) or {}
+    saved = saved_cfg.get("run") or {}
+    if not saved:
+        raise UserInputError(f"{run_dir / runs.CONFIG_FILE} has no run spec; cannot resume it.")
+    changes: dict[str, Any] = {"run_dir": run_dir}
+    conflicts = []
+    for name in _TRAJECTORY_FIELDS:
+        mine, theirs = getattr(spec, name), saved.get(name)
+        if name == "model" and runs._same_model(theirs, mine):
+            continue
+        if mine != theirs and mine != _DEFAULTS[name]:
+            conflicts.append(f"{name}: run has {theirs!r}, given {mine!r}")
+        changes[name] = theirs
+    if saved.get("config_input") is not None and dict(spec.config.raw) != saved["config_input"]:
+        conflicts.append("config: the given DeepSpeed config differs from the run's")
+    if conflicts:
+        raise UserInputError(
+            f"Cannot resume {run_dir} with different settings ({'; '.join(conflicts)}). A "
+            "resumed run continues exactly; omit those options or pass the run's values "
+            "(its config.json 'run' section), or start a new run."
+        )
+    from zenflow.config import load_config
+
+    if saved.get("config_input") is not None:
+        changes["config"] = dataclasses.replace(
+            load_config(saved["config_input"]), source=saved.get("config_source", "<dict>")
+        )
+    for name in ("max_steps", "epochs", "eval_every", "max_eval_samples", "checkpoint_every"):
+        if getattr(spec, name) is None and saved.get(name) is not None:
+            changes[name] = saved[name]
+    if spec.max_steps is not None or spec.epochs is not None:  # a new extent replaces the old
+        changes["max_steps"], changes["epochs"] = spec.max_steps, spec.epochs
+    return dataclasses.replace(spec, **changes)
+
+
+def resume_command(spec: RunSpec, run_dir: Path) -> str:
+    """The ``zfctl finetune`` command line that continues ``run_dir``."""
+    args = ["zfctl", "finetune", spec.model, "--task", spec.task, "--resume", str(run_dir)]
+    if spec.init != "pretrained":
+        args += ["--init", spec.init]
+    if spec.data_dir is not None:
+        args += ["--data-dir", str(spec.data_dir)]
+    if getattr(spec.config, "source", "<dict>") not in ("<dict>", None, ""):
+        args += ["--config", str(spec.config.source)]
+    if spec.engine_mode != "zenflow":
+        args += ["--engine", spec.engine_mode]
+    for flag, name in (
+        ("--max-steps", "max_steps"), ("--epochs", "epochs"), ("--micro-batch", "micro_batch"),
+        ("--lr", "lr"), ("--eval-every", "eval_every"),
+        ("--max-eval-samples", "max_eval_samples"), ("--checkpoint-every", "checkpoint_every"),
+    ):  # fmt: skip
+        if getattr(spec, name) is not None:
+            args += [flag, str(getattr(spec, name))]
+    if spec.seq_len != _DEFAULTS["seq_len"]:
+        args += ["--seq-len", str(spec.seq_len)]
+    if spec.seed != _DEFAULTS["seed"]:
+        args += ["--seed", str(spec.seed)]
+    return shlex.join(args)
+
+
+def spec_record(spec: RunSpec) -> dict:
+    """The spec as JSON (config by its input dict and source)."""
+    out = {}
+    for f in dataclasses.fields(RunSpec):
+        if f.name in ("config", "resume"):
+            continue
+        v = getattr(spec, f.name)
+        out[f.name] = str(v) if isinstance(v, Path) else v
+    out["config_input"] = dict(spec.config.raw)
+    out["config_source"] = spec.config.source
+    return out
