@@ -130,12 +130,21 @@ def assert_params_close(m1, m2, atol=1e-6, rtol=1e-5):
 
 def torch_style_kernel(
     param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay,
-    param_bf16=None, grad_scale=1.0, adamw_mode=True, num_threads=0,
+    param_bf16=None, grad_scale=1.0, adamw_mode=True, num_threads=0, col_steps=None,
+    col_inner=1,
 ):  # fmt: skip
     """A host kernel with torch.optim.AdamW's exact op order (lerp etc.): lets tests
-    check the SCHEDULE bit-tight on models where Adam amplifies kernel rounding."""
-    from zenflow.engine.device_adam import AdamHyper, adamw_dense_
+    check the SCHEDULE bit-tight on models where Adam amplifies kernel rounding. Per-column
+    counts (``col_steps``) use the device's per-column arithmetic on the [.., C, inner] view."""
+    from zenflow.engine.device_adam import AdamHyper, adamw_columns_, adamw_dense_
 
-    g = grad if grad_scale == 1.0 else grad * grad_scale
+    g = grad.float() if grad_scale == 1.0 else grad.float() * grad_scale
     hp = AdamHyper(lr, beta1, beta2, eps, weight_decay, adamw_mode)
-    adamw_dense_(param, g, exp_avg, exp_avg_sq, step, hp)
+    if col_steps is None:
+        adamw_dense_(param, g, exp_avg, exp_avg_sq, step, hp)
+    else:
+        view = (-1, col_steps.numel(), col_inner)
+        adamw_columns_(param.view(view), g.view(view), exp_avg.view(view),
+                       exp_avg_sq.view(view), col_steps, 1, hp)  # fmt: skip
+    if param_bf16 is not None:
+        param_bf16.copy_(param)

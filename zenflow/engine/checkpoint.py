@@ -1,14 +1,18 @@
-"""Engine state save/restore: everything needed to continue a run exactly.
+"""Engine state save/restore: everything needed to continue a run exactly, on any device.
 
 The state is a plain nested dict of CPU tensors, ints, floats, bools, strings and None, so
 ``torch.save`` / ``torch.load(weights_only=True)`` round-trip it. The model's weights are
 NOT included: save ``model.state_dict()`` beside it (the caller owns the model, like RNG).
+Device tensors are copied to the host through the accelerator (waited for); loading
+copies each piece to where it lives (device state to the device, host state to the host),
+so a checkpoint saved on one device type loads on another.
 
 In-flight host work is drained first (waited for, so the host master and moments are
-final). Its result is NOT applied early: the state records it as "pending" and the loaded
-engine applies it at the next window end, exactly when the uninterrupted run would have.
-Accumulators are stored full-shape with the selected columns zeroed, so a checkpoint is
-independent of ``grad_accum`` and of the double-buffer slot.
+final; every gradient piece on its way to the host is added). Its result is NOT applied
+early: the state records it as "pending" and the loaded engine applies it at the next
+window end, exactly when the uninterrupted run would have. Window sums are stored full
+shape with the selected columns zeroed, so a checkpoint is independent of the transport
+(summed in place on a CPU device, or piece by piece on the host) and of the buffer slot.
 """
 
 from __future__ import annotations
@@ -18,74 +22,78 @@ import torch
 from zenflow.engine.host import HostJob
 from zenflow.errors import EngineError
 
-FORMAT = "zenflow-engine/1"
+FORMAT = "zenflow-engine/2"
 
 
-def _cpu(t: torch.Tensor) -> torch.Tensor:
+def _host(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", copy=True)
 
 
 def engine_state_dict(engine) -> dict:
+    accel = engine.accel
     sd: dict = {
         "format": FORMAT,
         "mode": engine.mode,
+        "dtype": str(engine.dtype),
         "global_step": engine.global_step,
         "skipped_steps": engine.skipped_steps,
     }
+    impl = engine.impl
     if engine.mode == "device":
-        sd["device_optimizer"] = engine.optimizer.state_dict()
+        opt = impl.optimizer.state_dict()
+        sd["device_optimizer"] = _tree_to_host(opt, accel)
+        if impl.mixed:
+            sd["device_masters"] = [accel.to_host(m.data) for m in impl.masters]
         return sd
     if engine.mode == "offload":
         sd["offload"] = {
             name: {
-                "master": _cpu(st.master),
-                "exp_avg": _cpu(st.exp_avg),
-                "exp_avg_sq": _cpu(st.exp_avg_sq),
-                "step": st.step,
+                "master": _host(st.master),
+                "exp_avg": _host(st.exp_avg),
+                "exp_avg_sq": _host(st.exp_avg_sq),
+                "step": int(st.steps),
             }
-            for name, st in engine.offload_states.items()
+            for name, st in impl.states.items()
         }
         return sd
+    impl.drain()
     pending = None
-    job = engine._inflight
-    if job is not None:
-        if job.future is not None:
-            engine.worker.wait(job)  # drain; keep it unapplied (see module docstring)
+    if impl.inflight is not None:
+        job = impl.inflight
         pending = {"window_start": job.window_start, "submit_step": job.submit_step}
     weights = {}
-    for w in engine.zweights:
+    for w in impl.zweights:
         acc = torch.zeros(w.spec.param.shape, dtype=torch.float32)
-        if engine.window_len > 0 and w.nonsel_host is not None:
-            cur = w.acc[engine.slot].detach().cpu()
-            if engine.grad_accum == "host":
-                acc.index_copy_(w.cd, w.nonsel_host, cur)
-            else:
-                acc.index_copy_(w.cd, w.nonsel_host, cur.index_select(w.cd, w.nonsel_host))
+        if impl.window_len > 0 and w.nonsel_host is not None:
+            cur = _host(w.acc[impl.slot]) if accel.shared_memory else w.acc[impl.slot]
+            acc.index_copy_(w.cd, w.nonsel_host, cur.index_select(w.cd, w.nonsel_host))
         weights[w.spec.name] = {
             "selected": None if w.sel_host is None else w.sel_host.clone(),
-            "exp_avg_dev": _cpu(w.exp_avg_dev),
-            "exp_avg_sq_dev": _cpu(w.exp_avg_sq_dev),
-            "step_dev": w.step_dev,
-            "master": _cpu(w.host.master),
-            "exp_avg_host": _cpu(w.host.exp_avg),
-            "exp_avg_sq_host": _cpu(w.host.exp_avg_sq),
-            "step_host": w.host.step,
+            "master_sel": None if w.master_sel is None else accel.to_host(w.master_sel),
+            "exp_avg_dev": accel.to_host(w.exp_avg_dev),
+            "exp_avg_sq_dev": accel.to_host(w.exp_avg_sq_dev),
+            "steps_dev": accel.to_host(w.steps_dev.counts),
+            "master": _host(w.host.master),
+            "exp_avg_host": _host(w.host.exp_avg),
+            "exp_avg_sq_host": _host(w.host.exp_avg_sq),
+            "steps_host": _host(w.host.steps.counts),
             "grad_accum_sum": acc,
             "sel_mass_sum": w.sel_mass_sum,
             "nonsel_mass_acc": w.nonsel_mass_acc,
         }
     sd["zenflow"] = {
-        "selected": engine.selected,
-        "last_select_step": engine.last_select_step,
-        "window_len": engine.window_len,
-        "window_start": engine.window_start,
+        "selected": impl.selected,
+        "last_select_step": impl.last_select_step,
+        "window_len": impl.window_len,
+        "window_start": impl.window_start,
         "pending": pending,
-        "topk_ratio": engine.topk_ratio,
+        "topk_ratio": impl.topk_ratio,
         "weights": weights,
         "dense": {
             d.spec.name: {
-                "exp_avg": _cpu(d.exp_avg),
-                "exp_avg_sq": _cpu(d.exp_avg_sq),
+                "master": None if d.master is None else accel.to_host(d.master),
+                "exp_avg": accel.to_host(d.exp_avg),
+                "exp_avg_sq": accel.to_host(d.exp_avg_sq),
                 "step": d.step,
             }
             for d in engine.dense
@@ -94,76 +102,111 @@ def engine_state_dict(engine) -> dict:
     return sd
 
 
+def _tree_to_host(obj, accel):
+    if torch.is_tensor(obj):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {k: _tree_to_host(v, accel) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_tree_to_host(v, accel) for v in obj)
+    return obj
+
+
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise EngineError(f"Cannot load engine state: {msg}")
 
 
+def _fill_device(dst: torch.Tensor, src: torch.Tensor, accel) -> None:
+    """Copy host ``src`` into the existing device tensor ``dst`` and wait."""
+    accel.compute_wait(accel.copy_h2d(dst, src.to(dst.dtype)))
+
+
 def load_engine_state(engine, sd: dict) -> None:
+    accel = engine.accel
     _check(sd.get("format") == FORMAT, f"format {sd.get('format')!r}, expected {FORMAT!r}.")
     _check(
         sd["mode"] == engine.mode,
         f"it was saved in mode {sd['mode']!r} but this engine runs mode {engine.mode!r}.",
     )
+    _check(
+        sd.get("dtype") == str(engine.dtype),
+        f"it was saved with training dtype {sd.get('dtype')} but this engine trains in "
+        f"{engine.dtype} (bf16.enabled must match).",
+    )
     engine.global_step = int(sd["global_step"])
     engine.skipped_steps = int(sd["skipped_steps"])
+    impl = engine.impl
     if engine.mode == "device":
-        engine.optimizer.load_state_dict(sd["device_optimizer"])
+        if impl.mixed:
+            for m, src in zip(impl.masters, sd["device_masters"], strict=True):
+                _fill_device(m.data, src, accel)
+        impl.optimizer.load_state_dict(sd["device_optimizer"])  # moves state to the params
         return
     if engine.mode == "offload":
-        for name, st in engine.offload_states.items():
+        for name, st in impl.states.items():
             src = sd["offload"][name]
             st.master.copy_(src["master"])
             st.exp_avg.copy_(src["exp_avg"])
             st.exp_avg_sq.copy_(src["exp_avg_sq"])
-            st.step = int(src["step"])
+            st.steps = int(src["step"])
         return
     z = sd["zenflow"]
-    if engine._inflight is not None and engine._inflight.future is not None:
-        engine.worker.wait(engine._inflight)
-    names = {w.spec.name for w in engine.zweights}
+    impl.drain()
+    names = {w.spec.name for w in impl.zweights}
     _check(
         names == set(z["weights"]),
         "the model's ZenFlow weights differ from the saved ones (different model or min_numel).",
     )
     _check(
-        abs(z["topk_ratio"] - engine.topk_ratio) < 1e-12,
-        f"topk_ratio {engine.topk_ratio} differs from the saved {z['topk_ratio']}.",
+        abs(z["topk_ratio"] - impl.topk_ratio) < 1e-12,
+        f"topk_ratio {impl.topk_ratio} differs from the saved {z['topk_ratio']}.",
     )
     dev = engine.device
-    for w in engine.zweights:
+    for w in impl.zweights:
         src = z["weights"][w.spec.name]
         if src["selected"] is not None:
             w.set_selection(src["selected"].to(dev))
         else:
             w.sel_dev = w.sel_host = w.nonsel_dev = w.nonsel_host = None
-        w.exp_avg_dev = src["exp_avg_dev"].to(dev, torch.float32).clone()
-        w.exp_avg_sq_dev = src["exp_avg_sq_dev"].to(dev, torch.float32).clone()
-        w.step_dev = int(src["step_dev"])
+        if w.master_sel is not None:
+            _fill_device(w.master_sel, src["master_sel"], accel)
+        _fill_device(w.exp_avg_dev, src["exp_avg_dev"], accel)
+        _fill_device(w.exp_avg_sq_dev, src["exp_avg_sq_dev"], accel)
+        _fill_device(w.steps_dev.counts, src["steps_dev"], accel)
+        w.steps_dev.recheck()
         w.host.master.copy_(src["master"])
         w.host.exp_avg.copy_(src["exp_avg_host"])
         w.host.exp_avg_sq.copy_(src["exp_avg_sq_host"])
-        w.host.step = int(src["step_host"])
+        w.host.steps.counts.copy_(src["steps_host"])
+        w.host.steps.recheck()
         w.sel_mass_sum = float(src["sel_mass_sum"])
         w.nonsel_mass_acc = float(src["nonsel_mass_acc"])
+        for a in w.acc:
+            a.zero_()
         acc = src["grad_accum_sum"]
-        if engine.grad_accum == "host":
-            if w.nonsel_host is not None:
-                w.acc[0].copy_(acc.index_select(w.cd, w.nonsel_host))
+        if accel.shared_memory:
+            _fill_device(w.acc[0], acc, accel)
         else:
             w.acc[0].copy_(acc)
     for d in engine.dense:
         src = z["dense"][d.spec.name]
-        d.exp_avg.copy_(src["exp_avg"])
-        d.exp_avg_sq.copy_(src["exp_avg_sq"])
+        if d.master is not None:
+            _fill_device(d.master, src["master"], accel)
+        _fill_device(d.exp_avg, src["exp_avg"], accel)
+        _fill_device(d.exp_avg_sq, src["exp_avg_sq"], accel)
         d.step = int(src["step"])
-    engine.slot = 0
-    engine.selected = bool(z["selected"])
-    engine.last_select_step = int(z["last_select_step"])
-    engine.window_len = int(z["window_len"])
-    engine.window_start = int(z["window_start"])
+    impl.slot = 0
+    impl.selected = bool(z["selected"])
+    impl.last_select_step = int(z["last_select_step"])
+    impl.window_len = int(z["window_len"])
+    impl.window_start = int(z["window_start"])
     p = z["pending"]
-    # a finished, not yet applied host step: applied at the next window end
-    engine._inflight = (
-        None if p is None else HostJob(window_start=p["window_start"], submit_step=p["submit_step"])
-    )
+    # a finished, not yet applied host step: applied at the next window end (its image is
+    # packed again from the loaded master, exactly what the worker packed)
+    impl.inflight = None
+    if p is not None:
+        impl.inflight = HostJob(window_start=p["window_start"], submit_step=p["submit_step"])
+        if impl.stream:
+            for w in impl.zweights:
+                w.pack_image()

@@ -1,12 +1,20 @@
-"""Host side: counted copies, host fp32 state, the CPU Adam kernel and the background worker.
+"""Host side: fp32 state, the CPU Adam kernel, the background worker and the accumulator.
 
-Every byte that crosses between device and host goes through :class:`Traffic.copy_`, which
-counts it (ZENFLOW.md section 4: traffic is counted at each copy, never estimated).
-When the device is the CPU itself the copy is still a real memory copy and still counted.
+Two host threads serve the training thread (ZENFLOW.md 2b):
+
+- the **accumulator** adds each non-selected gradient piece, as it arrives from the device,
+  into the window's fp32 sum (in order, one piece at a time), so the training thread never
+  does host arithmetic per step;
+- the **worker** runs the host Adam step of a finished window (the native op, which
+  releases the GIL) and prepares what goes back to the device; at most one host step is in
+  flight, enforced here.
+
+Hand-offs are function calls on threads (no pickling, no processes).
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -21,9 +29,9 @@ HostKernel = Callable[..., None]
 def resolve_kernel(host_kernel: str | HostKernel) -> tuple[HostKernel, str]:
     """The CPU AdamW op to run on the host and a name for it.
 
-    "native" is ``zenflow.ops.adamw_step_`` (GIL-free SIMD op); until that op exists (or
-    when it cannot be built) the plain reference is used and the name says so.
-    "reference" forces the plain PyTorch op (debugging). A callable is used as is (tests).
+    "native" is ``zenflow.ops.adamw_step_`` (GIL-free SIMD op; when it cannot be built the
+    plain reference is used and the name says so). "reference" forces the plain PyTorch op.
+    A callable is used as is (tests).
     """
     from zenflow import ops
 
@@ -41,93 +49,72 @@ def resolve_kernel(host_kernel: str | HostKernel) -> tuple[HostKernel, str]:
     )
 
 
-class Traffic:
-    """Byte and time counters for device<->host copies of the current step."""
+class ColumnSteps:
+    """Per-column Adam step counts of one side of a weight (int64 tensor) plus the common
+    value while every column has the same count (then the fast scalar path applies).
 
-    def __init__(self) -> None:
-        self.d2h_bytes = 0
-        self.h2d_bytes = 0
-        self.transfer_s = 0.0
+    Columns carry their count across a hand-over together with their moments, so bias
+    correction stays right: the device counts steps, the host counts windows.
+    """
 
-    def reset(self) -> None:
-        self.d2h_bytes = 0
-        self.h2d_bytes = 0
-        self.transfer_s = 0.0
+    def __init__(self, counts: torch.Tensor, uniform: int | None):
+        self.counts = counts
+        self.uniform = uniform
 
-    def copy_(self, dst: torch.Tensor, src: torch.Tensor, direction: str) -> torch.Tensor:
-        """``dst.copy_(src)``, counting ``src``'s bytes as ``direction`` ("d2h"/"h2d").
+    @classmethod
+    def zeros(cls, n: int, device) -> ColumnSteps:
+        return cls(torch.zeros(n, dtype=torch.int64, device=device), 0)
 
-        Non-blocking only from/to pinned host memory on CUDA; callers synchronise
-        (:meth:`sync`) before the host reads what a d2h copy wrote.
-        """
-        t0 = time.perf_counter()
-        non_blocking = dst.is_cuda != src.is_cuda and (dst.is_pinned() or src.is_pinned())
-        dst.copy_(src, non_blocking=non_blocking)
-        nbytes = src.numel() * src.element_size()
-        if direction == "d2h":
-            self.d2h_bytes += nbytes
-        elif direction == "h2d":
-            self.h2d_bytes += nbytes
-        else:
-            raise ValueError(f"direction must be 'd2h' or 'h2d', got {direction!r}")
-        self.transfer_s += time.perf_counter() - t0
-        return dst
+    def increment(self) -> None:
+        self.counts += 1
+        if self.uniform is not None:
+            self.uniform += 1
 
-    def to_host(self, src: torch.Tensor, pin: bool) -> torch.Tensor:
-        """A new host tensor holding ``src`` (counted d2h)."""
-        dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=pin)
-        return self.copy_(dst, src, "d2h")
+    def recheck(self) -> None:
+        """Recompute ``uniform`` after the counts were edited by index (one sync)."""
+        if self.counts.numel() == 0:
+            self.uniform = 0
+            return
+        lo, hi = int(self.counts.min()), int(self.counts.max())
+        self.uniform = lo if lo == hi else None
 
-    def to_device(self, src: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """A new device tensor holding host ``src`` (counted h2d)."""
-        dst = torch.empty(src.shape, dtype=src.dtype, device=device)
-        return self.copy_(dst, src, "h2d")
-
-    def sync(self, device: torch.device) -> None:
-        t0 = time.perf_counter()
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()
-        self.transfer_s += time.perf_counter() - t0
-
-
-def host_empty(shape, pin: bool) -> torch.Tensor:
-    return torch.empty(shape, dtype=torch.float32, pin_memory=pin)
-
-
-def host_zeros(shape, pin: bool) -> torch.Tensor:
-    return host_empty(shape, pin).zero_()
+    def max(self) -> int:
+        return self.uniform if self.uniform is not None else int(self.counts.max())
 
 
 @dataclass
 class HostState:
     """fp32 master and Adam moments of one parameter, full shape, in host memory.
 
-    ``step`` counts the host Adam steps absorbed by this master (warm-up steps and window
-    steps); it is the bias-correction step of the next host update minus one.
+    ``steps`` counts the host Adam steps absorbed, per column for a ZenFlow weight
+    (``ColumnSteps``), or as one int for a dense/offloaded parameter.
     """
 
     master: torch.Tensor
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
-    step: int = 0
+    steps: ColumnSteps | int = 0
 
 
 @dataclass
 class HostTask:
-    """One parameter's share of a host step: ``kernel(master, grad_sum, ...)``."""
+    """One parameter's share of a host step: ``kernel(master, grad_sum, ...)``, then
+    ``after()`` (pack the result for the device, clear the accumulator)."""
 
     state: HostState
-    grad: torch.Tensor  # host fp32, full shape, the window's gradient sum
-    step: int  # bias-correction step for this update
+    grad: torch.Tensor  # host, full shape: the window's gradient sum (fp32) or a gradient
     grad_scale: float  # 1 / window length: the kernel averages the sum in the same pass
+    col_inner: int = 1  # layout of per-column steps (see zenflow.ops.adamw_step_)
+    param_bf16: torch.Tensor | None = None  # optional bf16 image written in the same pass
+    after: Callable[[], None] | None = None
 
 
 @dataclass
 class HostJob:
     """A host step (all ZenFlow weights of one window), submitted or finished.
 
-    ``applied`` tracks whether its result has been copied to the device yet. The times
-    (perf_counter seconds) and the thread ident instrument overlap in tests.
+    ``applied_step`` says when its result reached the device. Times (perf_counter seconds)
+    and the thread ident instrument overlap in tests.
     """
 
     window_start: int  # first global step whose gradient is in this update
@@ -137,7 +124,7 @@ class HostJob:
     finished_at: float | None = None
     thread_id: int | None = None
     applied_step: int | None = None
-    buffer_slot: int = 0  # accumulator buffer the job reads (double buffering)
+    buffer_slot: int = 0  # accumulator slot the job reads (double buffering)
     meta: dict = field(default_factory=dict)
 
     def done(self) -> bool:
@@ -151,39 +138,66 @@ def run_host_tasks(
     hp,
     num_threads: int,
     job: HostJob | None = None,
+    before: Callable[[], None] | None = None,
 ) -> None:
-    """Run the CPU AdamW kernel over every task (in place on the host state)."""
+    """Run the CPU AdamW kernel over every task (in place on the host state).
+
+    Each task's step count is its state's count after this update: the kernel gets the
+    scalar while all columns agree and the per-column counts otherwise. ``before`` runs
+    first (the worker waits there for the window's last gradient piece).
+    """
     if job is not None:
         job.started_at = time.perf_counter()
         job.thread_id = threading.get_ident()
+    if before is not None:
+        before()
     for t in tasks:
+        st = t.state
+        kw = {}
+        if isinstance(st.steps, ColumnSteps):
+            st.steps.increment()
+            step = st.steps.max()
+            if st.steps.uniform is None:
+                kw = {"col_steps": st.steps.counts, "col_inner": t.col_inner}
+        else:
+            st.steps += 1
+            step = st.steps
         kernel(
-            t.state.master,
+            st.master,
             t.grad,
-            t.state.exp_avg,
-            t.state.exp_avg_sq,
-            step=t.step,
+            st.exp_avg,
+            st.exp_avg_sq,
+            step=step,
             lr=lr,
             beta1=hp.beta1,
             beta2=hp.beta2,
             eps=hp.eps,
             weight_decay=hp.weight_decay,
+            param_bf16=t.param_bf16,
             grad_scale=t.grad_scale,
             adamw_mode=hp.adamw_mode,
             num_threads=num_threads,
+            **kw,
         )
+        if t.after is not None:
+            t.after()
     if job is not None:
         job.finished_at = time.perf_counter()
 
 
-class HostWorker:
-    """One background thread running host steps; at most one job in flight.
+def _reraise(exc: BaseException):
+    """Re-raise a worker's exception in the caller: same type and message, chained to the
+    original (which carries the worker's traceback)."""
+    try:
+        again = type(exc)(*exc.args)
+    except Exception:  # exotic constructor: re-raise the original object
+        raise exc from None
+    raise again from exc
 
-    The hand-off is a function call on a thread (no pickling, no process): the native
-    kernel releases the GIL, so the training thread keeps running the next window's
-    forward/backward meanwhile. An exception raised in the worker is kept in the job's
-    future and re-raised in the training thread by :meth:`wait`.
-    """
+
+class HostWorker:
+    """One background thread running host steps; at most one job in flight (enforced:
+    DeepSpeed could end up with two host steps in flight)."""
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zenflow-host")
@@ -192,15 +206,13 @@ class HostWorker:
 
     def submit(self, job: HostJob, fn: Callable[[], None]) -> None:
         if self.in_flight:
-            # Enforced, not assumed: DeepSpeed could end up with two host steps in flight.
             raise RuntimeError("zenflow: a host step was submitted while another is in flight")
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         job.future = self._pool.submit(fn)
 
     def wait(self, job: HostJob) -> None:
-        """Block until ``job`` finished; re-raise its exception (same type and message,
-        chained to the original with the worker's traceback)."""
+        """Block until ``job`` finished; re-raise its exception."""
         fut = job.future
         if fut is None:
             return
@@ -211,11 +223,65 @@ class HostWorker:
                 self.in_flight -= 1
             job.future = None
         if exc is not None:
-            try:
-                again = type(exc)(*exc.args)
-            except Exception:  # exotic constructor: re-raise the original object
-                raise exc from None
-            raise again from exc
+            _reraise(exc)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+class Accumulator:
+    """A thread adding device->host gradient pieces into fp32 window sums, in order.
+
+    ``add(event, staged, acc, cd, cols, release)``: wait for the piece's copy event, then
+    ``acc.index_add_(cd, cols, staged)`` in fp32, then ``release(staged)`` (back to the
+    staging pool). ``fence()`` returns an event set once every piece queued before it has
+    been added: the worker waits on it before the window's host step reads the sums.
+    A failure is kept and re-raised by ``check()`` / ``fence().wait`` callers.
+    """
+
+    def __init__(self, num_threads: int = 1) -> None:
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._num_threads = num_threads
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="zenflow-accum", daemon=True)
+        self._thread.start()
+
+    def add(self, event, staged, acc, cd, cols, release) -> None:
+        self._q.put(("add", event, staged, acc, cd, cols, release))
+
+    def fence(self) -> threading.Event:
+        done = threading.Event()
+        self._q.put(("fence", done))
+        return done
+
+    def _run(self) -> None:
+        torch.set_num_threads(self._num_threads)
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            if item[0] == "fence":
+                item[1].set()
+                continue
+            _, event, staged, acc, cd, cols, release = item
+            try:
+                if self.error is None:
+                    event.synchronize()
+                    acc.index_add_(cd, cols, staged.float())
+            except BaseException as e:  # kept; the training thread re-raises it
+                self.error = e
+            finally:
+                release(staged)
+
+    def check(self) -> None:
+        if self.error is not None:
+            _reraise(self.error)
+
+    def drain(self) -> None:
+        """Block until every queued piece has been added (then ``check``)."""
+        self.fence().wait()
+        self.check()
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._thread.join(timeout=60)

@@ -8,7 +8,8 @@ copying its result to the weights, which is what overlap means for the values:
   (overlap) or at e itself (no overlap); staleness of non-selected columns <= 2S / S;
 - at a reselection (only at a window end) everything pending is applied first, the
   current window's host step is applied immediately, then ownership moves by index
-  with the moments carried across;
+  with the moments AND the per-column step counts carried across (the device counts
+  steps, the host counts windows; bias correction uses each column's own count);
 - warm-up steps update everything: matrices by the host AdamW, the rest on the device;
 - the auto update interval votes per weight (accumulated non-selected mass per column >=
   mean per-step selected mass per column) and ends the window at auto_ratio, bound 1..64.
@@ -39,6 +40,29 @@ def _device_adamw(p, g, m, v, step, lr, b1, b2, eps, wd, adamw_mode=True):
     bc1 = 1 - b1**step
     bc2_sqrt = (1 - b2**step) ** 0.5
     p.addcdiv_(m, (v.sqrt() / bc2_sqrt).add_(eps), value=-lr / bc1)
+
+
+def _device_adamw_cols(p, g, m, v, steps, dim, lr, b1, b2, eps, wd, adamw_mode=True):
+    """The same step with a per-column count ``steps`` along ``dim`` (fp32 factors computed
+    in float64)."""
+    if wd != 0.0:
+        if adamw_mode:
+            p.mul_(1 - lr * wd)
+        else:
+            g = g.add(p, alpha=wd)
+    m.lerp_(g, 1 - b1)
+    v.mul_(b2).addcmul_(g, g, value=1 - b2)
+    t = steps.to(torch.float64)
+    shape = [1] * p.dim()
+    shape[dim] = -1
+    neg_step_size = (-lr / (1 - torch.full_like(t, b1).pow(t))).float().view(shape)
+    bc2_sqrt = torch.sqrt(1 - torch.full_like(t, b2).pow(t)).float().view(shape)
+    p.add_(m / (v.sqrt() / bc2_sqrt).add_(eps) * neg_step_size)
+
+
+def _uniform(counts: torch.Tensor) -> int | None:
+    lo, hi = int(counts.min()), int(counts.max())
+    return lo if lo == hi else None
 
 
 def _cols(t: torch.Tensor, dim: int, idx: torch.Tensor) -> torch.Tensor:
@@ -78,10 +102,12 @@ def run_reference(
     M = {i: P[i].clone() for i in zf}  # host master
     mh = {i: torch.zeros_like(P[i]) for i in zf}
     vh = {i: torch.zeros_like(P[i]) for i in zf}
-    th = dict.fromkeys(zf, 0)
+    # per-column step counts of ZenFlow weights: host (windows) and device (steps)
+    thc = {i: torch.zeros(P[i].shape[column_dims[i]], dtype=torch.int64) for i in zf}
+    tdc = {i: torch.zeros(P[i].shape[column_dims[i]], dtype=torch.int64) for i in zf}
     md = {i: torch.zeros_like(P[i]) for i in range(len(P))}  # device moments (full size)
     vd = {i: torch.zeros_like(P[i]) for i in range(len(P))}
-    td = dict.fromkeys(range(len(P)), 0)
+    td = dict.fromkeys(dense, 0)
     A = {i: torch.zeros_like(P[i]) for i in zf}  # window gradient sum (non-selected cols)
     sel: dict[int, torch.Tensor] = {}
     sel_mass = dict.fromkeys(zf, 0.0)
@@ -106,6 +132,18 @@ def run_reference(
         g = g.float()
         return (g * g).sum(dim=1 - column_dims[i])
 
+    def host_step(i, grad, scale):
+        thc[i] += 1
+        u = _uniform(thc[i])
+        kw = {}
+        if u is None:  # element j of the flat param is in column (j // inner) % n_cols
+            inner = 1 if column_dims[i] == P[i].dim() - 1 else P[i].shape[-1]
+            kw = {"col_steps": thc[i], "col_inner": inner}
+        host_kernel(
+            M[i], grad, mh[i], vh[i], step=u if u is not None else int(thc[i].max()), lr=lr,
+            beta1=b1, beta2=b2, eps=eps, weight_decay=weight_decay, grad_scale=scale, **kw,
+        )  # fmt: skip
+
     def apply_host(i):
         d, ns = column_dims[i], nonsel_of(i)
         _set_cols(P[i], d, ns, _cols(M[i], d, ns))
@@ -121,8 +159,10 @@ def run_reference(
             entering = new[~torch.isin(new, old)]
             for dst, src in ((M[i], P[i]), (mh[i], md[i]), (vh[i], vd[i])):
                 _set_cols(dst, d, leaving, _cols(src, d, leaving))
+            thc[i][leaving] = tdc[i][leaving]
             for dst, src in ((P[i], M[i]), (md[i], mh[i]), (vd[i], vh[i])):
                 _set_cols(dst, d, entering, _cols(src, d, entering))
+            tdc[i][entering] = thc[i][entering]
             sel[i] = new
 
     for attempt in range(attempts):
@@ -143,12 +183,7 @@ def run_reference(
             _device_adamw(P[i], grads[i], md[i], vd[i], td[i], lr, b1, b2, eps, weight_decay)
         if t <= warmup_rounds:
             for i in zf:
-                td[i] += 1
-                th[i] += 1
-                host_kernel(
-                    M[i], grads[i], mh[i], vh[i], step=th[i], lr=lr, beta1=b1, beta2=b2,
-                    eps=eps, weight_decay=weight_decay, grad_scale=1.0,
-                )  # fmt: skip
+                host_step(i, grads[i], 1.0)
                 P[i].copy_(M[i])
             window_start = t + 1
             history.append([p.clone() for p in P])
@@ -158,12 +193,15 @@ def run_reference(
             last_select = t
         for i in zf:
             d = column_dims[i]
-            td[i] += 1
             c = sel[i]
+            tdc[i][c] += 1
             p_c, m_c, v_c = _cols(P[i], d, c), _cols(md[i], d, c), _cols(vd[i], d, c)
-            _device_adamw(
-                p_c, _cols(grads[i], d, c), m_c, v_c, td[i], lr, b1, b2, eps, weight_decay
-            )
+            g_c = _cols(grads[i], d, c)
+            u = _uniform(tdc[i][c])
+            if u is not None:
+                _device_adamw(p_c, g_c, m_c, v_c, u, lr, b1, b2, eps, weight_decay)
+            else:
+                _device_adamw_cols(p_c, g_c, m_c, v_c, tdc[i][c], d, lr, b1, b2, eps, weight_decay)
             for dst, src in ((P[i], p_c), (md[i], m_c), (vd[i], v_c)):
                 _set_cols(dst, d, c, src)
             ns = nonsel_of(i)
@@ -192,11 +230,7 @@ def run_reference(
                 applied.append(t)
                 pending = False
             for i in zf:
-                th[i] += 1
-                host_kernel(
-                    M[i], A[i], mh[i], vh[i], step=th[i], lr=lr, beta1=b1, beta2=b2,
-                    eps=eps, weight_decay=weight_decay, grad_scale=1.0 / n,
-                )  # fmt: skip
+                host_step(i, A[i], 1.0 / n)
                 A[i].zero_()
                 sel_mass[i] = nonsel_mass[i] = 0.0
             if overlap and not reselect:

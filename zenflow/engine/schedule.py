@@ -1,162 +1,98 @@
-"""ZenFlowEngine: the step schedule (ZENFLOW.md sections 2-5) wiring selection, device AdamW,
-host state, the background worker, counted transfers and per-step stats.
+"""ZenFlowEngine: one optimizer step over the model's gradients, on any accelerator.
 
 Usage (``step()`` is ONE optimizer step; micro-batch accumulation with
 ``gradient_accumulation_steps`` is the caller's loop: it runs that many backward passes
 with the loss divided by it, then calls ``step()`` once; the ZenFlow window
 ``update_interval`` counts optimizer steps and is independent of it)::
 
-    engine = ZenFlowEngine(model, config, mode="zenflow", steps_per_epoch=len(loader))
+    engine = ZenFlowEngine(model, config, mode="zenflow", steps_per_epoch=len(loader),
+                           accelerator="cuda")      # or "cpu", "sim"; None = cuda if present
     with engine.autocast():
         loss = model(**batch).loss
-    loss.backward()
+    engine.backward(loss)
     stats = engine.step(loss)
     engine.zero_grad()
 
-Schedule of one ZenFlow step t (after warm-up), per ZenFlow weight W with selected
-columns ``sel`` and the rest ``nonsel``:
+Modes: "zenflow" (``zenflow.engine.zenflow_mode``), "offload" (classic ZeRO-Offload) and
+"device" (the best plain AdamW on the device), the latter two in
+``zenflow.engine.baselines``. This module owns what every mode shares: the model and its
+training dtype, the accelerator and the core split, the learning rate schedule, the global
+gradient norm, the non-finite skip, clipping, and the per-step record.
 
-1. gradient norm over every trainable gradient; non-finite loss/gradient -> skip (no
-   state changes); clip in place with the global coefficient when ``gradient_clipping``.
-2. first step after warm-up: select ``sel`` from this step's column scores.
-3. device AdamW on W[sel] (compact fp32 moments, integer counter) and on every
-   always-important param.
-4. accumulate G[nonsel] for the host: ``grad_accum="host"`` copies that slice to a host
-   fp32 buffer every step (counted d2h); ``"device"`` adds the gradient into a device fp32
-   buffer and gives the host the window's sum once per window (on a CPU device that buffer
-   IS host memory: zero copies; on a GPU it trades one param-sized fp32 buffer of device
-   memory per weight (two with overlap) for (S-1)/S of the d2h traffic).
-5. window end (every S steps, or the auto trigger): with overlap, wait for the in-flight
-   host step and copy its result into W[nonsel] first, then submit this window's host step
-   to the worker (applied at the end of the NEXT window: non-selected columns lag by at
-   most 2S steps, the bound the tests check by instrumentation); without overlap run it now
-   and apply it now.
-6. reselection due (only at a window end): drain everything synchronously, then hand the
-   columns over by index (see :meth:`ZenFlowEngine._select`).
-
-Step counters: ``step_dev`` per weight counts every optimizer step the weight took part in
-(warm-up included) and is the bias-correction step of the device update; the host counter
-``HostState.step`` counts host Adam steps absorbed (one per warm-up step, one per window).
-At a hand-over the moments are carried across (host <-> device) and the receiving side's
-counter is used from then on.
+Memory layout (ZENFLOW.md 2b): the model's weights and gradients stay on the device in the
+training dtype (bf16 when ``bf16.enabled``: an fp32 model is cast at construction, after its
+fp32 values were taken as the master; a bf16 model is accepted as is); the fp32 master and
+moments of offloaded weights live on the host (pinned on CUDA when
+``offload_optimizer.pin_memory``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import os
 import time
 from dataclasses import dataclass
 
 import torch
 
 from zenflow.config.lr_schedule import lr_at
+from zenflow.engine.accelerator import Accelerator, make_accelerator
+from zenflow.engine.baselines import DeviceMode, OffloadMode
 from zenflow.engine.checkpoint import engine_state_dict, load_engine_state
-from zenflow.engine.device_adam import AdamHyper, adamw_columns_, adamw_dense_
-from zenflow.engine.host import (
-    HostJob,
-    HostState,
-    HostTask,
-    HostWorker,
-    Traffic,
-    host_empty,
-    host_zeros,
-    resolve_kernel,
-    run_host_tasks,
-)
-from zenflow.engine.selection import (
-    DEFAULT_MIN_NUMEL,
-    ParamSpec,
-    allreduce_scores_,
-    classify_params,
-    column_scores,
-    complement,
-    num_selected,
-    select_topk,
-    split_handover,
-)
+from zenflow.engine.device_adam import AdamHyper, adamw_dense_
+from zenflow.engine.host import resolve_kernel
+from zenflow.engine.selection import DEFAULT_MIN_NUMEL, ParamSpec, classify_params
 from zenflow.engine.stats import StepStats
+from zenflow.engine.zenflow_mode import ZenFlowMode
 from zenflow.errors import EngineError
 
-AUTO_INTERVAL_MAX = 64  # bound of update_interval "auto" (window length 1..64)
 MODES = ("zenflow", "offload", "device")
 _HP_REST = ("beta1", "beta2", "eps", "weight_decay", "adamw_mode")
 
 
-def _cores() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
+@dataclass
+class StepRecord:
+    """What the current step did, filled by the modes (reset every step)."""
+
+    stall_s: float = 0.0
+    devopt_s: float = 0.0
+    transfer_s: float = 0.0
+    host_update: bool = False
+    window_ended: int = 0
+    moved: int = 0
+    warmup: bool = False
 
 
 @dataclass
-class _DenseState:
-    """Device AdamW state of an always-important param (or any param in ``device`` mode)."""
+class DenseState:
+    """Device AdamW state of an always-important parameter (1-D or small): fp32 moments,
+    and an fp32 master when the weight itself is low precision."""
 
     spec: ParamSpec
+    master: torch.Tensor | None
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     step: int = 0
 
 
-class _ZfWeight:
-    """Engine-owned state of one ZenFlow weight (never glued onto the Parameter)."""
-
-    def __init__(self, spec: ParamSpec, k: int, pin: bool, grad_accum: str, slots: int):
-        p = spec.param
-        self.spec = spec
-        self.cd = spec.column_dim
-        self.n_cols = spec.n_cols
-        self.k = k
-        self.sel_dev: torch.Tensor | None = None  # sorted selected columns, device
-        self.sel_host: torch.Tensor | None = None
-        self.nonsel_dev: torch.Tensor | None = None
-        self.nonsel_host: torch.Tensor | None = None
-        shape_k = list(p.shape)
-        shape_k[self.cd] = k
-        self.shape_k = shape_k
-        self.exp_avg_dev = torch.zeros(shape_k, dtype=torch.float32, device=p.device)
-        self.exp_avg_sq_dev = torch.zeros(shape_k, dtype=torch.float32, device=p.device)
-        self.step_dev = 0
-        master = host_empty(p.shape, pin)
-        self.host = HostState(master, host_zeros(p.shape, pin), host_zeros(p.shape, pin))
-        shape_nonsel = list(p.shape)
-        shape_nonsel[self.cd] = self.n_cols - k
-        self.shape_nonsel = shape_nonsel
-        if grad_accum == "host":
-            # compact [.., n_nonsel, ..] fp32 sums on the host (nonsel count is constant)
-            self.acc = [host_zeros(shape_nonsel, pin) for _ in range(slots)]
-            self.staging = host_empty(shape_nonsel, pin)
-        else:
-            self.acc = [torch.zeros(p.shape, dtype=torch.float32, device=p.device)]
-            self.acc += [torch.zeros_like(self.acc[0]) for _ in range(slots - 1)]
-            self.staging = None
-        # full-shape host gradient fed to the kernel (not needed when acc is host memory)
-        needs_full = grad_accum == "host" or p.device.type != "cpu"
-        self.grad_host = [host_zeros(p.shape, pin) for _ in range(slots)] if needs_full else None
-        # auto update interval statistics of the current window (python floats)
-        self.sel_mass_sum = 0.0  # sum over steps of (selected mass / k)
-        self.nonsel_mass_acc = 0.0  # sum over steps of (non-selected mass / (n - k))
-
-    def set_selection(self, sel_dev: torch.Tensor) -> None:
-        self.sel_dev = sel_dev
-        self.sel_host = sel_dev.cpu()
-        self.nonsel_dev = complement(sel_dev, self.n_cols)
-        self.nonsel_host = self.nonsel_dev.cpu()
+def _device_matches(param_device: torch.device, device: torch.device) -> bool:
+    if param_device.type != device.type:
+        return False
+    if device.type != "cuda":
+        return True
+    pi = param_device.index if param_device.index is not None else torch.cuda.current_device()
+    di = device.index if device.index is not None else torch.cuda.current_device()
+    return pi == di
 
 
 class ZenFlowEngine:
     """Fine-tuning optimizer step with the optimizer state in host memory (ZenFlow).
 
-    ``mode``: "zenflow" (selective device update + windowed host update), "offload"
-    (classic ZeRO-Offload: full host AdamW every step) or "device" (plain AdamW on the
-    device, no offload). ``host_kernel``: "native" (the SIMD CPU Adam, falls back to the
-    reference while it is unavailable), "reference" or a callable with the same signature.
-    ``grad_accum``: where the non-selected gradient is summed over a window (see module
-    docstring); "auto" = "device" when the device is the CPU, else "host".
-    ``min_numel``: 2-D params smaller than this are always important (device-updated fully).
+    ``accelerator``: "cuda", "cpu", "sim" (a simulated separate device), None (cuda if
+    present, else cpu), or an ``Accelerator`` instance; ``sim_strict`` poisons copy
+    destinations until their copy completes (tests). ``host_kernel``: "native" (the SIMD
+    CPU Adam), "reference" or a callable with the same signature. ``min_numel``: 2-D params
+    smaller than this are always important (updated fully on the device).
     """
 
     def __init__(
@@ -166,46 +102,48 @@ class ZenFlowEngine:
         mode: str = "zenflow",
         *,
         steps_per_epoch: int | None = None,
-        device: torch.device | str | None = None,
+        accelerator: str | Accelerator | None = None,
         host_kernel="native",
-        grad_accum: str = "auto",
         min_numel: int = DEFAULT_MIN_NUMEL,
+        sim_strict: bool = False,
+        device_budget_bytes: int | None = None,
     ):
         if mode not in MODES:
             raise EngineError(f"mode={mode!r} is not allowed: use one of {', '.join(MODES)}.")
-        if grad_accum not in ("auto", "host", "device"):
-            raise EngineError(
-                f"grad_accum={grad_accum!r} is not allowed: use auto, host or device."
-            )
         self.model = model
         self.config = config
         self.mode = mode
         self.specs = classify_params(model, min_numel)
         if not self.specs:
             raise EngineError("The model has no trainable parameters (requires_grad=True).")
-        bad = [s.name for s in self.specs if s.param.dtype != torch.float32]
-        if bad:
-            raise EngineError(
-                f"Trainable parameters must be fp32 (found {self.specs[0].param.dtype} in "
-                f"{', '.join(bad[:3])}{'...' if len(bad) > 3 else ''}): the engine keeps fp32 "
-                "weights and uses bf16 only through autocast. Fix: load the model in fp32 "
-                "(model.float()) and set bf16.enabled for mixed precision."
-            )
+        self.bf16 = bool(getattr(config, "bf16", False))
+        self.dtype = torch.bfloat16 if self.bf16 else torch.float32
+        self._check_dtypes()
+        self.accel = make_accelerator(
+            accelerator,
+            device=self.specs[0].param.device,
+            pin_memory=bool(getattr(config, "pin_memory", False)),
+            strict=sim_strict,
+            budget_bytes=device_budget_bytes,
+        )
+        self.device = self.accel.device
         devices = {s.param.device for s in self.specs}
         if len(devices) > 1:
             raise EngineError(f"All trainable parameters must be on one device, found {devices}.")
-        self.device = torch.device(device) if device is not None else next(iter(devices))
-        if next(iter(devices)) != self.device:
+        if not _device_matches(next(iter(devices)), self.device):
             raise EngineError(
-                f"device={self.device} but the model's parameters are on {next(iter(devices))}: "
-                "move the model first (model.to(device))."
+                f"The accelerator is {self.accel.kind} ({self.device}) but the model's "
+                f"parameters are on {next(iter(devices))}: move the model first "
+                f"(model.to('{self.device}'))."
             )
-        self._pin = self.device.type == "cuda"
-        self.kernel, self.kernel_name = (None, None)
+        # The pinned host buffers (CUDA only): offload_optimizer.pin_memory.
+        self.pin = self.accel.kind == "cuda" and bool(getattr(config, "pin_memory", False))
         self._host_kernel_arg = host_kernel
+        self._kernel = None
+        self.kernel_name = "-"
         opt = config.optimizer
         betas = tuple(opt.betas)
-        self._hp_base = AdamHyper(
+        self.hp_base = AdamHyper(
             lr=float(opt.lr),
             beta1=float(betas[0]),
             beta2=float(betas[1]),
@@ -214,146 +152,93 @@ class ZenFlowEngine:
             adamw_mode=bool(getattr(opt, "adamw_mode", True)),
         )
         self.clip = float(getattr(config, "gradient_clipping", 0.0) or 0.0)
-        self.bf16 = bool(getattr(config, "bf16", False))
-        self.model_bytes = sum(s.param.numel() * s.param.element_size() for s in self.specs)
         self.global_step = 0  # optimizer steps applied (skipped steps excluded)
         self.skipped_steps = 0
-        self._lr = self._hp_base.lr
-        self.traffic = Traffic()
+        self._lr = self.hp_base.lr
         self._closed = False
         self._failed: BaseException | None = None
+        self.rec = StepRecord()
         self._torch_threads_orig = torch.get_num_threads()
-        self.cores = _cores()
-        # instrumentation (tests and metrics): host jobs, window lengths, in-flight count
-        self.host_log: list[HostJob] = []
-        self.window_lengths: list[int] = []
-        self.max_staleness = 0
-        self.worker: HostWorker | None = None
-        self._inflight: HostJob | None = None
+        self.bucket_request = int(getattr(config, "reduce_bucket_size", 0) or 0) or None
 
-        self.resolved: dict = {"mode": mode, "device": str(self.device)}
+        masters = self._take_masters_and_cast()
+        self.model_bytes = sum(s.param.numel() * s.param.element_size() for s in self.specs)
+        self.accel.set_held("weights", sum(p.numel() * p.element_size()
+                                           for p in model.parameters()))  # fmt: skip
+        self.zf = None
+        self.dense: list[DenseState] = []
+        overlap = False
+        if mode == "zenflow":
+            from zenflow.config.schema import ZenFlowConfig
+
+            self.zf = config.zenflow if config.zenflow is not None else ZenFlowConfig()
+            overlap = bool(self.zf.overlap_step)
+            self.select_every = self._resolve_select_interval(self.zf, steps_per_epoch)
+        reserved = float(self.zf.pt_reserved_cores_perc) if self.zf else 0.5
         if mode == "device":
-            self._init_device_mode()
-        elif mode == "offload":
-            self._init_offload_mode()
+            self.training_threads, self.host_threads = torch.get_num_threads(), 0
         else:
-            self._init_zenflow_mode(steps_per_epoch, grad_accum)
-        self.resolved["host_kernel"] = (
-            "-" if mode == "device" else self._kernel()[1]  # resolves native/reference now
-        )
-        self.resolved["model_bytes"] = self.model_bytes
-        self.resolved["gradient_clipping"] = self.clip
-        self.resolved["bf16"] = self.bf16
+            self.training_threads, self.host_threads = self.accel.compute_threads(reserved, overlap)
+            torch.set_num_threads(self.training_threads)
+        if mode == "device":
+            self.impl = DeviceMode(self, masters)
+        elif mode == "offload":
+            self.impl = OffloadMode(self, masters)
+        else:
+            self.dense = [self._dense_state(s, masters[s.name]) for s in self.specs
+                          if not s.is_zenflow]  # fmt: skip
+            self.impl = ZenFlowMode(self, steps_per_epoch, masters)
+        self.resolved: dict = {
+            "mode": mode,
+            "accelerator": self.accel.kind,
+            "device": str(self.device),
+            "device_description": self.accel.describe(),
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "pinned_host_buffers": self.pin,
+            "training_threads": self.training_threads,
+            "host_threads": self.host_threads,
+            "steps_per_epoch": steps_per_epoch,
+            **self.impl.resolved(),
+            "host_kernel": "-" if mode == "device" else self.kernel_name_now(),
+            "model_bytes": self.model_bytes,
+            "gradient_clipping": self.clip,
+            "bf16": self.bf16,
+        }
 
     # ------------------------------------------------------------------ setup
-    def _kernel(self):
-        if self.kernel is None:
-            self.kernel, self.kernel_name = resolve_kernel(self._host_kernel_arg)
-        return self.kernel, self.kernel_name
-
-    def _init_device_mode(self) -> None:
-        hp = self._hp_base
-        cls = torch.optim.AdamW if hp.adamw_mode else torch.optim.Adam
-        self.optimizer = cls(
-            [s.param for s in self.specs],
-            lr=hp.lr,
-            betas=(hp.beta1, hp.beta2),
-            eps=hp.eps,
-            weight_decay=hp.weight_decay,
-            foreach=True,
-        )
-        self.resolved.update(training_threads=torch.get_num_threads(), worker_threads=0)
-
-    def _init_offload_mode(self) -> None:
-        self.offload_states = {}
-        for s in self.specs:
-            st = HostState(
-                host_empty(s.param.shape, self._pin),
-                host_zeros(s.param.shape, self._pin),
-                host_zeros(s.param.shape, self._pin),
+    def _check_dtypes(self) -> None:
+        dtypes = {s.param.dtype for s in self.specs}
+        allowed = {torch.float32, torch.bfloat16} if self.bf16 else {torch.float32}
+        if not dtypes <= allowed:
+            names = [s.name for s in self.specs if s.param.dtype not in allowed][:3]
+            fix = (
+                "set bf16.enabled to true to train a bf16 model (fp32 master on the host), "
+                "or load it in fp32 (model.float())"
+                if torch.bfloat16 in dtypes
+                else "load the model in fp32 or bf16"
             )
-            st.master.copy_(s.param.detach())  # init copy: not a step, not counted
-            self.offload_states[s.name] = st
-        self.host_threads = self.cores
-        self.resolved.update(
-            training_threads=torch.get_num_threads(), worker_threads=0, host_threads=self.cores
-        )
+            raise EngineError(
+                f"Trainable parameters of dtype {sorted(map(str, dtypes))} (e.g. "
+                f"{', '.join(names)}) are not supported with bf16.enabled={self.bf16}: {fix}."
+            )
 
-    def _init_zenflow_mode(self, steps_per_epoch, grad_accum) -> None:
-        zf = self.config.zenflow
-        if zf is None:
-            from zenflow.config import ZenFlowConfig
+    def _take_masters_and_cast(self) -> dict[str, torch.Tensor]:
+        """fp32 host copies of the trainable weights (the masters' initial values), then
+        the model in the training dtype on the device."""
+        masters = {s.name: s.param.detach().float().cpu().clone() for s in self.specs}
+        if self.bf16 and any(s.param.dtype != torch.bfloat16 for s in self.specs):
+            self.model.to(dtype=torch.bfloat16)  # the same Parameter objects, bf16 data
+        return masters
 
-            zf = ZenFlowConfig()
-        self.zf = zf
-        self.topk_ratio = float(zf.topk_ratio)
-        self.overlap = bool(zf.overlap_step)
-        self.warmup_rounds = int(zf.full_warm_up_rounds)
-        self.auto_ratio = float(getattr(zf, "auto_ratio", 0.99))
-        if zf.update_interval == "auto":
-            self.update_interval = None
-            ui_text = f"auto(1..{AUTO_INTERVAL_MAX})"
-        else:
-            self.update_interval = int(zf.update_interval)
-            ui_text = self.update_interval
-        self.select_every = self._resolve_select_interval(zf, steps_per_epoch)
-        if grad_accum == "auto":
-            grad_accum = "device" if self.device.type == "cpu" else "host"
-        self.grad_accum = grad_accum
-        slots = 2 if self.overlap else 1  # double-buffered accumulators with overlap
-        self.zweights: list[_ZfWeight] = []
-        self.dense: list[_DenseState] = []
-        for s in self.specs:
-            if s.is_zenflow:
-                w = _ZfWeight(
-                    s, num_selected(s.n_cols, self.topk_ratio), self._pin, grad_accum, slots
-                )
-                w.host.master.copy_(s.param.detach())  # init copy: not a step, not counted
-                self.zweights.append(w)
-            else:
-                z = torch.zeros_like(s.param, dtype=torch.float32)
-                self.dense.append(_DenseState(s, z, torch.zeros_like(z)))
-        self.selected = False
-        self.last_select_step = 0
-        self.window_len = 0
-        self.window_start = self.warmup_rounds + 1
-        self.slot = 0
-        if self.overlap:
-            self.worker_threads = max(1, round(self.cores * (1 - float(zf.pt_reserved_cores_perc))))
-            self.training_threads = max(1, self.cores - self.worker_threads)
-            torch.set_num_threads(self.training_threads)
-            self.worker = HostWorker()
-            self.host_threads = self.worker_threads
-        else:
-            self.worker_threads = 0
-            self.training_threads = torch.get_num_threads()
-            self.host_threads = self.cores
-        zbytes = sum(w.spec.param.numel() * 4 for w in self.zweights)
-        self.resolved.update(
-            topk_ratio=self.topk_ratio,
-            update_interval=ui_text,
-            select_strategy=zf.select_strategy,
-            select_interval=zf.select_interval,
-            select_every_steps=self.select_every,
-            steps_per_epoch=steps_per_epoch,
-            full_warm_up_rounds=self.warmup_rounds,
-            overlap_step=self.overlap,
-            auto_ratio=self.auto_ratio,
-            worker_threads=self.worker_threads,
-            training_threads=self.training_threads,
-            host_threads=self.host_threads,
-            grad_accum=grad_accum,
-            grad_accum_note=(
-                "non-selected gradient summed in a device fp32 buffer, handed to the host "
-                "once per window"
-                + (" (CPU device: zero-copy)" if self.device.type == "cpu" else "")
-                if grad_accum == "device"
-                else "non-selected gradient copied to a host fp32 buffer every step"
-            ),
-            zenflow_weights=len(self.zweights),
-            zenflow_bytes=zbytes,
-            always_important_params=len(self.dense),
-        )
+    def _dense_state(self, s: ParamSpec, master: torch.Tensor) -> DenseState:
+        acc = self.accel
+        m = None
+        if s.param.dtype != torch.float32:
+            m = acc.track(master.to(self.device).clone(), "optimizer")
+        return DenseState(
+            s, m, acc.zeros(s.param.shape, torch.float32, "optimizer"),
+            acc.zeros(s.param.shape, torch.float32, "optimizer"),
+        )  # fmt: skip
 
     @staticmethod
     def _resolve_select_interval(zf, steps_per_epoch) -> int:
@@ -379,20 +264,65 @@ class ZenFlowEngine:
         epochs = 1 if interval == "auto" or strategy == "auto" else int(interval)
         return epochs * int(steps_per_epoch)
 
+    def kernel(self):
+        """The host CPU Adam op (resolved on first use: the native op builds lazily)."""
+        if self._kernel is None:
+            self._kernel, self.kernel_name = resolve_kernel(self._host_kernel_arg)
+        return self._kernel
+
+    def kernel_name_now(self) -> str:
+        self.kernel()
+        return self.kernel_name
+
+    # ------------------------------------------------------------------ mode internals
+    @property
+    def zweights(self):
+        return self.impl.zweights if self.mode == "zenflow" else []
+
+    @property
+    def window_lengths(self) -> list[int]:
+        return self.impl.window_lengths if self.mode == "zenflow" else []
+
+    @property
+    def host_log(self):
+        return self.impl.host_log if self.mode == "zenflow" else []
+
+    @property
+    def max_staleness(self) -> int:
+        return self.impl.max_staleness if self.mode == "zenflow" else 0
+
+    @property
+    def max_in_flight(self) -> int:
+        worker = getattr(self.impl, "worker", None)
+        return worker.max_in_flight if worker is not None else 0
+
+    def dense_update(self, hp: AdamHyper) -> None:
+        """Device AdamW on every always-important parameter (fp32 master when bf16)."""
+        for d in self.dense:
+            g = d.spec.param.grad
+            if g is None:
+                continue
+            d.step += 1
+            p = d.spec.param.data
+            x = p if d.master is None else d.master
+            adamw_dense_(x, g.detach().float(), d.exp_avg, d.exp_avg_sq, d.step, hp)
+            if d.master is not None:
+                p.copy_(d.master)
+
     # ------------------------------------------------------------------ public API
     @property
     def lr(self) -> float:
         return self._lr
-
-    @property
-    def max_in_flight(self) -> int:
-        return self.worker.max_in_flight if self.worker is not None else 0
 
     def autocast(self):
         """bf16 autocast on the device when ``config.bf16``; a no-op context otherwise."""
         if not self.bf16:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()`` (the hook where data-parallel gradient averaging goes)."""
+        loss.backward()
 
     def zero_grad(self) -> None:
         for s in self.specs:
@@ -405,22 +335,16 @@ class ZenFlowEngine:
         self.close()
 
     def close(self) -> None:
-        """Join the worker (its in-flight result stays unapplied), restore torch threads.
-        Re-raises a worker failure not yet reported."""
+        """Join background threads (an in-flight result stays unapplied), restore torch's
+        thread count. Re-raises a background failure not yet reported."""
         if self._closed:
             return
         self._closed = True
         err = None
         try:
-            if self._inflight is not None and self.worker is not None:
-                job, self._inflight = self._inflight, None
-                try:
-                    self.worker.wait(job)
-                except BaseException as e:  # report after cleanup
-                    err = e
+            err = self.impl.close()
         finally:
-            if self.worker is not None:
-                self.worker.close()
+            self.accel.close()
             torch.set_num_threads(self._torch_threads_orig)
         if err is not None and self._failed is None:
             self._failed = err
@@ -438,12 +362,10 @@ class ZenFlowEngine:
             return
         if self._failed is not None:
             raise RuntimeError("ZenFlowEngine is unusable after a host worker failure.")
-        hp = AdamHyper(self._lr, *(getattr(self._hp_base, f) for f in _HP_REST))
+        hp = AdamHyper(self._lr, *(getattr(self.hp_base, f) for f in _HP_REST))
+        self.rec = StepRecord()
         with torch.no_grad():
-            if self.window_len > 0:
-                self._end_window(self.global_step, hp, sync=True)
-            else:
-                self._wait_inflight(self.global_step)
+            self.impl.flush(self.global_step, hp)
 
     def state_dict(self) -> dict:
         return engine_state_dict(self)
@@ -452,9 +374,6 @@ class ZenFlowEngine:
         load_engine_state(self, sd)
 
     # ------------------------------------------------------------------ the step
-    def _lr_at(self, step: int) -> float:
-        return float(lr_at(self.config, step))
-
     def step(self, loss=None) -> StepStats:
         """One optimizer step over the gradients in ``param.grad`` -> :class:`StepStats`."""
         if self._closed:
@@ -464,24 +383,28 @@ class ZenFlowEngine:
                 "ZenFlowEngine is unusable after a host worker failure."
             ) from self._failed
         t_start = time.perf_counter()
-        self._check_worker()
-        self.traffic.reset()
-        self._stall_s = 0.0
-        self._devopt_s = 0.0
-        self._host_update = False
-        self._window_ended = 0
-        self._moved = 0
-        self._warm = False
+        self.rec = StepRecord()
+        self.accel.traffic.reset()
+        try:
+            if self.mode == "zenflow":
+                self.impl.check_worker()
+        except BaseException as e:
+            self._failed = e
+            raise
         loss_f = None if loss is None else float(loss.detach() if torch.is_tensor(loss) else loss)
         t = self.global_step + 1
-        self._lr = lr = self._lr_at(t)
-        hp = AdamHyper(lr, *(getattr(self._hp_base, f) for f in _HP_REST))
-        grads = [s.param.grad for s in self.specs]
-        present = [g for g in grads if g is not None]
+        self._lr = lr = float(lr_at(self.config, t))
+        hp = AdamHyper(lr, *(getattr(self.hp_base, f) for f in _HP_REST))
+        present = [s.param.grad for s in self.specs if s.param.grad is not None]
+        self.accel.set_held("grads", sum(g.numel() * g.element_size() for g in present))
         if present:
             total = torch.linalg.vector_norm(
-                torch.stack([torch.linalg.vector_norm(g.detach(), 2.0) for g in present]), 2.0
-            )
+                torch.stack(
+                    [torch.linalg.vector_norm(g.detach(), 2.0, dtype=torch.float32)
+                     for g in present]
+                ),
+                2.0,
+            )  # fmt: skip
             grad_norm = float(total)
         else:
             total, grad_norm = None, 0.0
@@ -493,341 +416,31 @@ class ZenFlowEngine:
                 if self.clip > 0 and total is not None:
                     coef = torch.clamp(self.clip / (total + 1e-6), max=1.0)
                     for g in present:
-                        g.detach().mul_(coef)
+                        g.detach().mul_(coef.to(g.dtype))
                 with torch.no_grad():
-                    if self.mode == "device":
-                        self._device_mode_step(lr)
-                    elif self.mode == "offload":
-                        self._offload_step(t, hp)
-                    elif t <= self.warmup_rounds:
-                        self._warmup_step(t, hp)
-                    else:
-                        self._zenflow_step(t, hp)
+                    self.impl.step(t, hp)
             except BaseException as e:
-                if self.worker is not None and self._failed is None:
+                if self.mode == "zenflow" and self._failed is None:
                     self._failed = e
                 raise
             self.global_step = t
+        rec = self.rec
         return StepStats(
             step=t,
             lr=lr,
             loss=loss_f,
             step_ms=(time.perf_counter() - t_start) * 1e3,
-            device_opt_ms=self._devopt_s * 1e3,
-            stall_ms=self._stall_s * 1e3,
-            transfer_ms=self.traffic.transfer_s * 1e3,
-            d2h_bytes=self.traffic.d2h_bytes,
-            h2d_bytes=self.traffic.h2d_bytes,
-            host_update=self._host_update,
-            window_len=self._window_ended,
-            selection_changed=self._moved,
+            device_opt_ms=rec.devopt_s * 1e3,
+            stall_ms=rec.stall_s * 1e3,
+            transfer_ms=rec.transfer_s * 1e3,
+            d2h_bytes=self.accel.traffic.d2h_bytes,
+            h2d_bytes=self.accel.traffic.h2d_bytes,
+            device_bytes=self.accel.device_bytes(),
+            host_update=rec.host_update,
+            window_len=rec.window_ended,
+            selection_changed=rec.moved,
             grad_norm=grad_norm,
             skipped=skipped,
-            warmup=self._warm,
+            warmup=rec.warmup,
             mode=self.mode,
         )
-
-    def _check_worker(self) -> None:
-        """Surface a finished-with-error host step now (the next step after it failed)."""
-        job = self._inflight
-        if job is None or job.future is None or not job.future.done():
-            return
-        if job.future.exception() is not None:
-            self._inflight = None
-            try:
-                self.worker.wait(job)
-            except BaseException as e:
-                self._failed = e
-                raise
-
-    # -- plain modes
-    def _device_mode_step(self, lr: float) -> None:
-        t0 = time.perf_counter()
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
-        self._devopt_s += time.perf_counter() - t0
-
-    def _offload_step(self, t: int, hp: AdamHyper) -> None:
-        """ZeRO-Offload: every gradient to the host, full CPU AdamW, every weight back."""
-        t0 = time.perf_counter()
-        kernel = self._kernel()[0]
-        tasks = []
-        for s in self.specs:
-            st = self.offload_states[s.name]
-            g = s.param.grad
-            if g is None:
-                continue
-            st.step += 1
-            tasks.append(HostTask(st, self._grad_to_host(g), st.step, 1.0))
-        self.traffic.sync(self.device)
-        run_host_tasks(tasks, kernel, hp.lr, hp, self.host_threads)
-        for s in self.specs:
-            if s.param.grad is not None:
-                self._to_param(s.param, self.offload_states[s.name].master)
-        self._host_update = True
-        self._stall_s += time.perf_counter() - t0
-
-    def _grad_to_host(self, g: torch.Tensor) -> torch.Tensor:
-        """A host fp32 copy of a gradient (counted). On a CPU device an fp32 gradient is
-        already host memory: counted as traffic but not copied again."""
-        g = g.detach()
-        if self.device.type == "cpu" and g.dtype == torch.float32 and g.is_contiguous():
-            self.traffic.d2h_bytes += g.numel() * g.element_size()
-            return g
-        return self.traffic.to_host(g.float().contiguous(), self._pin)
-
-    def _to_param(self, p: torch.Tensor, master: torch.Tensor) -> None:
-        self.traffic.copy_(p.data, master, "h2d")
-
-    # -- ZenFlow
-    def _dense_update(self, hp: AdamHyper) -> None:
-        for d in self.dense:
-            g = d.spec.param.grad
-            if g is None:
-                continue
-            d.step += 1
-            adamw_dense_(d.spec.param.data, g.detach(), d.exp_avg, d.exp_avg_sq, d.step, hp)
-
-    def _warmup_step(self, t: int, hp: AdamHyper) -> None:
-        """Full synchronous update: ZenFlow weights by the host AdamW, the rest on device."""
-        self._warm = True
-        t0 = time.perf_counter()
-        self._dense_update(hp)
-        self._devopt_s += time.perf_counter() - t0
-        t0 = time.perf_counter()
-        kernel = self._kernel()[0]
-        tasks = []
-        for w in self.zweights:
-            g = w.spec.param.grad
-            w.step_dev += 1
-            w.host.step += 1
-            gh = self._grad_to_host(g) if g is not None else host_zeros(w.spec.param.shape, False)
-            tasks.append(HostTask(w.host, gh, w.host.step, 1.0))
-        self.traffic.sync(self.device)
-        run_host_tasks(tasks, kernel, hp.lr, hp, self.cores)
-        for w in self.zweights:
-            self._to_param(w.spec.param, w.host.master)
-        self._host_update = bool(tasks)
-        self._stall_s += time.perf_counter() - t0
-        self.window_start = t + 1
-
-    def _grad_of(self, w: _ZfWeight) -> torch.Tensor:
-        g = w.spec.param.grad
-        if g is None:  # unused this step: a zero gradient (keeps the schedule uniform)
-            return torch.zeros_like(w.spec.param)
-        return g.detach()
-
-    def _zenflow_step(self, t: int, hp: AdamHyper) -> None:
-        if not self.selected:
-            self._select(t)
-        t0 = time.perf_counter()
-        for w in self.zweights:
-            w.step_dev += 1
-            adamw_columns_(
-                w.spec.param.data, self._grad_of(w), w.sel_dev, w.cd,
-                w.exp_avg_dev, w.exp_avg_sq_dev, w.step_dev, hp,
-            )  # fmt: skip
-        self._dense_update(hp)
-        self._devopt_s += time.perf_counter() - t0
-        self._accumulate()
-        self.window_len += 1
-        if self._window_ends():
-            reselect = t - self.last_select_step >= self.select_every
-            self._end_window(t, hp, sync=reselect or not self.overlap)
-            if reselect:
-                self._select(t)
-
-    def _accumulate(self) -> None:
-        first = self.window_len == 0
-        for w in self.zweights:
-            g = self._grad_of(w)
-            acc = w.acc[self.slot]
-            if self.grad_accum == "host":
-                part = g.index_select(w.cd, w.nonsel_dev)  # the d2h slice: non-selected only
-                if self.device.type == "cpu":
-                    # the gather above already produced a host copy: count it, don't copy again
-                    self.traffic.d2h_bytes += part.numel() * part.element_size()
-                    acc.copy_(part) if first else acc.add_(part)
-                elif first:
-                    self.traffic.copy_(acc, part, "d2h")
-                else:
-                    self.traffic.copy_(w.staging, part, "d2h")
-            else:
-                acc.copy_(g) if first else acc.add_(g)
-        if self.grad_accum == "host" and self.device.type != "cpu":
-            self.traffic.sync(self.device)
-            if not first:
-                for w in self.zweights:
-                    w.acc[self.slot].add_(w.staging)
-        if self.update_interval is None:
-            self._auto_stats()
-
-    def _auto_stats(self) -> None:
-        """Per weight: selected mass per column (summed over the window's steps, averaged at
-        the vote) and accumulated non-selected mass per column. Mass = squared L2 norm."""
-        if not self.zweights:
-            return
-        vals = []
-        for w in self.zweights:
-            s = column_scores(self._grad_of(w), w.cd)
-            vals.append(s[w.sel_dev].sum())
-            vals.append(s[w.nonsel_dev].sum())
-        vals = torch.stack(vals).tolist()
-        for i, w in enumerate(self.zweights):
-            w.sel_mass_sum += vals[2 * i] / w.k
-            if w.n_cols > w.k:
-                w.nonsel_mass_acc += vals[2 * i + 1] / (w.n_cols - w.k)
-
-    def _window_ends(self) -> bool:
-        if self.update_interval is not None:
-            return self.window_len >= self.update_interval
-        if self.window_len >= AUTO_INTERVAL_MAX or not self.zweights:
-            return True
-        votes = sum(
-            1
-            for w in self.zweights
-            if w.n_cols == w.k or w.nonsel_mass_acc >= w.sel_mass_sum / self.window_len
-        )
-        return votes / len(self.zweights) >= self.auto_ratio
-
-    def _wait_inflight(self, t: int) -> None:
-        """Wait for the in-flight host step (if any) and copy its result to the device."""
-        job, self._inflight = self._inflight, None
-        if job is None:
-            return
-        t0 = time.perf_counter()
-        if job.future is not None:
-            self.worker.wait(job)
-        self._stall_s += time.perf_counter() - t0
-        self._apply(job, t)
-
-    def _apply(self, job: HostJob, t: int) -> None:
-        """Copy the host result into the device weights: ONLY the non-selected columns."""
-        t0 = time.perf_counter()
-        for w in self.zweights:
-            vals = w.host.master.index_select(w.cd, w.nonsel_host)
-            if self.device.type == "cpu":  # the gather is the copy: count it
-                self.traffic.h2d_bytes += vals.numel() * vals.element_size()
-            else:
-                vals = self.traffic.to_device(vals, self.device)
-            w.spec.param.data.index_copy_(w.cd, w.nonsel_dev, vals)
-        job.applied_step = t
-        # Staleness: the oldest gradient in this update is from job.window_start; the device
-        # sees it at the end of step t. With overlap t is the end of the NEXT window, so
-        # non-selected columns lag by at most 2S steps (S without overlap).
-        self.max_staleness = max(self.max_staleness, t - job.window_start + 1)
-        self._host_update = True
-        self._stall_s += time.perf_counter() - t0
-
-    def _end_window(self, t: int, hp: AdamHyper, sync: bool) -> None:
-        # at most one host step in flight: wait for (and apply) the previous one first
-        self._wait_inflight(t)
-        t0 = time.perf_counter()
-        n = self.window_len
-        tasks = []
-        for w in self.zweights:
-            acc = w.acc[self.slot]
-            if w.grad_host is None:  # CPU device, grad_accum="device": the sum is host memory
-                grad_full = acc
-            else:
-                grad_full = w.grad_host[self.slot]
-                if self.grad_accum == "host":
-                    grad_full.index_copy_(w.cd, w.nonsel_host, acc)
-                else:  # GPU device buffer: move the non-selected slice once per window
-                    part = acc.index_select(w.cd, w.nonsel_dev)
-                    staged = self.traffic.to_host(part, self._pin)
-                    self.traffic.sync(self.device)
-                    grad_full.index_copy_(w.cd, w.nonsel_host, staged)
-                grad_full.index_fill_(w.cd, w.sel_host, 0.0)
-            # Selected columns of master/moments are updated too (one flat kernel pass is
-            # faster than gather/scatter) but never observed: they reach the device only by
-            # index (non-selected columns), and a column leaving the device overwrites its
-            # master and host moments at the hand-over.
-            w.host.step += 1
-            tasks.append(HostTask(w.host, grad_full, w.host.step, 1.0 / n))
-            w.sel_mass_sum = 0.0
-            w.nonsel_mass_acc = 0.0
-        job = HostJob(window_start=self.window_start, submit_step=t, buffer_slot=self.slot)
-        self.host_log.append(job)
-        kernel = self._kernel()[0]
-        self._stall_s += time.perf_counter() - t0
-        if sync:
-            t0 = time.perf_counter()
-            run_host_tasks(tasks, kernel, hp.lr, hp, self.cores, job)
-            self._stall_s += time.perf_counter() - t0
-            self._apply(job, t)
-        else:
-            nt = self.worker_threads
-            self.worker.submit(job, lambda: run_host_tasks(tasks, kernel, hp.lr, hp, nt, job))
-            self._inflight = job
-            if self.zweights and len(self.zweights[0].acc) > 1:
-                self.slot = 1 - self.slot
-        self._window_ended = n
-        self.window_lengths.append(n)
-        self.window_len = 0
-        self.window_start = t + 1
-
-    def _select(self, t: int) -> None:
-        """(Re)select columns and hand ownership over by index.
-
-        Preconditions: no host step in flight and master == device on non-selected columns
-        (first selection: master was just copied from the device; reselection: runs right
-        after a synchronous window end). Columns device->host write their device values into
-        the master BY INDEX and carry their device moments into the host moments; columns
-        host->device take the master values and carry the host moments (we carry rather than
-        restart moments: a restarted column would take a full-size first Adam step).
-        """
-        t0 = time.perf_counter()
-        for w in self.zweights:
-            p = w.spec.param.data
-            scores = allreduce_scores_(column_scores(self._grad_of(w), w.cd))
-            new = select_topk(scores, w.k)
-            if w.sel_dev is None:
-                old = torch.empty(0, dtype=torch.long, device=new.device)
-            else:
-                old = w.sel_dev
-            stay_o, stay_n, in_pos, in_cols, out_pos, out_cols = split_handover(old, new)
-            if out_cols.numel():
-                out_h = out_cols.cpu()
-                for dst, src in (
-                    (w.host.master, p.index_select(w.cd, out_cols)),
-                    (w.host.exp_avg, w.exp_avg_dev.index_select(w.cd, out_pos)),
-                    (w.host.exp_avg_sq, w.exp_avg_sq_dev.index_select(w.cd, out_pos)),
-                ):
-                    dst.index_copy_(w.cd, out_h, self._dev_to_host(src))
-            m_new = torch.empty_like(w.exp_avg_dev)
-            v_new = torch.empty_like(w.exp_avg_sq_dev)
-            m_new.index_copy_(w.cd, stay_n, w.exp_avg_dev.index_select(w.cd, stay_o))
-            v_new.index_copy_(w.cd, stay_n, w.exp_avg_sq_dev.index_select(w.cd, stay_o))
-            if in_cols.numel():
-                in_h = in_cols.cpu()
-                p.index_copy_(
-                    w.cd, in_cols, self._host_to_dev(w.host.master.index_select(w.cd, in_h))
-                )
-                m_new.index_copy_(
-                    w.cd, in_pos, self._host_to_dev(w.host.exp_avg.index_select(w.cd, in_h))
-                )
-                v_new.index_copy_(
-                    w.cd, in_pos, self._host_to_dev(w.host.exp_avg_sq.index_select(w.cd, in_h))
-                )
-            w.exp_avg_dev, w.exp_avg_sq_dev = m_new, v_new
-            w.set_selection(new)
-            self._moved += int(in_cols.numel() + out_cols.numel())
-        self.selected = True
-        self.last_select_step = t
-        self._stall_s += time.perf_counter() - t0
-
-    def _dev_to_host(self, src: torch.Tensor) -> torch.Tensor:
-        if self.device.type == "cpu":  # src is a fresh gather: that was the copy
-            self.traffic.d2h_bytes += src.numel() * src.element_size()
-            return src
-        out = self.traffic.to_host(src, self._pin)
-        self.traffic.sync(self.device)
-        return out
-
-    def _host_to_dev(self, src: torch.Tensor) -> torch.Tensor:
-        if self.device.type == "cpu":
-            self.traffic.h2d_bytes += src.numel() * src.element_size()
-            return src
-        return self.traffic.to_device(src, self.device)
