@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.optim.adam import adam as torch_adam
 
 from zenflow.ops import adamw_step_reference_
 
@@ -90,3 +91,109 @@ def test_reference_grad_scale_and_bf16_copy():
     torch.testing.assert_close(param, twin, rtol=0, atol=0)
     torch.testing.assert_close(m, m2, rtol=0, atol=0)
     assert torch.equal(param_bf16, param.to(torch.bfloat16))
+
+
+# (param shape, the dim that indexes columns, col_inner): nn.Linear [out, in] has its
+# columns along dim 1, transformers Conv1D [in, out] along dim 0; a 3-D weight flattens
+# its leading dims into rows.
+COLUMN_LAYOUTS = [((5, 7), 1, 1), ((7, 5), 0, 5), ((2, 3, 7), 2, 1)]
+COLUMN_STEPS = [1, 2, 100, 401, 10**6, 3, 7]
+
+
+@pytest.mark.parametrize("adamw_mode", [True, False], ids=["adamw", "adam-l2"])
+@pytest.mark.parametrize(("shape", "col_dim", "col_inner"), COLUMN_LAYOUTS)
+def test_reference_per_column_matches_torch_column_by_column(shape, col_dim, col_inner, adamw_mode):
+    """col_steps against torch's single-tensor Adam(W) run on each column alone.
+
+    Column j of the weight, its moments and its gradient are taken out as tensors of their
+    own and stepped by torch.optim.adam.adam (foreach=False: the single-tensor loop) with
+    that column's step count; the reference steps the whole weight with col_steps. Moments
+    start non-zero (a column handed over with its state), so a wrong step count changes
+    the result.
+    """
+    gen = torch.Generator().manual_seed(11)
+    init = torch.randn(shape, generator=gen)
+    init_m = 0.1 * torch.randn(shape, generator=gen)
+    init_v = 0.01 * torch.rand(shape, generator=gen)
+    grads = [torch.randn(shape, generator=gen) for _ in range(3)]
+    col_steps = torch.tensor(COLUMN_STEPS)
+    weight_decay = 0.1
+
+    param, exp_avg, exp_avg_sq = init.clone(), init_m.clone(), init_v.clone()
+    single_step = init.clone()  # the same with one scalar step for all: must differ
+    m_single, v_single = init_m.clone(), init_v.clone()
+    for k, grad in enumerate(grads):
+        kw = dict(
+            lr=LR,
+            beta1=BETAS[0],
+            beta2=BETAS[1],
+            eps=EPS,
+            weight_decay=weight_decay,
+            adamw_mode=adamw_mode,
+        )
+        steps = col_steps + k
+        adamw_step_reference_(
+            param,
+            grad,
+            exp_avg,
+            exp_avg_sq,
+            step=int(steps.max()),
+            col_steps=steps,
+            col_inner=col_inner,
+            **kw,
+        )
+        adamw_step_reference_(single_step, grad, m_single, v_single, step=int(steps.max()), **kw)
+
+    for j, first_step in enumerate(COLUMN_STEPS):
+        p_col = init.select(col_dim, j).clone()
+        m_col = init_m.select(col_dim, j).clone()
+        v_col = init_v.select(col_dim, j).clone()
+        # torch increments the step tensor before using it.
+        step_col = torch.tensor(float(first_step - 1))
+        for grad in grads:
+            torch_adam(
+                [p_col],
+                [grad.select(col_dim, j).clone()],
+                [m_col],
+                [v_col],
+                [],
+                [step_col],
+                foreach=False,
+                decoupled_weight_decay=adamw_mode,
+                amsgrad=False,
+                beta1=BETAS[0],
+                beta2=BETAS[1],
+                lr=LR,
+                weight_decay=weight_decay,
+                eps=EPS,
+                maximize=False,
+            )
+        where = f"column {j} (first step {first_step})"
+        torch.testing.assert_close(
+            exp_avg.select(col_dim, j), m_col, rtol=1e-6, atol=1e-7, msg=where
+        )
+        torch.testing.assert_close(
+            exp_avg_sq.select(col_dim, j), v_col, rtol=1e-6, atol=1e-9, msg=where
+        )
+        torch.testing.assert_close(param.select(col_dim, j), p_col, rtol=1e-6, atol=1e-7, msg=where)
+    # The comparison can tell step counts apart: one scalar step for all columns is far off.
+    assert (param - single_step).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("bad", [0, -2])
+def test_reference_rejects_col_inner_below_one_even_without_col_steps(bad):
+    param = torch.randn(8)
+    with pytest.raises(ValueError, match=r"adamw_step_reference_: col_inner must be >= 1"):
+        adamw_step_reference_(
+            param,
+            torch.randn(8),
+            torch.zeros(8),
+            torch.zeros(8),
+            step=1,
+            lr=LR,
+            beta1=BETAS[0],
+            beta2=BETAS[1],
+            eps=EPS,
+            weight_decay=0.0,
+            col_inner=bad,
+        )

@@ -2,10 +2,11 @@
 
 The kernel has three bodies (AVX-512, AVX2+FMA, scalar) chosen by compiler macros. A build
 with ``-march=native`` exercises one of them; this test builds the others with
-``ZENFLOW_NATIVE_MARCH`` (an older x86-64 level) into a scratch cache and reruns the whole
-element-wise comparison file against the reference on each, in a fresh process (one
-process can load only one library that registers the zenflow op namespace). A level the
-CPU cannot run is skipped, with the reason.
+``ZENFLOW_NATIVE_MARCH`` (an older x86-64 level) into a scratch cache and reruns the
+element-wise comparison files against the reference on each (the scalar-step file and the
+per-column file), in a fresh process (one process can load only one library that
+registers the zenflow op namespace). A level the CPU cannot run is skipped, with the
+reason.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import pytest
 
 from zenflow.hardware.probes import parse_cpuinfo
 
-NATIVE_TESTS = Path(__file__).resolve().parent / "test_cpu_adam_native.py"
+HERE = Path(__file__).resolve().parent
+NATIVE_TESTS = [HERE / "test_cpu_adam_native.py", HERE / "test_cpu_adam_columns.py"]
 # x86-64 micro-architecture levels (GCC >= 11): v3 has AVX2+FMA and no AVX-512; the
 # baseline has only SSE2, so neither vector body compiles.
 LEVELS = [("x86-64-v3", "avx2", {"avx2", "fma", "bmi2", "movbe"}), ("x86-64", "scalar", set())]
@@ -47,7 +49,7 @@ def test_simd_path_matches_the_reference(march, path, needs, tmp_path):
     )
     env.pop("ZENFLOW_OPS", None)
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(NATIVE_TESTS)],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *map(str, NATIVE_TESTS)],
         env=env,
         cwd=tmp_path,
         capture_output=True,

@@ -3,7 +3,8 @@
 Public API (other modules and external checks build on these names):
 
 - ``adamw_step_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps,
-  weight_decay, param_bf16=None, grad_scale=1.0, adamw_mode=True, num_threads=0)``:
+  weight_decay, param_bf16=None, grad_scale=1.0, adamw_mode=True, num_threads=0,
+  col_steps=None, col_inner=1)``:
   one in-place AdamW step with the native SIMD kernel (built on first use; routed to the
   reference when ``ZENFLOW_OPS=reference``).
 - ``adamw_step_reference_(...)``: the same step in plain PyTorch, same signature.
@@ -13,6 +14,15 @@ Public API (other modules and external checks build on these names):
 ``step`` is the 1-based step number used for bias correction. ``grad_scale`` multiplies
 the gradient before use (pass 1/S to average a window's gradient *sum* without a
 separate pass). ``adamw_mode=False`` gives classic Adam with L2 weight decay.
+
+Per-column step counts: ZenFlow hands columns of a 2-D weight between the device and the
+host with their moments, so each column keeps its own step count. ``col_steps`` (int64,
+1-D, contiguous, CPU, C >= 1 entries, each >= 1) gives it: element ``i`` of the flattened
+param takes its bias correction from ``col_steps[(i // col_inner) % C]``, and ``step`` is
+then only checked, not used (pass e.g. the largest count). ``numel`` must be a multiple of
+``C * col_inner``. An ``nn.Linear`` weight ``[out, in]`` (columns along dim 1) is
+``col_inner=1, C=in``; a transformers ``Conv1D`` weight ``[in, out]`` (columns along dim 0)
+is ``col_inner=out, C=in``. ``col_inner`` is ignored without ``col_steps``.
 Importing this package builds nothing.
 """
 
@@ -49,15 +59,28 @@ def adamw_step_(
     grad_scale: float = 1.0,
     adamw_mode: bool = True,
     num_threads: int = 0,
+    col_steps: torch.Tensor | None = None,
+    col_inner: int = 1,
 ) -> None:
     """One in-place Adam(W) step on contiguous CPU tensors with the native kernel.
 
     ``param``, ``exp_avg`` and ``exp_avg_sq`` are fp32 and updated in place; ``grad`` is
     fp32 or bf16 and read only; ``param_bf16`` (optional, bf16, same numel) receives the
     updated param rounded to bf16 in the same pass. ``num_threads > 0`` sets the OpenMP
-    team size for this call (0 = OpenMP default); results do not depend on it. Releases
-    the GIL while it runs. Raises ``RuntimeError`` naming the bad argument for a tensor
-    that is not contiguous, not on the CPU, of the wrong dtype or size.
+    team size for this call (0 = OpenMP default); results do not depend on it.
+
+    ``col_steps`` (optional, int64, 1-D, contiguous, CPU, C >= 1 entries, each >= 1) gives
+    every column its own 1-based bias-correction step: element ``i`` of the flattened param
+    belongs to column ``(i // col_inner) % C``, and ``step`` is not used for bias
+    correction (it must still be >= 1; pass e.g. the largest count). ``numel`` must be a
+    multiple of ``C * col_inner``. ``nn.Linear`` weight ``[out, in]``: ``col_inner=1``,
+    ``C=in``; ``Conv1D`` weight ``[in, out]``: ``col_inner=out``, ``C=in``. With every entry
+    equal to ``step`` the result is bit-identical to the call without ``col_steps``.
+
+    Releases the GIL while it runs. Raises ``RuntimeError`` starting with
+    ``zenflow::adamw_step_`` and naming the bad argument for a tensor that is not
+    contiguous, not on the CPU, of the wrong dtype or size, and for a bad ``col_steps`` or
+    ``col_inner``.
     """
     if ops_mode() == "reference":
         adamw_step_reference_(
@@ -75,6 +98,8 @@ def adamw_step_(
             grad_scale=grad_scale,
             adamw_mode=adamw_mode,
             num_threads=num_threads,
+            col_steps=col_steps,
+            col_inner=col_inner,
         )
         return
     load_native()
@@ -93,4 +118,6 @@ def adamw_step_(
         float(grad_scale),
         bool(adamw_mode),
         int(num_threads),
+        col_steps,
+        int(col_inner),
     )

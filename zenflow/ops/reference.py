@@ -6,6 +6,8 @@ import math
 
 import torch
 
+_OP = "adamw_step_reference_"
+
 
 def adamw_step_reference_(
     param: torch.Tensor,
@@ -23,6 +25,8 @@ def adamw_step_reference_(
     grad_scale: float = 1.0,
     adamw_mode: bool = True,
     num_threads: int = 0,
+    col_steps: torch.Tensor | None = None,
+    col_inner: int = 1,
 ) -> None:
     """One in-place Adam(W) step, the same arithmetic as torch.optim.AdamW's loop.
 
@@ -30,8 +34,19 @@ def adamw_step_reference_(
     Then ``m = b1*m + (1-b1)*g``, ``v = b2*v + (1-b2)*g*g``,
     ``p -= lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps)``. ``num_threads`` is accepted
     for signature parity with the native op and ignored.
+
+    ``col_steps`` (int64, 1-D, contiguous, CPU, C >= 1 entries, each >= 1) replaces ``t``
+    per column: element ``i`` of the flattened param uses ``col_steps[(i // col_inner) % C]``
+    (``step`` is then not used for bias correction). The per-column constants
+    ``lr/(1-b1^t)`` and ``sqrt(1-b2^t)`` are computed in float64 and cast to float32, as the
+    native op does. Raises ``ValueError`` naming the argument for a bad ``col_steps`` or
+    ``col_inner``.
     """
     del num_threads
+    if col_inner < 1:
+        raise ValueError(f"{_OP}: col_inner must be >= 1 (elements per run), got {col_inner}")
+    if col_steps is not None:
+        check_col_steps(param, col_steps, col_inner)
     g = grad.float()
     if grad_scale != 1.0:
         g = g * grad_scale
@@ -42,9 +57,57 @@ def adamw_step_reference_(
             g = g + weight_decay * param
     exp_avg.mul_(beta1).add_(g, alpha=1.0 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-    bias_correction1 = 1.0 - beta1**step
-    bias_correction2 = 1.0 - beta2**step
-    denom = (exp_avg_sq.sqrt() / math.sqrt(bias_correction2)).add_(eps)
-    param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+    if col_steps is None:
+        bias_correction1 = 1.0 - beta1**step
+        bias_correction2 = 1.0 - beta2**step
+        denom = (exp_avg_sq.sqrt() / math.sqrt(bias_correction2)).add_(eps)
+        param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+    else:
+        # Columns as a middle dimension: [rows, C, col_inner] over the flat param, and the
+        # per-column constants as [C, 1], which broadcasts over rows and each run.
+        num_cols = col_steps.numel()
+        shape = (-1, num_cols, col_inner)
+        t = col_steps.to(torch.float64)
+        bias_correction1 = 1.0 - torch.pow(beta1, t)
+        bias_correction2 = 1.0 - torch.pow(beta2, t)
+        step_size = (-lr / bias_correction1).float().view(num_cols, 1)
+        bias_correction2_sqrt = bias_correction2.sqrt().float().view(num_cols, 1)
+        denom = (exp_avg_sq.view(shape).sqrt() / bias_correction2_sqrt).add_(eps)
+        param.view(shape).add_(step_size * (exp_avg.view(shape) / denom))
     if param_bf16 is not None:
         param_bf16.copy_(param)
+
+
+def check_col_steps(param: torch.Tensor, col_steps: torch.Tensor, col_inner: int) -> None:
+    """Raise ``ValueError`` naming the argument unless ``col_steps`` fits ``param``.
+
+    The same rules as the native op: int64, 1-D, contiguous, on the CPU, at least one
+    column, every entry >= 1, and ``param.numel()`` a multiple of ``C * col_inner``.
+    """
+    if col_steps.device.type != "cpu":
+        raise ValueError(f"{_OP}: col_steps must be on the CPU, got {col_steps.device}")
+    if col_steps.dtype != torch.int64:
+        raise ValueError(f"{_OP}: col_steps must be int64, got {col_steps.dtype}")
+    if col_steps.dim() != 1:
+        raise ValueError(
+            f"{_OP}: col_steps must be 1-D (one step per column), got {col_steps.dim()} dims"
+        )
+    if not col_steps.is_contiguous():
+        raise ValueError(f"{_OP}: col_steps must be contiguous, got strides {col_steps.stride()}")
+    num_cols = col_steps.numel()
+    if num_cols < 1:
+        raise ValueError(f"{_OP}: col_steps must have at least one column, got 0")
+    if param.numel() % (num_cols * col_inner) != 0:
+        raise ValueError(
+            f"{_OP}: param has {param.numel()} elements, not a multiple of "
+            f"col_steps.numel() * col_inner = {num_cols} * {col_inner}"
+        )
+    if not param.is_contiguous():
+        raise ValueError(f"{_OP}: param must be contiguous to be viewed by column")
+    smallest = int(col_steps.min())
+    if smallest < 1:
+        column = int(col_steps.argmin())
+        raise ValueError(
+            f"{_OP}: col_steps must be >= 1 (1-based, for bias correction), got {smallest} "
+            f"at column {column}"
+        )
