@@ -5,9 +5,14 @@ Every contender steps its own fp32 tensors (param, grad, exp_avg, exp_avg_sq) of
 round, ``--repeats`` rounds after one warm-up round) so that drifting machine load hits all
 contenders alike; the table reports the median of each.
 
-Contenders: the native op (``zenflow.ops.adamw_step_``), ``torch.optim.AdamW(fused=True)``,
-``torch.optim.AdamW(foreach=True)`` and ``deepspeed.ops.adam.DeepSpeedCPUAdam`` (when its JIT
-build works; the first build takes 70-85 s, a failure is reported with its reason).
+Contenders: the native op (``zenflow.ops.adamw_step_``), the same op with per-column step
+counts (``col_steps``, every column a different count) in both layouts, an nn.Linear-style
+``[N/K, K]`` weight (``col_inner=1``, K columns) and a Conv1D-style ``[N/K, K]`` weight whose
+columns are dim 0 (``col_inner=K``, N/K columns), with K = ``--columns``,
+``torch.optim.AdamW(fused=True)``, ``torch.optim.AdamW(foreach=True)`` and
+``deepspeed.ops.adam.DeepSpeedCPUAdam`` (when its JIT build works; the first build takes
+70-85 s, a failure is reported with its reason). ``--params`` is rounded down to a multiple
+of ``--columns`` so that every contender steps the same number of elements.
 
 Bytes per parameter: an Adam step reads param, grad, exp_avg, exp_avg_sq and writes back
 param, exp_avg, exp_avg_sq: 7 x 4 = 28 bytes. The memory floor is measured with an in-place
@@ -16,7 +21,7 @@ element, the same read-then-write-back pattern as Adam, so no write-allocate tra
 bandwidth is extrapolated to 28 bytes per parameter: the time a purely memory-bound Adam
 would need.
 
-    python bench/cpu_adam.py [--params N] [--repeats R] [--threads T] [--json]
+    python bench/cpu_adam.py [--params N] [--repeats R] [--threads T] [--columns K] [--json]
 """
 
 from __future__ import annotations
@@ -46,7 +51,10 @@ def _param_with_grad(numel: int, seed: int) -> torch.nn.Parameter:
     return param
 
 
-def make_native(numel: int, threads: int) -> Callable[[], None]:
+def make_native(
+    numel: int, threads: int, num_cols: int = 0, col_inner: int = 1
+) -> Callable[[], None]:
+    """The native op; with ``num_cols > 0``, per-column steps, all columns different."""
     from zenflow.ops import adamw_step_, load_native
 
     load_native()
@@ -55,9 +63,14 @@ def make_native(numel: int, threads: int) -> Callable[[], None]:
     exp_avg, exp_avg_sq = torch.zeros(numel), torch.zeros(numel)
     step = [0]
     beta1, beta2 = HYPER["betas"]
+    # Column j is j steps ahead of column 0: num_cols distinct counts in every call.
+    col_offsets = torch.arange(num_cols, dtype=torch.int64) if num_cols else None
 
     def run() -> None:
         step[0] += 1
+        columns = {}
+        if col_offsets is not None:
+            columns = dict(col_steps=col_offsets + step[0], col_inner=col_inner)
         adamw_step_(
             param,
             grad,
@@ -70,6 +83,7 @@ def make_native(numel: int, threads: int) -> Callable[[], None]:
             eps=HYPER["eps"],
             weight_decay=HYPER["weight_decay"],
             num_threads=threads,
+            **columns,
         )
 
     return run
@@ -111,6 +125,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--threads", type=int, default=os.cpu_count() or 1, help="threads for every contender"
     )
+    parser.add_argument(
+        "--columns",
+        type=int,
+        default=768,
+        help="K of the per-column rows: K columns of N/K (col_inner=1), N/K of K (col_inner=K)",
+    )
     parser.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeedCPUAdam")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return parser.parse_args(argv)
@@ -119,13 +139,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    numel = args.params
+    cols = args.columns
+    numel = args.params // cols * cols
     log = sys.stderr if args.json else sys.stdout
+    if numel < 1:
+        print(f"--params {args.params} is smaller than --columns {cols}", file=sys.stderr)
+        return 2
 
     contenders: dict[str, Callable[[], None]] = {}
     unavailable: dict[str, str] = {}
     builders: list[tuple[str, Callable[[], Callable[[], None]]]] = [
         ("zenflow native", lambda: make_native(numel, args.threads)),
+        ("native col_inner=1", lambda: make_native(numel, args.threads, cols, 1)),
+        (
+            f"native col_inner={cols}",
+            lambda: make_native(numel, args.threads, numel // cols, cols),
+        ),
         ("torch AdamW fused", lambda: make_torch(numel, fused=True)),
         ("torch AdamW foreach", lambda: make_torch(numel, foreach=True)),
     ]
@@ -172,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         "params": numel,
         "threads": args.threads,
         "repeats": args.repeats,
+        "columns": cols,
         "torch": torch.__version__,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "rows": rows,
@@ -194,6 +224,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['name']:<22}{row['median_ms']:11.1f}{min_ms}"
             f"{row['params_per_s'] / 1e6:11.0f}{row['gb_per_s']:8.1f}{ratio}"
         )
+    print(
+        f"native col_inner=*: per-column step counts (col_steps), every column different: "
+        f"{cols} columns of {numel // cols} (col_inner=1), {numel // cols} of {cols}"
+    )
     print("memory floor: in-place a.add_(b) bandwidth (12 B/elem) applied to 28 B/param")
     for name, reason in unavailable.items():
         print(f"{name}: unavailable: {reason}")

@@ -61,8 +61,15 @@ def test_negative_control_detects_a_held_gil():
     assert during < 0.25 * free, (during, free)
 
 
-@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_native_op_releases_the_gil(native, grad_dtype):
+@pytest.mark.parametrize(
+    ("grad_dtype", "col_inner"),
+    [(torch.float32, None), (torch.bfloat16, None), (torch.float32, 1), (torch.float32, 4096)],
+    ids=["fp32", "bf16", "per-column-inner-1", "per-column-inner-4096"],
+)
+def test_native_op_releases_the_gil(native, grad_dtype, col_inner):
+    columns = {}
+    if col_inner is not None:  # per-column step counts, 4096 columns of different counts
+        columns = dict(col_steps=torch.arange(1, 4097), col_inner=col_inner)
     param = torch.randn(NUMEL)
     grad = torch.randn(NUMEL).to(grad_dtype)
     exp_avg, exp_avg_sq = torch.zeros(NUMEL), torch.zeros(NUMEL)
@@ -84,6 +91,7 @@ def test_native_op_releases_the_gil(native, grad_dtype):
             eps=1e-8,
             weight_decay=0.01,
             num_threads=1,
+            **columns,
         )
 
     holder: dict[str, tuple[float, float]] = {}
