@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
-from conftest import MLP, make_config, mlp_batches, train_engine
+from conftest import MLP, make_config, mlp_batches, torch_style_kernel, train_engine
 
 from zenflow import ZenFlowEngine
 from zenflow.engine import EngineError
@@ -24,25 +25,77 @@ def test_epoch_strategy_needs_steps_per_epoch():
         assert e.resolved["select_every_steps"] == 20
 
 
-def test_non_fp32_params_rejected():
-    with pytest.raises(EngineError, match="fp32"):
+def test_dtype_rules():
+    # a bf16 model needs bf16.enabled (its fp32 master then lives on the host)
+    with pytest.raises(EngineError, match="bf16.enabled"):
         ZenFlowEngine(MLP().bfloat16(), make_config({"update_interval": 2}))
+    with pytest.raises(EngineError, match="not supported"):
+        ZenFlowEngine(MLP().half(), make_config({"update_interval": 2}, bf16={"enabled": True}))
+    model = MLP().bfloat16()
+    with ZenFlowEngine(model, make_config({"update_interval": 2}, bf16={"enabled": True})) as e:
+        assert e.dtype == torch.bfloat16 and e.resolved["dtype"] == "bfloat16"
 
 
-def test_resolved_threads_and_restore():
+def test_model_on_another_device_is_refused(monkeypatch):
+    import zenflow.engine.schedule as sched
+
+    monkeypatch.setattr(sched, "_device_matches", lambda a, b: False)
+    with pytest.raises(EngineError, match="move the model first"):
+        ZenFlowEngine(MLP(), make_config({"update_interval": 2}))
+
+
+def test_cuda_without_gpu_says_how_to_fix():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    with pytest.raises(EngineError, match="--device sim"):
+        ZenFlowEngine(MLP(), make_config({"update_interval": 2}), accelerator="cuda")
+
+
+def test_core_split_is_observed_on_the_threads(monkeypatch):
+    """With 8 cores and 25% kept for the training thread, torch runs 2 threads during
+    training and the host kernel is asked for 6, on another thread; close() restores."""
+    import zenflow.engine.accelerator as accel_mod
+
+    monkeypatch.setattr(accel_mod, "cores", lambda: 8)
     orig = torch.get_num_threads()
-    cfg = make_config({"update_interval": 4, "overlap_step": True, "pt_reserved_cores_perc": 0.5})
-    e = ZenFlowEngine(MLP(), cfg, grad_accum="host")
-    r = e.resolved
-    assert r["worker_threads"] == max(1, round(e.cores * 0.5))
-    assert r["training_threads"] == max(1, e.cores - r["worker_threads"])
-    assert torch.get_num_threads() == r["training_threads"]
-    assert r["grad_accum"] == "host" and r["update_interval"] == 4 and r["overlap_step"]
+    seen = {}
+
+    def kernel(*args, num_threads, **kw):
+        seen.setdefault("threads", num_threads)
+        seen.setdefault("ident", threading.get_ident())
+        torch_style_kernel(*args, num_threads=num_threads, **kw)
+
+    cfg = make_config({"update_interval": 1, "overlap_step": True, "pt_reserved_cores_perc": 0.25})
+    model = MLP()
+    e = ZenFlowEngine(model, cfg, host_kernel=kernel)
+    assert torch.get_num_threads() == 2
+    train_engine(e, model, mlp_batches(3))
     e.close()
+    assert seen["threads"] == 6 and seen["ident"] != threading.get_ident()
     assert torch.get_num_threads() == orig
+    assert e.resolved["training_threads"] == 2 and e.resolved["host_threads"] == 6
     with ZenFlowEngine(MLP(), make_config({"update_interval": "auto"})) as e:
-        assert e.resolved["grad_accum"] == "device"  # CPU device: zero-copy accumulation
         assert e.resolved["update_interval"] == "auto(1..64)"
+        assert "no copy" in e.resolved["grad_path"]  # CPU device: summed in place
+    with ZenFlowEngine(MLP(), make_config({"update_interval": 2}), accelerator="sim") as e:
+        assert "accumulator" in e.resolved["grad_path"]
+        assert e.resolved["accelerator"] == "sim"
+        assert "simulated" in e.resolved["device_description"]
+
+
+def test_second_submit_while_in_flight_is_refused():
+    from zenflow.engine.host import HostJob, HostWorker
+
+    gate = threading.Event()
+    worker = HostWorker()
+    first = HostJob(window_start=1, submit_step=1)
+    worker.submit(first, gate.wait)
+    with pytest.raises(RuntimeError, match="in flight"):
+        worker.submit(HostJob(window_start=2, submit_step=2), lambda: None)
+    gate.set()
+    worker.wait(first)
+    worker.submit(HostJob(window_start=2, submit_step=2), lambda: None)  # free again
+    worker.close()
 
 
 def test_stats_fields_and_lr_schedule():

@@ -7,10 +7,12 @@ import copy
 import pytest
 import torch
 from conftest import (
+    ACCELERATORS,
     KERNELS,
     LR,
     MLP,
     assert_params_close,
+    engine_kw,
     gpt2_batches,
     make_config,
     mlp_batches,
@@ -32,6 +34,7 @@ def _models(kind):
     return tiny_gpt2(), gpt2_batches(STEPS)
 
 
+@pytest.mark.parametrize("accelerator", ACCELERATORS)
 @pytest.mark.parametrize("kind", ["mlp", "gpt2"])
 @pytest.mark.parametrize("kernel", [*KERNELS, "torch_style"])
 @pytest.mark.parametrize(
@@ -42,7 +45,7 @@ def _models(kind):
     ],
     ids=["topk1", "warmup"],
 )
-def test_equals_adamw(kind, kernel, zf):
+def test_equals_adamw(kind, kernel, zf, accelerator):
     model, batches = _models(kind)
     ref = copy.deepcopy(model)
     # Adam turns rounding differences of near-zero gradients into O(lr) steps (m/sqrt(v) ~
@@ -53,17 +56,19 @@ def test_equals_adamw(kind, kernel, zf):
     loose = kind == "gpt2" and kernel != "torch_style"
     lr, atol = (1e-3, 1e-4) if loose else (LR, 2e-6)
     kern = torch_style_kernel if kernel == "torch_style" else kernel
-    with ZenFlowEngine(model, make_config(zf, lr=lr), host_kernel=kern) as engine:
+    cfg = make_config(zf, lr=lr)
+    with ZenFlowEngine(model, cfg, host_kernel=kern, **engine_kw(accelerator)) as engine:
         assert engine.zweights, "the test model must have ZenFlow weights"
         stats = train_engine(engine, model, batches)
-    train_adamw(ref, batches, lr=lr)
+    train_adamw(ref, batches, lr=lr, threads=engine.training_threads)
     assert all(s.warmup for s in stats) == (zf.get("full_warm_up_rounds", 0) >= STEPS)
     assert_params_close(model, ref, atol=atol, rtol=1e-5)
 
 
+@pytest.mark.parametrize("accelerator", ACCELERATORS)
 @pytest.mark.parametrize("kind", ["mlp", "gpt2"])
 @pytest.mark.parametrize("topk", [0.1, 0.5])
-def test_one_step_windows_without_overlap_equal_adamw(kind, topk):
+def test_one_step_windows_without_overlap_equal_adamw(kind, topk, accelerator):
     """S=1 and no overlap: every column gets one exact AdamW step per step, on one side.
 
     An identity of the algorithm that does not go through our reference schedule: each
@@ -82,10 +87,11 @@ def test_one_step_windows_without_overlap_equal_adamw(kind, topk):
         "select_interval": 3,
     }
     lr = 1e-3 if kind == "gpt2" else LR  # see test_equals_adamw on GPT-2's near-zero grads
-    with ZenFlowEngine(model, make_config(zf, lr=lr), host_kernel=torch_style_kernel) as e:
+    kw = engine_kw(accelerator)
+    with ZenFlowEngine(model, make_config(zf, lr=lr), host_kernel=torch_style_kernel, **kw) as e:
         assert e.zweights, "the test model must have ZenFlow weights"
         stats = train_engine(e, model, batches)
-    train_adamw(ref, batches, lr=lr)
+    train_adamw(ref, batches, lr=lr, threads=e.training_threads)
     assert all(s.host_update for s in stats)
     assert sum(s.selection_changed for s in stats[1:]) > 0  # columns really moved
     assert_params_close(model, ref, atol=2e-6, rtol=1e-5)
@@ -104,13 +110,15 @@ def test_topk1_device_path_bit_exact():
         assert not torch.equal(p, p0)  # training moved every parameter
 
 
+@pytest.mark.parametrize("accelerator", ACCELERATORS)
 @pytest.mark.parametrize("mode", ["offload", "device"])
-def test_plain_modes_equal_adamw(mode):
+def test_plain_modes_equal_adamw(mode, accelerator):
     model, batches = _models("mlp")
     ref = copy.deepcopy(model)
-    with ZenFlowEngine(model, make_config(None), mode=mode, host_kernel="reference") as e:
+    kw = engine_kw(accelerator)
+    with ZenFlowEngine(model, make_config(None), mode=mode, host_kernel="reference", **kw) as e:
         stats = train_engine(e, model, batches)
-    train_adamw(ref, batches)
+    train_adamw(ref, batches, threads=e.training_threads)
     assert_params_close(model, ref, atol=2e-6, rtol=1e-5)
     assert all(s.mode == mode for s in stats)
 

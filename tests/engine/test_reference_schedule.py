@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import BETAS, EPS, LR, WD, make_config
+from conftest import ACCELERATORS, BETAS, EPS, LR, WD, engine_kw, make_config
 from transformers.pytorch_utils import Conv1D
 
 from zenflow import ZenFlowEngine
@@ -61,23 +61,26 @@ CASES = {
     ),
     "auto-sel5-overlap": dict(update_interval="auto", select_interval=5, overlap_step=True),
     "auto-sel5-sync": dict(update_interval="auto", select_interval=5, overlap_step=False),
+    # S = 4 with a re-selection every 8 steps: columns move between a side that counted 2
+    # host windows and one that counted 8 device steps; each keeps its own count
+    "S4-sel8-overlap": dict(update_interval=4, select_interval=8, overlap_step=True),
 }
 
 
-@pytest.mark.parametrize("grad_accum", ["host", "device"])
+@pytest.mark.parametrize("accelerator", ACCELERATORS)
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("clip", [0.0, 30.0])
-def test_engine_matches_reference(case, grad_accum, clip):
+def test_engine_matches_reference(case, accelerator, clip):
     zf = {"topk_ratio": 0.1, **CASES[case], "select_strategy": "step", "auto_ratio": 0.99}
-    attempts = 17
+    attempts = 21 if case.startswith("S4") else 17
     skip_at = (5,)
     model = ParamModel()
     names = [n for n, _ in model.named_parameters()]
     init = [p.detach().clone() for p in model.parameters()]
     grad_fn = make_grad_fn(attempts, nonfinite_at=skip_at)
     engine = ZenFlowEngine(
-        model, make_config(zf, clip=clip), host_kernel="reference", grad_accum=grad_accum,
-        min_numel=100,
+        model, make_config(zf, clip=clip), host_kernel="reference", min_numel=100,
+        **engine_kw(accelerator),
     )  # fmt: skip
     assert [w.spec.name for w in engine.zweights] == ["lin.weight", "conv.weight"]
     assert [w.cd for w in engine.zweights] == [1, 0]
@@ -89,6 +92,7 @@ def test_engine_matches_reference(case, grad_accum, clip):
         warmup_rounds=zf.get("full_warm_up_rounds", 0), auto_ratio=0.99, clip=clip,
     )  # fmt: skip
     moved = 0
+    mixed_counts = False
     with engine:
         for i in range(attempts):
             params = list(model.parameters())
@@ -102,10 +106,16 @@ def test_engine_matches_reference(case, grad_accum, clip):
                     p.detach(), r, atol=0, rtol=0, msg=lambda m, n=n, i=i: f"{i} {n}: {m}"
                 )
             engine.zero_grad()
+            mixed_counts |= any(
+                w.steps_dev.uniform is None or w.host.steps.uniform is None for w in engine.zweights
+            )
         assert engine.skipped_steps == len(skip_at)
         assert engine.window_lengths == [w[2] for w in ref["windows"]]
         assert [j.applied_step for j in engine.host_log if j.applied_step] == ref["applied"]
     assert moved > 2 * 4  # reselection really moved columns (beyond the first selection)
+    # columns really carried different step counts (the per-column path ran), except with
+    # one-step windows, where every column takes exactly one step per step on either side
+    assert mixed_counts == (zf["update_interval"] != 1)
     if ui is None:
         assert len(set(engine.window_lengths)) > 1 or max(engine.window_lengths) > 1
     for p, p0 in zip(model.parameters(), init, strict=True):

@@ -1,4 +1,5 @@
-"""Save after N steps, continue in a FRESH PROCESS for N more == 2N straight steps, bitwise."""
+"""Save after N steps, continue in a FRESH PROCESS for N more == 2N straight steps, bitwise,
+on the CPU device and on the simulated separate device (strict), also across the two."""
 
 from __future__ import annotations
 
@@ -20,13 +21,13 @@ SCRIPT = textwrap.dedent(
     sys.path.insert(0, {here!r})
     from conftest import MLP, make_config, mlp_batches, train_engine
     from zenflow import ZenFlowEngine
-    phase, path, n, accum = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[5]
-    zf = eval(sys.argv[4])
+    phase, path, n, accel = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[5]
+    zf, bf16 = eval(sys.argv[4]), sys.argv[6] == "bf16"
     torch.manual_seed(0)
     model = MLP()
     batches = mlp_batches(2 * n)
-    kw = dict(host_kernel="reference", grad_accum=accum, min_numel=1000)
-    engine = ZenFlowEngine(model, make_config(zf, clip=1.0), **kw)
+    kw = dict(host_kernel="reference", accelerator=accel, sim_strict=True, min_numel=1000)
+    engine = ZenFlowEngine(model, make_config(zf, clip=1.0, bf16={{"enabled": bf16}}), **kw)
     if phase == "first":
         train_engine(engine, model, batches[:n])
         torch.save({{"model": model.state_dict(), "engine": engine.state_dict()}}, path)
@@ -66,25 +67,34 @@ def _assert_equal_tree(a, b, path=""):
         assert a == b, path
 
 
+FIXED = {"topk_ratio": 0.1, "update_interval": 3, "select_interval": 10, "overlap_step": True}
+AUTO = {"topk_ratio": 0.2, "update_interval": "auto", "select_interval": 5, "overlap_step": True,
+        "full_warm_up_rounds": 2}  # fmt: skip
+
+
 @pytest.mark.parametrize(
-    "zf,accum",
+    "zf,first,second,dtype",
     [
-        # N=7 saves with the host step of window 4..6 in flight; the resumed run must apply it
-        # at the end of window 7..9 (async), exactly like the straight run
-        ({"topk_ratio": 0.1, "update_interval": 3, "select_interval": 10, "overlap_step": True},
-         "host"),
-        ({"topk_ratio": 0.2, "update_interval": "auto", "select_interval": 5,
-          "overlap_step": True, "full_warm_up_rounds": 2}, "device"),
+        # N=7 saves with the host step of window 4..6 in flight and window 7..9 one step in;
+        # the resumed run must apply it at the end of window 7..9 (async), like the straight
+        # run. "first"/"second": the accelerator of each half (the straight run uses second).
+        (FIXED, "sim", "sim", "fp32"),
+        (FIXED, "sim", "sim", "bf16"),
+        (FIXED, "cpu", "cpu", "fp32"),
+        (AUTO, "cpu", "cpu", "fp32"),
+        (AUTO, "sim", "sim", "fp32"),
+        (FIXED, "sim", "cpu", "fp32"),  # saved on one device type, continued on another
     ],
-    ids=["fixed-overlap-host", "auto-warmup-device"],
+    ids=["sim-overlap", "sim-overlap-bf16", "cpu-overlap", "cpu-auto-warmup",
+         "sim-auto-warmup", "sim-to-cpu"],
 )  # fmt: skip
-def test_resume_in_fresh_process(tmp_path, zf, accum):
+def test_resume_in_fresh_process(tmp_path, zf, first, second, dtype):
     n = 7
     a, b = tmp_path / "resumed.pt", tmp_path / "straight.pt"
-    _run(tmp_path, "first", a, n, repr(zf), accum)
+    _run(tmp_path, "first", a, n, repr(zf), first, dtype)
     mid = torch.load(a, weights_only=True)
-    _run(tmp_path, "second", a, n, repr(zf), accum)
-    _run(tmp_path, "straight", b, n, repr(zf), accum)
+    _run(tmp_path, "second", a, n, repr(zf), second, dtype)
+    _run(tmp_path, "straight", b, n, repr(zf), second, dtype)
     resumed, straight = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
     assert resumed["engine"]["global_step"] == 2 * n
     _assert_equal_tree(resumed, straight)

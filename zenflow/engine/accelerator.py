@@ -277,13 +277,18 @@ def poison_(t: torch.Tensor) -> None:
 
 
 class _CopyEngine:
-    """One DMA engine: a thread executing copies in order, each taking at least
-    latency + bytes / bandwidth of wall time (then its event completes)."""
+    """One DMA engine: a thread executing copies in order. A copy of B bytes occupies the
+    engine for latency + B / bandwidth of wall time and its data lands at the END of that
+    time (the host-side memcpy is started just early enough, from a running estimate of its
+    own speed), so the destination holds poison, not data, until just before the event
+    completes and a reader that skips the wait is caught. The source is read then too: a
+    source changed while its copy is in flight shows up as well."""
 
     def __init__(self, name: str, bandwidth: float, latency: float):
         self.bandwidth = bandwidth
         self.latency = latency
         self.busy_s = 0.0  # modelled busy time, for tests and stats
+        self._memcpy_rate = 5e9  # bytes/s of the host-side copy, a running estimate
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=f"zenflow-sim-{name}", daemon=True)
         self._thread.start()
@@ -302,9 +307,17 @@ class _CopyEngine:
                 if after is not None:
                     after.synchronize()
                 t0 = time.perf_counter()
-                dst.copy_(src)  # reads the source NOW: a source changed too early shows
-                model = self.latency + _nbytes(src) / self.bandwidth
+                n = _nbytes(src)
+                model = self.latency + n / self.bandwidth
                 self.busy_s += model
+                start = model - n / self._memcpy_rate
+                if start > 0:
+                    time.sleep(start)
+                c0 = time.perf_counter()
+                dst.copy_(src)
+                took = time.perf_counter() - c0
+                if n >= 1 << 16 and took > 0:
+                    self._memcpy_rate = 0.8 * self._memcpy_rate + 0.2 * n / took
                 left = model - (time.perf_counter() - t0)
                 if left > 0:
                     time.sleep(left)
@@ -345,12 +358,17 @@ class SimAccelerator(Accelerator):
             raise ValueError(f"sim copy: shapes differ, {tuple(dst.shape)} <- {tuple(src.shape)}")
         if dst.data_ptr() == src.data_ptr() and dst.numel():
             raise ValueError("sim copy: source and destination share storage")
-        if self.strict:
-            poison_(dst)  # readers that do not wait for the event see poison
         if direction == "d2h":
             self.traffic.d2h_bytes += _nbytes(src)
         else:
             self.traffic.h2d_bytes += _nbytes(src)
+        if self._closed:  # after close() (e.g. a final state_dict): a plain blocking copy
+            if after is not None:
+                after.synchronize()
+            dst.copy_(src)
+            return DONE
+        if self.strict:
+            poison_(dst)  # readers that do not wait for the event see poison
         event = SimEvent()
         self._engines[direction].submit(dst, src, after, event)
         return event

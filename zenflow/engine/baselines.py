@@ -115,12 +115,10 @@ class DeviceMode:
         self.params = [s.param for s in engine.specs]
         self.mixed = any(p.dtype != torch.float32 for p in self.params)
         if self.mixed:  # fp32 master copies on the device (mixed precision)
-            self.masters = [
-                torch.nn.Parameter(
-                    engine.accel.track(masters[s.name].to(engine.device).clone(), "optimizer")
-                )  # fmt: skip
-                for s in engine.specs
-            ]
+            self.masters = []
+            for s in engine.specs:
+                master = torch.nn.Parameter(masters[s.name].to(engine.device).clone())
+                self.masters.append(engine.accel.track(master, "optimizer"))
         else:
             self.masters = self.params
         cls = _adamw_class(hp)

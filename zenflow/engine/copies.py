@@ -60,10 +60,17 @@ def plan_pieces(shape: tuple[int, ...], cd: int, n_nonsel: int, bucket_elems: in
     return out
 
 
-def bucket_elems_for(max_piece: int, requested: int | None) -> int:
-    """Bucket size: the requested size (``reduce_bucket_size``), but no larger than the
-    largest thing ever copied (small models get small buckets)."""
-    return max(1, min(requested or DEFAULT_BUCKET_ELEMS, max_piece))
+BUCKET_SHARE = 64  # two buckets hold at most 2/64 of the offloaded elements (~3%)
+
+
+def bucket_elems_for(numels: list[int], rows: list[int], requested: int | None) -> int:
+    """Elements per copy bucket: the requested size (``reduce_bucket_size``, default 4M),
+    capped at 1/64 of the offloaded elements so small models keep their device copy buffers
+    small (the device-bytes goal counts them), and never below one column of the tallest
+    weight (a piece holds at least one column)."""
+    total = sum(numels)
+    want = min(requested or DEFAULT_BUCKET_ELEMS, max(1, total // BUCKET_SHARE), max(numels))
+    return max(want, max(rows, default=1), 1)
 
 
 class DeviceBuckets:

@@ -243,6 +243,7 @@ class Accumulator:
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._num_threads = num_threads
         self.error: BaseException | None = None
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name="zenflow-accum", daemon=True)
         self._thread.start()
 
@@ -278,10 +279,15 @@ class Accumulator:
             _reraise(self.error)
 
     def drain(self) -> None:
-        """Block until every queued piece has been added (then ``check``)."""
-        self.fence().wait()
+        """Block until every queued piece has been added (then ``check``). After close()
+        there is nothing left to add."""
+        if not self._closed:
+            self.fence().wait()
         self.check()
 
     def close(self) -> None:
-        self._q.put(None)
-        self._thread.join(timeout=60)
+        """Add what is queued, then stop the thread (idempotent)."""
+        if not self._closed:
+            self._closed = True
+            self._q.put(None)
+            self._thread.join(timeout=60)

@@ -154,8 +154,11 @@ class ZenFlowMode:
         self.slots = 2 if self.overlap else 1  # double-buffered sums with overlap
         self.zweights: list[ZfWeight] = []
         zspecs = [s for s in engine.specs if s.is_zenflow]
-        largest = max((s.param.numel() for s in zspecs), default=1)
-        self.bucket_elems = bucket_elems_for(largest, engine.bucket_request)
+        self.bucket_elems = bucket_elems_for(
+            [s.param.numel() for s in zspecs],
+            [s.param.numel() // s.n_cols for s in zspecs],
+            engine.bucket_request,
+        )
         for s in zspecs:
             self.zweights.append(
                 ZfWeight(s, num_selected(s.n_cols, self.topk_ratio), accel, masters[s.name],
