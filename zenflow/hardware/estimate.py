@@ -191,19 +191,24 @@ def layout(census: ParamCensus, mode: str, s: Settings) -> list[Item]:
         dev("staging", f"copy buckets ({DEVICE_BUCKETS}, {dn})", DEVICE_BUCKETS * B * dt,
             f"{DEVICE_BUCKETS}*B*{dt}")  # fmt: skip
         host("master_moments", "master + exp_avg + exp_avg_sq (fp32)", P * 12, "P*12")
+        # every step's gradient lands here (device->host copy) before the CPU Adam reads it
         host("accumulators", f"gradient landing buffer ({dn})", P * dt, f"P*{dt}")
         if s.bf16:  # fp32: the master itself is copied back, no image needed
             host("staging", "bf16 image of the updated weights", P * 2, "P*2")
     else:  # zenflow
+        # selected columns and dense params update exactly in fp32 on the device
         sel_what = "master + moments (fp32)" if s.bf16 else "exp_avg + exp_avg_sq (fp32)"
         dev("optimizer", f"selected columns: {sel_what}", S * fp32_state, f"S*{fp32_state}")
         dev("optimizer", f"dense params: {sel_what}", Pd * fp32_state, f"Pd*{fp32_state}")
+        # an integer step per selected column: bias correction survives hand-overs
         dev("optimizer", "per-column step counts (int64)", K * 8, "8*sum(k)")
         dev("staging", f"copy buckets ({DEVICE_BUCKETS}, {dn})", DEVICE_BUCKETS * B * dt,
             f"{DEVICE_BUCKETS}*B*{dt}")  # fmt: skip
+        # full-shape host state: a column may move to the host at any re-selection
         host("master_moments", "ZenFlow weights: master + moments (fp32)", Pz * 12, "Pz*12")
         host("accumulators", f"gradient accumulators (fp32, {slots} slot{'s' * (slots > 1)})",
              Pz * 4 * slots, f"Pz*4*{slots}")  # fmt: skip
+        # the host step's result, cast once, is what the host->device copy reads
         host("staging", f"{dn} image of the non-selected columns", N * dt, f"N*{dt}")
         host("staging", f"device->host staging pool ({D2H_POOL_BUCKETS} buckets, {dn})",
              D2H_POOL_BUCKETS * B * dt, f"{D2H_POOL_BUCKETS}*B*{dt}")  # fmt: skip

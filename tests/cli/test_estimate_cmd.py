@@ -4,8 +4,11 @@ preflight check of `zfctl finetune` (refusal with exit 2, --force, the env varia
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +18,7 @@ from zenflow.train import runs
 from zfctl.estimate_render import fmt_bytes
 
 BOX = ["--device-mem", "24GiB", "--host-mem", "256GiB"]
+README = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
 
 
 def estimate_json(cli, *args) -> dict:
@@ -154,3 +158,32 @@ def test_finetune_force_skips_the_check(cli, tmp_path, tiny_gpt2_dir, glue_dir):
     run_dir = runs.latest_run(root)
     summary = json.loads((run_dir / runs.SUMMARY_FILE).read_text())
     assert summary["steps"] == 2 and summary["status"] == "finished"
+
+
+# --------------------------------------------------------------------------- README
+
+
+def readme_section() -> str:
+    start = README.index("## Will it fit? `zfctl estimate`")
+    return README[start : README.index("\n## ", start + 1)]
+
+
+def test_readme_commands_print_what_the_readme_shows(cli, monkeypatch):
+    """Every `zfctl estimate` line of the README section runs; the two examples print exactly
+    the output shown under them (computed numbers, given memory sizes: deterministic)."""
+    section = readme_section()
+    (commands,) = re.findall(r"```bash\n(.*?)```", section, flags=re.S)
+    outputs = re.findall(r"```text\n(.*?)```", section, flags=re.S)
+    assert len(outputs) == 2
+    monkeypatch.setenv("COLUMNS", "100")  # the width the README's output was printed at
+    shown = []
+    for line in commands.splitlines():
+        argv = shlex.split(line.split("#")[0])
+        assert argv[:2] == ["zfctl", "estimate"], line
+        r = cli(*argv[1:])
+        assert r.exit_code == 0, (line, r.output)
+        if "--json" in argv:
+            assert json.loads(r.stdout)["params"] > 0
+        else:
+            shown.append("\n".join(ln.rstrip() for ln in r.stdout.splitlines()))
+    assert [o.rstrip("\n") for o in outputs] == shown
