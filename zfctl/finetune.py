@@ -99,6 +99,16 @@ def finetune(
     json_output: Annotated[
         bool, typer.Option("--json", help="One JSON object per step/event on stdout.")
     ] = False,
+    device_mem: Annotated[
+        str | None,
+        typer.Option(
+            envvar="ZFCTL_DEVICE_MEM",
+            help="Device memory for the preflight check (e.g. 24GiB; default detected).",
+        ),
+    ] = None,
+    force: Annotated[
+        bool, typer.Option("--force", help="Skip the preflight memory check (zfctl estimate).")
+    ] = False,
 ) -> None:
     """Fine-tune MODEL on a GLUE task with the ZenFlow engine (or a comparison engine)."""
     from zenflow.config import load_config, parse_set_args
@@ -131,6 +141,12 @@ def finetune(
             "[yellow]note:[/] config keys not used by the zenflow engine: "
             + escape(", ".join(cfg.ignored))
         )
+    if not force and resume is None:  # a resumed run keeps the settings it was checked with
+        from zenflow.hardware.estimate import preflight
+        from zenflow.train.data import get_task
+
+        preflight(model, mode=engine, config=cfg, micro_batch=micro_batch, seq_len=seq_len,
+                  num_labels=get_task(task).num_labels, device_mem=device_mem)  # fmt: skip
     spec = RunSpec(
         model=model, task=task, config=cfg, init=init,
         data_dir=str(data_dir) if data_dir is not None else None, engine_mode=engine,

@@ -1,0 +1,189 @@
+"""`zfctl estimate` through the CLI (tables show the JSON's numbers, errors exit 2), and the
+preflight check of `zfctl finetune` (refusal with exit 2, --force, the env variable)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from clihelp import assert_user_error
+
+from zenflow.train import runs
+from zfctl.estimate_render import fmt_bytes
+
+BOX = ["--device-mem", "24GiB", "--host-mem", "256GiB"]
+README = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+
+
+def estimate_json(cli, *args) -> dict:
+    r = cli("estimate", *args, "--json")
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout)  # stdout is exactly one JSON document
+
+
+def test_json_for_a_7b_architecture(cli):
+    data = estimate_json(cli, "llama-7b", *BOX, "--micro-batch", "1", "--seq-len", "512")
+    assert data["params"] == 6_607_351_808
+    assert (data["device_mem"], data["host_mem"]) == (24 * 2**30, 256 * 2**30)
+    assert data["dtype"] == "bf16" and data["topk_ratio"] == 0.1
+    assert (data["micro_batch"], data["seq_len"]) == (1, 512)
+    for mode in ("device", "offload", "zenflow"):
+        eng = data["engines"][mode]
+        expect = eng["device_bytes"] <= data["device_mem"] and eng["host_bytes"] <= data["host_mem"]
+        assert eng["fits"] is expect
+        assert eng["pinned_bytes"] == eng["host_bytes"]  # a separate device: host is pinned
+    # 7B on 24 GiB: bf16 weights and grads alone are 24.6 GiB, so nothing fits
+    assert not any(e["fits"] for e in data["engines"].values())
+    assert 5.2 <= data["engines"]["zenflow"]["bytes_per_param"] <= 5.5
+
+
+def test_flags_change_the_estimate(cli):
+    base = estimate_json(cli, "gpt2", *BOX)
+    fp32 = estimate_json(cli, "gpt2", *BOX, "--no-bf16")
+    lower = estimate_json(cli, "gpt2", *BOX, "--topk-ratio", "0.01")
+    overlap = estimate_json(cli, "gpt2", *BOX, "--overlap-step")
+    p = base["params"]
+    assert fp32["dtype"] == "fp32"
+    assert fp32["engines"]["device"]["holders"]["device"]["weights"] == 4 * p
+    assert base["engines"]["device"]["holders"]["device"]["weights"] == 2 * p
+    z, zl = base["engines"]["zenflow"], lower["engines"]["zenflow"]
+    assert zl["holders"]["device"]["optimizer"] < z["holders"]["device"]["optimizer"]
+    acc = base["engines"]["zenflow"]["holders"]["host"]["accumulators"]
+    assert overlap["engines"]["zenflow"]["holders"]["host"]["accumulators"] == 2 * acc
+
+
+def test_config_supplies_the_settings(cli, tmp_path):
+    cfg = tmp_path / "ds.json"
+    r = cli("init", "--output", cfg, "--topk-ratio", "0.05")
+    assert r.exit_code == 0, r.output
+    data = estimate_json(cli, "gpt2", *BOX, "--config", cfg)
+    written = json.loads(cfg.read_text())
+    assert data["topk_ratio"] == 0.05
+    assert data["dtype"] == ("bf16" if written["bf16"]["enabled"] else "fp32")
+    assert data["micro_batch"] == written["train_micro_batch_size_per_gpu"]
+    assert estimate_json(cli, "gpt2", *BOX, "--config", cfg, "--bf16")["dtype"] == "bf16"
+
+
+def test_table_shows_the_json_numbers(cli):
+    data = estimate_json(cli, "llama-13b", "--device-mem", "80GiB", "--host-mem", "256GiB")
+    r = cli("estimate", "llama-13b", "--device-mem", "80GiB", "--host-mem", "256GiB")
+    assert r.exit_code == 0, r.output
+    out = r.stdout
+    assert "Will it fit?" in out and "12,852,034,560" in out and "estimate" in out
+    rows = {ln.split("│")[1].strip(): ln for ln in out.splitlines() if ln.startswith("│ ")}
+    for mode, eng in data["engines"].items():
+        row = rows[mode]  # the summary table's row (the first cell is the engine's name)
+        assert fmt_bytes(eng["device_bytes"]) in row and fmt_bytes(eng["host_bytes"]) in row
+        assert f"{eng['bytes_per_param']:.2f}" in row
+        assert ("yes" if eng["fits"] else "NO") in row
+        assert f"{mode}: {eng['title']}" in out  # its itemised table
+    assert [data["engines"][m]["fits"] for m in ("device", "offload", "zenflow")] == [
+        False, True, True,
+    ]  # fmt: skip
+    summary = cli("estimate", "llama-13b", "--device-mem", "80GiB", "--summary")
+    assert summary.exit_code == 0 and "Will it fit?" in summary.stdout
+    assert "formula" not in summary.stdout  # no itemised tables
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only default")
+def test_without_cuda_the_device_is_the_cpu(cli):
+    data = estimate_json(cli, "gpt2", "--host-mem", "8GiB")
+    assert data["device_is_host"] is True and data["device_mem"] == data["host_mem"] == 8 * 2**30
+    for eng in data["engines"].values():
+        assert eng["pinned_bytes"] == 0
+        assert eng["fits"] is (eng["device_bytes"] + eng["host_bytes"] <= 8 * 2**30)
+    r = cli("estimate", "gpt2", "--host-mem", "8GiB")
+    assert "the device is the CPU" in r.stdout and "share this RAM" in r.stdout
+
+
+@pytest.mark.parametrize(
+    "args, fragments",
+    [
+        (["no-such-arch-zfctl"], ["no-such-arch-zfctl", "llama-7b", "gpt2"]),
+        (["gpt2", "--device-mem", "24 gigs"], ["--device-mem", "'24 gigs'", "24GiB"]),
+        (["gpt2", "--host-mem", "0"], ["--host-mem", "more than 0"]),
+        (["gpt2", "--topk-ratio", "0"], ["--topk-ratio", "(0, 1]"]),
+        (["gpt2", "--head", "vision"], ["--head", "'vision'", "causal-lm"]),
+        (["gpt2", "--config", "missing.json"], ["missing.json", "zfctl init"]),
+    ],
+)
+def test_bad_input_exits_2(cli, args, fragments):
+    assert_user_error(cli("estimate", *args), *fragments)
+
+
+def test_estimate_help_imports_no_torch():
+    code = (
+        "import sys\nfrom zfctl.app import app\n"
+        "try:\n    app(['estimate', '--help'])\nexcept SystemExit:\n    pass\n"
+        "print('torch' in sys.modules, 'zenflow.hardware.estimate' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=120)  # fmt: skip
+    assert "--device-mem" in out.stdout
+    assert out.stdout.strip().splitlines()[-1] == "False False"
+
+
+# --------------------------------------------------------------------------- preflight
+
+SHORT = ["--max-steps", "2", "--micro-batch", "4", "--seq-len", "16", "--max-eval-samples", "8"]
+
+
+def test_finetune_refuses_an_impossible_run(cli, tmp_path, tiny_gpt2_dir, glue_dir):
+    root = tmp_path / "runs"
+    r = cli("finetune", tiny_gpt2_dir, "--task", "sst2", "--data-dir", glue_dir,
+            "--runs-root", root, "--device-mem", "1KiB", *SHORT)  # fmt: skip
+    assert_user_error(r, "will not fit", "zenflow", "short by", "--force", "zfctl estimate")
+    assert not root.exists()  # refused before anything was made
+
+
+def test_finetune_device_mem_from_the_environment(cli, tmp_path, tiny_gpt2_dir, glue_dir,
+                                                  monkeypatch):  # fmt: skip
+    monkeypatch.setenv("ZFCTL_DEVICE_MEM", "1KiB")
+    r = cli("finetune", tiny_gpt2_dir, "--task", "sst2", "--data-dir", glue_dir,
+            "--runs-root", tmp_path, "--engine", "offload", *SHORT)  # fmt: skip
+    assert_user_error(r, "will not fit with the offload engine", "(--device-mem)", "short by")
+
+
+def test_finetune_force_skips_the_check(cli, tmp_path, tiny_gpt2_dir, glue_dir):
+    root = tmp_path / "runs"
+    r = cli("finetune", tiny_gpt2_dir, "--task", "sst2", "--data-dir", glue_dir,
+            "--runs-root", root, "--device-mem", "1KiB", "--force", "--json", *SHORT)  # fmt: skip
+    assert r.exit_code == 0, r.output
+    run_dir = runs.latest_run(root)
+    summary = json.loads((run_dir / runs.SUMMARY_FILE).read_text())
+    assert summary["steps"] == 2 and summary["status"] == "finished"
+
+
+# --------------------------------------------------------------------------- README
+
+
+def readme_section() -> str:
+    start = README.index("## Will it fit? `zfctl estimate`")
+    return README[start : README.index("\n## ", start + 1)]
+
+
+def test_readme_commands_print_what_the_readme_shows(cli, monkeypatch):
+    """Every `zfctl estimate` line of the README section runs; the two examples print exactly
+    the output shown under them (computed numbers, given memory sizes: deterministic)."""
+    section = readme_section()
+    (commands,) = re.findall(r"```bash\n(.*?)```", section, flags=re.S)
+    outputs = re.findall(r"```text\n(.*?)```", section, flags=re.S)
+    assert len(outputs) == 2
+    monkeypatch.setenv("COLUMNS", "100")  # the width the README's output was printed at
+    shown = []
+    for line in commands.splitlines():
+        argv = shlex.split(line.split("#")[0])
+        assert argv[:2] == ["zfctl", "estimate"], line
+        r = cli(*argv[1:])
+        assert r.exit_code == 0, (line, r.output)
+        if "--json" in argv:
+            assert json.loads(r.stdout)["params"] > 0
+        else:
+            shown.append("\n".join(ln.rstrip() for ln in r.stdout.splitlines()))
+    assert [o.rstrip("\n") for o in outputs] == shown

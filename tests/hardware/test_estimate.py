@@ -1,0 +1,354 @@
+"""zenflow.hardware.estimate: the layout formulas on a model checked by hand, the meta device,
+the JSON shape, DeepSpeed's and accelerate's estimates where they overlap, and the preflight."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from zenflow.config import load_config
+from zenflow.hardware import estimate as est
+from zenflow.hardware.census import ArchShape, EstimateError, census_of, resolve_census
+from zenflow.hardware.estimate import Budget, Settings, WillNotFitError
+
+TEMPLATE = Path(__file__).resolve().parents[2] / "templates" / "zenflow.json"
+GIB = 2**30
+
+# --------------------------------------------------------------------------- by hand
+#
+# MLP: Linear(64 -> 128), ReLU, Linear(128 -> 32).
+#   W1 [128, 64] = 8192 elements >= 4096: a ZenFlow weight, 64 columns of 128 rows.
+#   W2 [32, 128] = 4096 elements >= 4096: a ZenFlow weight, 128 columns of 32 rows.
+#   b1 (128) and b2 (32): dense.
+# P = 8192 + 128 + 4096 + 32 = 12448; Pz = 12288; Pd = 160.
+# topk 0.1: k1 = ceil(6.4) = 7, k2 = ceil(12.8) = 13, sum k = 20;
+#   S = 128*7 + 32*13 = 896 + 416 = 1312; N = 12288 - 1312 = 10976.
+# B = min(largest ZenFlow weight, 2**22) = 8192.
+P, PZ, PD, S, K, N, B = 12448, 12288, 160, 1312, 20, 10976, 8192
+
+
+def mlp_census():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32))
+    return census_of(model, name="mlp", source="test")
+
+
+def sides(census, mode, settings) -> tuple[int, int]:
+    items = est.layout(census, mode, settings)
+    dev = sum(i.bytes for i in items if i.side == "device")
+    return dev, sum(i.bytes for i in items if i.side == "host")
+
+
+def test_census_counts_like_the_engine():
+    c = mlp_census()
+    assert (c.params, c.zenflow_params, c.dense_params) == (P, PZ, PD)
+    assert c.zenflow_weights == ((128, 64), (32, 128))  # (rows, columns)
+    assert c.selected(0.1) == (S, K)
+    assert c.bucket_elements == B
+    assert c.selected(1.0) == (PZ, 64 + 128)  # every column selected
+
+
+def test_census_uses_the_conv1d_column_axis():
+    """GPT-2's Conv1D stores [in, out]: its columns (input features) are dim 0."""
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+
+    with torch.device("meta"):
+        model = GPT2ForSequenceClassification(
+            GPT2Config(n_layer=1, n_embd=64, n_head=4, vocab_size=100, n_positions=32)
+        )
+    c = census_of(model, name="gpt2-tiny", source="test")
+    # c_attn [64, 192]: 64 input columns of 192 rows; c_fc [64, 256]; mlp c_proj [256, 64].
+    assert (192, 64) in c.zenflow_weights and (256, 64) in c.zenflow_weights
+    assert (64, 256) in c.zenflow_weights
+    assert c.params == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    "settings, expected",
+    [
+        (
+            Settings(bf16=True, overlap_step=True),
+            {
+                # 2P weights + 2P grads + 8P moments + 4P fp32 master = 16P
+                "device": (P * 16, 0),
+                # device: 2P + 2P + 2 buckets*B*2; host: 12P + 2P landing + 2P bf16 image
+                "offload": (P * 4 + 2 * B * 2, P * 16),
+                # device: 4P + S*12 + Pd*12 + 8*sum k + 2*B*2
+                # host: Pz*12 + Pz*4*2 slots + N*2 + 4*B*2
+                "zenflow": (
+                    P * 4 + S * 12 + PD * 12 + 8 * K + 2 * B * 2,
+                    PZ * 12 + PZ * 8 + N * 2 + 4 * B * 2,
+                ),
+            },
+        ),
+        (
+            Settings(bf16=False, overlap_step=False),
+            {
+                "device": (P * 16, 0),  # 4P + 4P + 8P, no separate master
+                "offload": (P * 8 + 2 * B * 4, P * 12 + P * 4),  # no image: master copied
+                "zenflow": (
+                    P * 8 + S * 8 + PD * 8 + 8 * K + 2 * B * 4,
+                    PZ * 12 + PZ * 4 + N * 4 + 4 * B * 4,
+                ),
+            },
+        ),
+    ],
+)
+def test_layout_matches_the_hand_computation(settings, expected):
+    c = mlp_census()  # no ArchShape: no activation item
+    for mode, (dev, host) in expected.items():
+        assert sides(c, mode, settings) == (dev, host), mode
+    # the numbers themselves, once, for the bf16 + overlap case
+    if settings.bf16:
+        assert sides(c, "zenflow", settings) == (100384, 333248)
+        assert sides(c, "offload", settings) == (82560, 199168)
+
+
+def test_holders_group_items_by_engine_category():
+    c = mlp_census()
+    s = Settings(bf16=True, overlap_step=True)
+    e = est.estimate(c, s, Budget(GIB, GIB, False, "d", "h")).engines["zenflow"]
+    h = e.holders()
+    assert h["device"] == {
+        "weights": P * 2,
+        "grads": P * 2,
+        "optimizer": S * 12 + PD * 12 + 8 * K,
+        "staging": 2 * B * 2,
+        "activations": 0,
+    }
+    assert h["host"] == {
+        "master_moments": PZ * 12,
+        "accumulators": PZ * 4 * 2,
+        "staging": N * 2 + 4 * B * 2,
+    }
+    assert e.largest_holders(1) == [("host", "master_moments", PZ * 12)]
+
+
+def test_activation_formula():
+    arch = ArchShape(hidden=64, heads=4, layers=2, vocab=100, num_labels=3, causal_lm=False)
+    # per layer s*b*h*(34 + 5*a*s/h) = 16*2*64*(34 + 5*4*16/64) = 2048*39 = 79872 (bf16)
+    s = Settings(micro_batch=2, seq_len=16, bf16=True)
+    assert est.activation_bytes(arch, s)[0] == 2 * 79872 + 2 * 3 * 8
+    assert est.activation_bytes(arch, Settings(micro_batch=2, seq_len=16, bf16=False))[0] == (
+        2 * 2 * 79872 + 2 * 3 * 8
+    )
+    causal = ArchShape(hidden=64, heads=4, layers=2, vocab=100, num_labels=3, causal_lm=True)
+    assert est.activation_bytes(causal, s)[0] == 2 * 79872 + 2 * 16 * 100 * 8
+    assert est.activation_bytes(None, s)[0] is None
+
+
+# --------------------------------------------------------------------------- meta device
+
+
+def _rss_bytes() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs /proc")
+def test_seven_billion_on_the_meta_device():
+    resolve_census("gpt2")  # warm the imports, so RSS below is the model's own
+    before = _rss_bytes()
+    c = resolve_census("llama-7b")
+    grown = _rss_bytes() - before
+    # embed 32000*4096 + 32 layers * (4*4096^2 + 3*4096*11008 + 2*4096) + norm 4096 + score
+    # 2*4096 = 131,072,000 + 6,476,267,520 + 4096 + 8192
+    assert c.params == 6_607_351_808
+    assert grown < GIB // 2, f"RSS grew by {grown / 2**20:.0f} MiB: weights were allocated"
+    r = est.estimate(c, Settings(topk_ratio=0.1, bf16=True), Budget(80 * GIB, 1 << 40, False,
+                     "d", "h"))  # fmt: skip
+    per_param = {m: e.bytes_per_param for m, e in r.engines.items()}
+    assert 5.2 <= per_param["zenflow"] <= 5.5  # ZENFLOW.md 2b: about 5.2 at k = 0.1
+    assert 4.0 <= per_param["offload"] < 4.01  # 2 + 2 and the staging buckets
+    assert per_param["device"] == 16.0
+    assert resolve_census("llama-13b").params == 12_852_034_560
+
+
+def test_unknown_model_and_bad_directory(tmp_path):
+    with pytest.raises(EstimateError, match="llama-7b") as err:
+        resolve_census("no-such-arch-zfctl")
+    assert "no-such-arch-zfctl" in str(err.value)
+    bad = tmp_path / "model"
+    bad.mkdir()
+    (bad / "config.json").write_text("{not json")
+    with pytest.raises(EstimateError, match="config.json"):
+        resolve_census(str(bad))
+    with pytest.raises(EstimateError, match="--head"):
+        resolve_census("gpt2", head="vision")
+
+
+def test_local_directory_and_causal_head(tiny_gpt2_dir):
+    cls = resolve_census(str(tiny_gpt2_dir), num_labels=3)
+    lm = resolve_census(str(tiny_gpt2_dir), head="causal-lm")
+    # TINY_GPT2: lm_head is tied to wte (counted once); the classifier adds score [3, 32]
+    # (96 elements: dense), the LM head nothing.
+    assert cls.params - lm.params == 3 * 32
+    assert cls.arch is not None and cls.arch.layers == 2 and cls.arch.hidden == 32
+    assert lm.arch is not None and lm.arch.causal_lm
+
+
+# --------------------------------------------------------------------------- sizes, settings
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("24GiB", 24 * 2**30), ("80GB", 80 * 10**9), ("512MiB", 512 * 2**20),
+        ("1.5TiB", 3 * 2**39), ("1073741824", 2**30), (" 2 gib ", 2 * 2**30), ("100kb", 10**5),
+        (4096, 4096),
+    ],
+)  # fmt: skip
+def test_parse_size(text, expected):
+    assert est.parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["24 gigs", "abc", "", "0", "-1GB", "GiB"])
+def test_parse_size_rejects(text):
+    with pytest.raises(EstimateError, match="--device-mem"):
+        est.parse_size(text, "--device-mem")
+
+
+def test_settings_from_the_config():
+    cfg = load_config(TEMPLATE)
+    s = est.settings_from_config(cfg)
+    assert (s.topk_ratio, s.bf16, s.overlap_step, s.pin_memory, s.micro_batch) == (
+        cfg.zenflow.topk_ratio, cfg.bf16, cfg.zenflow.overlap_step, cfg.pin_memory,
+        cfg.train_micro_batch_size_per_gpu,
+    )  # fmt: skip
+    s2 = est.settings_from_config(cfg, bf16=True, topk_ratio=0.02, micro_batch=None)
+    assert (s2.bf16, s2.topk_ratio, s2.micro_batch) == (True, 0.02, s.micro_batch)
+    assert est.settings_from_config() == Settings()
+    with pytest.raises(EstimateError, match="topk"):
+        est.settings_from_config(topk_ratio=1.5)
+
+
+# --------------------------------------------------------------------------- the verdict
+
+
+def test_fits_on_a_separate_device_and_pins_the_host_side():
+    c = mlp_census()
+    s = Settings(bf16=True, overlap_step=True)
+    dev, host = 100384, 333248  # zenflow, from the hand computation
+    exact = est.estimate(c, s, Budget(dev, host, False, "d", "h")).engines["zenflow"]
+    assert exact.fits and exact.pinned_bytes == host
+    short = est.estimate(c, s, Budget(dev - 1, host - 5, False, "d", "h")).engines["zenflow"]
+    assert not short.fits and short.short == {"device": 1, "host": 5}
+    unpinned = est.estimate(c, Settings(pin_memory=False), Budget(GIB, GIB, False, "d", "h"))
+    assert all(e.pinned_bytes == 0 for e in unpinned.engines.values())
+
+
+def test_when_the_device_is_the_cpu_both_sides_share_the_ram():
+    c = mlp_census()
+    s = Settings(bf16=True, overlap_step=True)
+    total = 100384 + 333248
+    fits = est.estimate(c, s, Budget(total, total, True, "cpu", "h")).engines["zenflow"]
+    assert fits.fits and fits.pinned_bytes == 0  # nothing to pin for without a device
+    short = est.estimate(c, s, Budget(total - 7, total - 7, True, "cpu", "h")).engines["zenflow"]
+    assert short.short == {"memory": 7}
+
+
+def test_json_shape():
+    c = mlp_census()
+    data = est.estimate(c, Settings(), Budget(GIB, 2 * GIB, False, "d", "h")).to_json()
+    data = json.loads(json.dumps(data))  # plain JSON
+    assert data["params"] == P
+    assert (data["device_mem"], data["host_mem"]) == (GIB, 2 * GIB)
+    assert data["dtype"] == "bf16" and data["topk_ratio"] == 0.1
+    assert set(data["engines"]) == {"device", "offload", "zenflow"}
+    for eng in data["engines"].values():
+        assert eng["fits"] is True
+        h = eng["holders"]
+        assert set(h["device"]) == {"weights", "grads", "optimizer", "staging", "activations"}
+        assert set(h["host"]) == {"master_moments", "accumulators", "staging"}
+        assert sum(h["device"].values()) == eng["device_bytes"]
+        assert sum(h["host"].values()) == eng["host_bytes"]
+        assert eng["pinned_bytes"] == eng["host_bytes"]
+        assert sum(i["bytes"] for i in eng["items"]) == eng["device_bytes"] + eng["host_bytes"]
+    assert data["engines"]["device"]["host_bytes"] == 0
+
+
+# --------------------------------------------------------------------------- anchors
+
+
+def test_deepspeed_zero2_estimate_anchor():
+    """DeepSpeed's estimate_zero2_model_states_mem_needs (deepspeed 0.19.6), one GPU.
+
+    offload: gpu = 2P (its fp16 params), cpu = 16P * additional_buffer_factor (4 fp32 master
+    + 8 moments + 4 for its fp32 gradient buffer). Ours keeps the gradients on the device
+    (2P more there) and on the host holds 12P of state plus 4P of landing buffer and copy-back
+    image (2P + 2P in bf16; 4P + 0 in fp32): 16P, DeepSpeed's figure without its 1.5x slack.
+    no offload: gpu = 2P + 18P (2 fp16 grads + 4 fp32 grads + 4 master + 8 moments); ours
+    has no fp32 copy of the gradients (AdamW reads the bf16 gradient), so 4P less: 16P.
+    """
+    stage2 = pytest.importorskip("deepspeed.runtime.zero.stage_1_and_2")
+    c = resolve_census("gpt2")
+    p = c.params
+    for bf16 in (True, False):
+        r = est.estimate(c, Settings(bf16=bf16), Budget(GIB, GIB, False, "d", "h"))
+        off = r.engines["offload"]
+        cpu, gpu = stage2.estimate_zero2_model_states_mem_needs(
+            p, cpu_offload=True, additional_buffer_factor=1.0
+        )
+        assert off.host_bytes == cpu
+        cpu15, _ = stage2.estimate_zero2_model_states_mem_needs(p, cpu_offload=True)
+        assert cpu15 == int(1.5 * off.host_bytes)
+        if bf16:
+            assert off.holders()["device"]["weights"] == gpu
+        _, gpu_no_offload = stage2.estimate_zero2_model_states_mem_needs(p, cpu_offload=False)
+        if bf16:
+            assert r.engines["device"].device_state_bytes == gpu_no_offload - 4 * p
+
+
+def test_accelerate_estimate_memory_rule():
+    """accelerate estimate-memory (commands/estimate.py, estimate_training_usage): fp32 Adam
+    training = model 4P + gradients 4P + optimizer 8P = 4x the weights' bytes. Mixed precision:
+    model 4P (fp32) + gradients 6P (fp32 + half) + optimizer 8P = 18P; ours keeps bf16 weights
+    next to the fp32 master (+2P) and no fp32 gradient copy (-4P): 16P."""
+    c = mlp_census()
+    fp32 = est.estimate(c, Settings(bf16=False), Budget(GIB, GIB, False, "d", "h"))
+    weights = fp32.engines["device"].holders()["device"]["weights"]
+    assert weights == 4 * P
+    assert fp32.engines["device"].device_state_bytes == 4 * weights
+    mixed = est.estimate(c, Settings(bf16=True), Budget(GIB, GIB, False, "d", "h"))
+    accelerate_mixed = 4 * P + 6 * P + 8 * P
+    assert mixed.engines["device"].device_state_bytes == accelerate_mixed + 2 * P - 4 * P
+
+
+# --------------------------------------------------------------------------- preflight
+
+
+def test_preflight_refuses_names_the_shortfall_and_a_fix(tiny_gpt2_dir):
+    cfg = load_config(TEMPLATE)
+    ok = est.preflight(str(tiny_gpt2_dir), mode="zenflow", config=cfg, seq_len=16,
+                       device_mem="64GiB", host_mem="64GiB")  # fmt: skip
+    assert ok is not None and ok.engines["zenflow"].fits
+    need = ok.engines["zenflow"].device_bytes
+    with pytest.raises(WillNotFitError) as err:
+        est.preflight(str(tiny_gpt2_dir), mode="zenflow", config=cfg, seq_len=16,
+                      device_mem=need - 1, host_mem="64GiB")  # fmt: skip
+    msg = str(err.value)
+    assert "short by" in msg and "--force" in msg and "zfctl estimate" in msg
+    assert "Fix:" in msg
+
+
+def test_refusal_suggests_the_changes_that_fit():
+    """MLP, bf16, zenflow: 100384 device bytes at topk 0.1; at 0.05 (k = 4 and 7, S = 736,
+    sum k = 11) 4P + 736*12 + Pd*12 + 88 + 2*B*2 = 93400; offload needs 82560."""
+    c = mlp_census()
+    s = Settings(bf16=True, overlap_step=True)
+    r = est.estimate(c, s, Budget(95000, GIB, False, "d", "h"))
+    assert r.engines["zenflow"].short == {"device": 100384 - 95000}
+    msg = est.refusal_message(r, "zenflow")
+    assert "--set zero_optimization.zenflow.topk_ratio=0.05" in msg
+    assert "--engine offload" in msg
+    assert "--micro-batch" not in msg  # no activations here: a smaller batch changes nothing
+    none = est.estimate(c, s, Budget(1000, GIB, False, "d", "h"))
+    assert "alone or together" in est.refusal_message(none, "zenflow")
+
+
+def test_preflight_skips_a_model_it_cannot_resolve():
+    assert est.preflight("no-such-org/no-such-model-zfctl", mode="zenflow") is None

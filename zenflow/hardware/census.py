@@ -1,0 +1,184 @@
+"""A model's trainable parameters as the engine classifies them, from its config alone.
+
+``resolve_census(MODEL)`` reads only a config (a local directory, a built-in architecture such
+as ``llama-7b``, or the Hugging Face cache), builds the model on the meta device (no weight is
+allocated, whatever its size) and counts its trainable params with the engine's own
+``zenflow.engine.selection.classify_params`` / ``num_selected``. The result, ``ParamCensus``,
+is what ``zenflow.hardware.estimate`` lays out in bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from zenflow.engine.selection import DEFAULT_MIN_NUMEL, classify_params, num_selected
+from zenflow.errors import UserInputError
+
+HEADS = ("classification", "causal-lm")
+# One staging bucket holds the largest ZenFlow weight, capped at 4 Mi elements (8 MiB in
+# bf16): big enough to keep a copy engine busy, small enough to stay negligible.
+BUCKET_MAX_ELEMENTS = 2**22
+
+
+class EstimateError(UserInputError):
+    """Bad input to the estimate: an unknown architecture, an unparseable size."""
+
+
+# Architectures by name, config only. LLaMA (1 and 2) 7B and 13B: SwiGLU MLP, untied embeddings.
+LLAMA_PRESETS = {
+    "llama-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                     num_attention_heads=32, vocab_size=32000),
+    "llama-13b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
+                      num_attention_heads=40, vocab_size=32000),
+}  # fmt: skip
+
+
+def preset_names() -> list[str]:
+    from zenflow.train.models import GPT2_FAMILY
+
+    return [*GPT2_FAMILY, *LLAMA_PRESETS]
+
+
+def preset_config(name: str):
+    """A transformers config for a built-in architecture name, or None."""
+    from zenflow.train.models import GPT2_FAMILY, GPT2_VOCAB_SIZE, gpt2_family_name
+
+    key = name.lower()
+    if key in LLAMA_PRESETS:
+        from transformers import LlamaConfig
+
+        return LlamaConfig(**LLAMA_PRESETS[key])
+    family = gpt2_family_name(key)
+    if family is not None:
+        from transformers import GPT2Config
+
+        n_layer, n_embd, n_head = GPT2_FAMILY[family]
+        return GPT2Config(
+            n_layer=n_layer, n_embd=n_embd, n_head=n_head, vocab_size=GPT2_VOCAB_SIZE,
+            n_positions=1024,
+        )  # fmt: skip
+    return None
+
+
+@dataclass(frozen=True)
+class ArchShape:
+    """What the activation estimate needs from a transformer config."""
+
+    hidden: int
+    heads: int
+    layers: int
+    vocab: int
+    num_labels: int
+    causal_lm: bool
+
+
+@dataclass(frozen=True)
+class ParamCensus:
+    """A model's trainable parameters as the engine classifies them."""
+
+    model: str
+    source: str  # where the config came from
+    params: int  # P
+    dense_params: int  # Pd: 1-D and small params, updated fully on the device
+    zenflow_weights: tuple[tuple[int, int], ...]  # (rows, n_cols) of every ZenFlow weight
+    largest_numel: int  # largest trainable param (sets the staging bucket)
+    arch: ArchShape | None = None
+
+    @property
+    def zenflow_params(self) -> int:  # Pz
+        return self.params - self.dense_params
+
+    @property
+    def bucket_elements(self) -> int:  # B
+        largest_zf = max((r * c for r, c in self.zenflow_weights), default=self.largest_numel)
+        return min(largest_zf, BUCKET_MAX_ELEMENTS)
+
+    def selected(self, topk_ratio: float) -> tuple[int, int]:
+        """(S, sum of k): selected elements and selected columns over all ZenFlow weights."""
+        s = cols = 0
+        for rows, n_cols in self.zenflow_weights:
+            k = num_selected(n_cols, topk_ratio)
+            s += rows * k
+            cols += k
+        return s, cols
+
+
+def census_of(model, *, name: str, source: str, arch: ArchShape | None = None) -> ParamCensus:
+    """Count ``model``'s trainable params with the engine's own classification."""
+    params = dense = largest = 0
+    weights = []
+    for spec in classify_params(model, DEFAULT_MIN_NUMEL):
+        n = spec.param.numel()
+        params += n
+        largest = max(largest, n)
+        if spec.is_zenflow:
+            weights.append((n // spec.n_cols, spec.n_cols))
+        else:
+            dense += n
+    return ParamCensus(name, source, params, dense, tuple(weights), largest, arch)
+
+
+def _arch_of(config, num_labels: int, causal_lm: bool) -> ArchShape | None:
+    try:
+        return ArchShape(
+            hidden=int(config.hidden_size), heads=int(config.num_attention_heads),
+            layers=int(config.num_hidden_layers), vocab=int(config.vocab_size),
+            num_labels=num_labels, causal_lm=causal_lm,
+        )  # fmt: skip
+    except (AttributeError, TypeError):
+        return None
+
+
+def resolve_census(model: str, *, head: str = "classification", num_labels: int = 2) -> ParamCensus:
+    """Census of MODEL: a local directory, a built-in architecture, or a hub id in the cache.
+
+    Only the config is read (``AutoConfig``; offline with HF_HUB_OFFLINE=1); the model is
+    built on the meta device, so no weight memory is allocated whatever its size. ``head``
+    picks the model class: ``classification`` (what ``zfctl finetune`` trains) or
+    ``causal-lm``.
+    """
+    if head not in HEADS:
+        raise EstimateError(f"--head {head!r} is not allowed; choose one of {', '.join(HEADS)}.")
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    local = Path(model).expanduser()
+    config = None
+    if local.is_dir():
+        try:
+            config = AutoConfig.from_pretrained(local)
+        except (OSError, ValueError) as exc:
+            raise EstimateError(
+                f"The local directory {local} holds no readable model config (config.json): "
+                f"{exc}. Pass a directory written by save_pretrained, a hub id, or an "
+                f"architecture name ({', '.join(preset_names())})."
+            ) from exc
+        source = f"config.json in {local}"
+    elif (config := preset_config(model)) is not None:
+        source = f"built-in architecture {model.lower()} ({type(config).__name__})"
+    else:
+        try:
+            config = AutoConfig.from_pretrained(model)
+        except (OSError, ValueError) as exc:
+            raise EstimateError(
+                f"Unknown model {model!r}: it is not a local directory, not a built-in "
+                f"architecture ({', '.join(preset_names())}) and its config is not in the "
+                "Hugging Face cache. Pass one of those, or download the config on a "
+                f"connected machine (`huggingface-cli download {model} config.json`)."
+            ) from exc
+        source = f"Hugging Face cache: {model}"
+    causal = head == "causal-lm"
+    if not causal:
+        config.num_labels = num_labels
+    auto = AutoModelForCausalLM if causal else AutoModelForSequenceClassification
+    try:
+        with torch.device("meta"):  # shapes only: no weight is allocated
+            net = auto.from_config(config)
+    except (ValueError, KeyError) as exc:
+        other = "causal-lm" if not causal else "classification"
+        raise EstimateError(
+            f"transformers has no {head} model for {model!r} ({type(config).__name__}): "
+            f"{exc}. Try --head {other}."
+        ) from exc
+    return census_of(net, name=model, source=source, arch=_arch_of(config, num_labels, causal))

@@ -1,0 +1,523 @@
+"""Will it fit? The bytes each engine holds for a model, before anything is allocated.
+
+``layout(census, mode, settings)`` turns a ``ParamCensus`` (``zenflow.hardware.census``: the
+trainable params counted on the meta device, as the engine classifies them) into itemised
+bytes on the device and on the host for one engine mode; it is the one place the formulas
+live, one line per buffer. ``estimate`` checks every mode against a ``Budget`` (given or
+detected memory); ``preflight`` is that check as ``zfctl finetune`` runs it.
+
+Notation (as in ZENFLOW.md section 2b): P = trainable params, Pz = params of ZenFlow weights
+(2-D, >= ``DEFAULT_MIN_NUMEL`` elements, scored by columns), Pd = P - Pz (dense params),
+S = selected elements (sum over ZenFlow weights of rows x k), N = Pz - S, dt = bytes of the
+training dtype (2 bf16, 4 fp32), B = elements of one staging bucket, slots = accumulator
+slots (2 with ``overlap_step``).
+
+Every item has a category the engine's own memory accounting uses: on the device "weights",
+"grads", "optimizer" (fp32 master slices, moments, step counts), "staging" (copy buckets)
+and "activations" (an estimate); on the host "master_moments", "accumulators" and "staging".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from zenflow.errors import UserInputError
+from zenflow.hardware.census import (
+    ArchShape,
+    EstimateError,
+    ParamCensus,
+    census_of,
+    preset_names,
+    resolve_census,
+)
+
+__all__ = [
+    "ArchShape", "Budget", "EngineEstimate", "Estimate", "EstimateError", "Item", "ParamCensus",
+    "Settings", "WillNotFitError", "activation_bytes", "census_of", "detect_budget", "estimate",
+    "layout", "parse_size", "preflight", "preset_names", "resolve_census", "settings_from_config",
+]  # fmt: skip
+
+ENGINE_MODES = ("device", "offload", "zenflow")
+ENGINE_TITLES = {
+    "device": "plain AdamW on the device",
+    "offload": "ZeRO-Offload: optimizer on the host",
+    "zenflow": "ZenFlow: selected columns on the device, the rest on the host",
+}
+DEVICE_CATEGORIES = ("weights", "grads", "optimizer", "staging", "activations")
+HOST_CATEGORIES = ("master_moments", "accumulators", "staging")
+D2H_POOL_BUCKETS = 4  # host staging pool the device->host copies land in
+DEVICE_BUCKETS = 2  # double-buffered device buckets: one copying while the next fills
+
+
+class WillNotFitError(UserInputError):
+    """The preflight check: the run cannot fit the device or host memory."""
+
+
+# --------------------------------------------------------------------------- sizes
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}  # fmt: skip
+
+
+def parse_size(text: str | int, flag: str = "size") -> int:
+    """Bytes from "24GiB", "80GB", "512MiB", "1.5TiB" or a plain number of bytes."""
+    if isinstance(text, int):
+        value, unit = float(text), ""
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+        unit = m.group(2).lower() if m else ""
+        if m is None or unit not in _UNITS:
+            raise EstimateError(
+                f"{flag} {text!r} is not a size; write it like 24GiB, 80GB, 512MiB or a plain "
+                "number of bytes (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)."
+            )
+        value = float(m.group(1))
+    n = int(value * _UNITS[unit])
+    if n <= 0:
+        raise EstimateError(f"{flag} {text!r} must be more than 0 bytes.")
+    return n
+
+
+# --------------------------------------------------------------------------- the layout
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The run settings the layout depends on."""
+
+    topk_ratio: float = 0.1
+    bf16: bool = True
+    overlap_step: bool = False  # a second accumulator slot while the host step runs
+    pin_memory: bool = True  # host buffers pinned (only with a separate device)
+    micro_batch: int = 8
+    seq_len: int = 128
+
+    @property
+    def dtype_bytes(self) -> int:
+        return 2 if self.bf16 else 4
+
+    @property
+    def dtype(self) -> str:
+        return "bf16" if self.bf16 else "fp32"
+
+
+def settings_from_config(config=None, **overrides: Any) -> Settings:
+    """Settings from a zenflow Config (topk_ratio, bf16, overlap_step, pin_memory, micro-batch);
+    keyword overrides that are not None win. Without a config: bf16, topk 0.1."""
+    values: dict[str, Any] = {}
+    if config is not None:
+        values["bf16"] = bool(config.bf16)
+        values["pin_memory"] = bool(config.pin_memory)
+        if config.train_micro_batch_size_per_gpu:
+            values["micro_batch"] = int(config.train_micro_batch_size_per_gpu)
+        if config.zenflow is not None:
+            values["topk_ratio"] = float(config.zenflow.topk_ratio)
+            values["overlap_step"] = bool(config.zenflow.overlap_step)
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    if not 0 < values.get("topk_ratio", 0.1) <= 1:
+        raise EstimateError(f"--topk-ratio must be in (0, 1], got {values['topk_ratio']}.")
+    return Settings(**values)
+
+
+@dataclass(frozen=True)
+class Item:
+    """One buffer an engine holds."""
+
+    side: str  # "device" or "host"
+    category: str  # one of DEVICE_CATEGORIES / HOST_CATEGORIES
+    what: str
+    bytes: int
+    formula: str
+
+
+def activation_bytes(arch: ArchShape | None, s: Settings) -> tuple[int | None, str]:
+    """Activation memory of one micro-batch (an estimate) and its formula.
+
+    Transformer blocks: Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+    Transformer Models"), no recomputation, s*b*h*(34 + 5*a*s/h) bytes per layer at 2-byte
+    activations, scaled by dt/2. Head: fp32 logits and their gradient, b*s*vocab*4*2 for a
+    causal LM, b*num_labels*4*2 for a classifier.
+    """
+    if arch is None:
+        return None, "unknown for this architecture (no hidden_size/heads/layers in its config)"
+    b, seq, h, a = s.micro_batch, s.seq_len, arch.hidden, arch.heads
+    per_layer = seq * b * h * (34 + 5 * a * seq / h) * s.dtype_bytes / 2
+    if arch.causal_lm:
+        head, head_f = b * seq * arch.vocab * 4 * 2, "b*s*vocab*8"
+    else:
+        head, head_f = b * arch.num_labels * 4 * 2, "b*labels*8"
+    formula = f"L*s*b*h*(34+5*a*s/h)*dt/2 + {head_f}"
+    return int(arch.layers * per_layer + head), formula
+
+
+def layout(census: ParamCensus, mode: str, s: Settings) -> list[Item]:
+    """Every buffer the engine holds in ``mode``, with its bytes and formula.
+
+    This is the single source of the formulas (ZENFLOW.md section 2b), one line per buffer.
+    Activations are included on the device side when the architecture is known.
+    """
+    if mode not in ENGINE_MODES:
+        raise EstimateError(f"engine {mode!r} is not one of {', '.join(ENGINE_MODES)}.")
+    P, Pz, Pd = census.params, census.zenflow_params, census.dense_params
+    dt, dn = s.dtype_bytes, s.dtype
+    S, K = census.selected(s.topk_ratio)
+    N = Pz - S
+    B = census.bucket_elements
+    slots = 2 if s.overlap_step else 1
+    fp32_state = 12 if s.bf16 else 8  # + fp32 master only when the weights are bf16
+    items: list[Item] = []
+
+    def dev(cat: str, what: str, n: int, formula: str) -> None:
+        items.append(Item("device", cat, what, int(n), formula))
+
+    def host(cat: str, what: str, n: int, formula: str) -> None:
+        items.append(Item("host", cat, what, int(n), formula))
+
+    # Every engine: the model's weights and their gradients, in the training dtype.
+    dev("weights", f"weights ({dn})", P * dt, f"P*{dt}")
+    dev("grads", f"gradients ({dn})", P * dt, f"P*{dt}")
+    if mode == "device":  # plain mixed-precision AdamW, everything on the device
+        dev("optimizer", "exp_avg + exp_avg_sq (fp32)", P * 8, "P*8")
+        if s.bf16:
+            dev("optimizer", "master weights (fp32)", P * 4, "P*4")
+    elif mode == "offload":  # ZeRO-Offload: the whole optimizer on the host
+        dev("staging", f"copy buckets ({DEVICE_BUCKETS}, {dn})", DEVICE_BUCKETS * B * dt,
+            f"{DEVICE_BUCKETS}*B*{dt}")  # fmt: skip
+        host("master_moments", "master + exp_avg + exp_avg_sq (fp32)", P * 12, "P*12")
+        # every step's gradient lands here (device->host copy) before the CPU Adam reads it
+        host("accumulators", f"gradient landing buffer ({dn})", P * dt, f"P*{dt}")
+        if s.bf16:  # fp32: the master itself is copied back, no image needed
+            host("staging", "bf16 image of the updated weights", P * 2, "P*2")
+    else:  # zenflow
+        # selected columns and dense params update exactly in fp32 on the device
+        sel_what = "master + moments (fp32)" if s.bf16 else "exp_avg + exp_avg_sq (fp32)"
+        dev("optimizer", f"selected columns: {sel_what}", S * fp32_state, f"S*{fp32_state}")
+        dev("optimizer", f"dense params: {sel_what}", Pd * fp32_state, f"Pd*{fp32_state}")
+        # an integer step per selected column: bias correction survives hand-overs
+        dev("optimizer", "per-column step counts (int64)", K * 8, "8*sum(k)")
+        dev("staging", f"copy buckets ({DEVICE_BUCKETS}, {dn})", DEVICE_BUCKETS * B * dt,
+            f"{DEVICE_BUCKETS}*B*{dt}")  # fmt: skip
+        # full-shape host state: a column may move to the host at any re-selection
+        host("master_moments", "ZenFlow weights: master + moments (fp32)", Pz * 12, "Pz*12")
+        host("accumulators", f"gradient accumulators (fp32, {slots} slot{'s' * (slots > 1)})",
+             Pz * 4 * slots, f"Pz*4*{slots}")  # fmt: skip
+        # the host step's result, cast once, is what the host->device copy reads
+        host("staging", f"{dn} image of the non-selected columns", N * dt, f"N*{dt}")
+        host("staging", f"device->host staging pool ({D2H_POOL_BUCKETS} buckets, {dn})",
+             D2H_POOL_BUCKETS * B * dt, f"{D2H_POOL_BUCKETS}*B*{dt}")  # fmt: skip
+    act, formula = activation_bytes(census.arch, s)
+    if act is not None:
+        dev("activations", "activations (estimate)", act, formula)
+    items.sort(key=lambda i: i.side != "device")  # stable: device items first, then host
+    return items
+
+
+# --------------------------------------------------------------------------- the budget
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Memory to fit into. ``device_is_host``: no separate accelerator, the "device" side
+    lives in host RAM too, so device + host must fit ``host_bytes`` together."""
+
+    device_bytes: int
+    host_bytes: int
+    device_is_host: bool
+    device_source: str
+    host_source: str
+
+
+def detect_budget(device_mem: int | None = None, host_mem: int | None = None) -> Budget:
+    """Given sizes win; otherwise CUDA device 0's total memory (or: the device is the CPU)
+    and the host's MemAvailable from /proc/meminfo."""
+    if host_mem is None:
+        from zenflow.hardware.probes import parse_meminfo
+
+        try:
+            host_mem = parse_meminfo(Path("/proc/meminfo").read_text())["available_bytes"]
+        except OSError:
+            host_mem = 0
+        if not host_mem:
+            raise EstimateError("Cannot read MemAvailable from /proc/meminfo; pass --host-mem.")
+        host_source = "MemAvailable"
+    else:
+        host_source = "--host-mem"
+    if device_mem is not None:
+        return Budget(device_mem, host_mem, False, "--device-mem", host_source)
+    import torch
+
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        return Budget(int(props.total_memory), host_mem, False, f"CUDA 0: {props.name}",
+                      host_source)  # fmt: skip
+    return Budget(host_mem, host_mem, True, "the device is the CPU (no CUDA)", host_source)
+
+
+# --------------------------------------------------------------------------- the verdict
+
+
+@dataclass(frozen=True)
+class EngineEstimate:
+    mode: str
+    items: tuple[Item, ...]
+    pinned_bytes: int
+    short: dict[str, int]  # side ("device", "host" or "memory") -> bytes missing
+    params: int
+
+    @property
+    def fits(self) -> bool:
+        return not self.short
+
+    def side_bytes(self, side: str) -> int:
+        return sum(i.bytes for i in self.items if i.side == side)
+
+    @property
+    def device_bytes(self) -> int:
+        return self.side_bytes("device")
+
+    @property
+    def host_bytes(self) -> int:
+        return self.side_bytes("host")
+
+    @property
+    def device_state_bytes(self) -> int:
+        """Device bytes without activations: weights, grads, optimizer state, staging."""
+        return self.device_bytes - self.holders()["device"]["activations"]
+
+    @property
+    def bytes_per_param(self) -> float:
+        """Device state bytes per trainable param (16 plain AdamW bf16, ~4 ZeRO-Offload)."""
+        return self.device_state_bytes / self.params if self.params else 0.0
+
+    def holders(self) -> dict[str, dict[str, int]]:
+        """Bytes per category, per side (the categories the engine accounts)."""
+        out = {"device": dict.fromkeys(DEVICE_CATEGORIES, 0),
+               "host": dict.fromkeys(HOST_CATEGORIES, 0)}  # fmt: skip
+        for i in self.items:
+            out[i.side][i.category] += i.bytes
+        return out
+
+    def largest_items(self, n: int = 3, side: str | None = None) -> list[Item]:
+        pool = [i for i in self.items if side is None or i.side == side]
+        return sorted(pool, key=lambda i: -i.bytes)[:n]
+
+    def largest_holders(self, n: int = 3) -> list[tuple[str, str, int]]:
+        """The ``n`` largest (side, category, bytes) of ``holders()``."""
+        flat = [(side, cat, b) for side, cats in self.holders().items() for cat, b in cats.items()]
+        return sorted(flat, key=lambda h: -h[2])[:n]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "title": ENGINE_TITLES[self.mode],
+            "device_bytes": self.device_bytes,
+            "host_bytes": self.host_bytes,
+            "pinned_bytes": self.pinned_bytes,
+            "fits": self.fits,
+            "short_bytes": dict(self.short),
+            "device_state_bytes": self.device_state_bytes,
+            "bytes_per_param": self.bytes_per_param,
+            "holders": self.holders(),
+            "largest_holders": [
+                {"side": side, "category": cat, "bytes": b}
+                for side, cat, b in self.largest_holders()
+            ],
+            "items": [_item_json(i) for i in self.items],
+        }
+
+
+def _item_json(i: Item) -> dict[str, Any]:
+    return dataclasses.asdict(i)
+
+
+def check(items: list[Item], s: Settings, budget: Budget, mode: str, params: int):
+    """Pinned bytes and shortfall of one engine's items against the budget."""
+    dev = sum(i.bytes for i in items if i.side == "device")
+    host = sum(i.bytes for i in items if i.side == "host")
+    # Pinned: every host buffer, when pin_memory is on and there is a separate device to copy
+    # to by DMA (on the CPU there is nothing to pin for).
+    pinned = host if s.pin_memory and not budget.device_is_host else 0
+    short: dict[str, int] = {}
+    if budget.device_is_host:  # one memory: both sides must fit the available RAM together
+        if dev + host > budget.host_bytes:
+            short["memory"] = dev + host - budget.host_bytes
+    else:
+        if dev > budget.device_bytes:
+            short["device"] = dev - budget.device_bytes
+        if host > budget.host_bytes:
+            short["host"] = host - budget.host_bytes
+    return EngineEstimate(mode, tuple(items), pinned, short, params)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    census: ParamCensus
+    settings: Settings
+    budget: Budget
+    engines: dict[str, EngineEstimate]
+    head: str = "classification"
+
+    def to_json(self) -> dict[str, Any]:
+        c, s, b = self.census, self.settings, self.budget
+        S, K = c.selected(s.topk_ratio)
+        act, formula = activation_bytes(c.arch, s)
+        return {
+            "model": c.model,
+            "source": c.source,
+            "head": self.head,
+            "params": c.params,
+            "zenflow_params": c.zenflow_params,
+            "dense_params": c.dense_params,
+            "zenflow_weights": len(c.zenflow_weights),
+            "selected_elements": S,
+            "selected_columns": K,
+            "bucket_elements": c.bucket_elements,
+            "engines": {m: e.to_json() for m, e in self.engines.items()},
+            "device_mem": b.device_bytes,
+            "host_mem": b.host_bytes,
+            "device_is_host": b.device_is_host,
+            "device_source": b.device_source,
+            "host_source": b.host_source,
+            "dtype": s.dtype,
+            "topk_ratio": s.topk_ratio,
+            "overlap_step": s.overlap_step,
+            "pin_memory": s.pin_memory,
+            "micro_batch": s.micro_batch,
+            "seq_len": s.seq_len,
+            "activations": {"bytes": act, "formula": formula, "is_estimate": True},
+        }
+
+
+def estimate(
+    census: ParamCensus, settings: Settings, budget: Budget, head: str = "classification"
+) -> Estimate:
+    """The layout of every engine mode, checked against ``budget``."""
+    engines = {
+        m: check(layout(census, m, settings), settings, budget, m, census.params)
+        for m in ENGINE_MODES
+    }
+    return Estimate(census, settings, budget, engines, head)
+
+
+# --------------------------------------------------------------------------- preflight
+
+
+def fmt_gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+TOPK_FIXES = (0.05, 0.02, 0.01)  # lower topk_ratio values a refusal may suggest
+
+
+def _fixes(census: ParamCensus, s: Settings, budget: Budget, mode: str) -> list[str]:
+    """Changes (as zfctl finetune flags) that make the run fit, each checked by the layout:
+    single changes first (a lower topk_ratio, bf16, a smaller micro-batch, another engine);
+    when none suffices alone, the first combination of them that does."""
+
+    def fitting(m: str, st: Settings) -> EngineEstimate | None:
+        e = check(layout(census, m, st), st, budget, m, census.params)
+        return e if e.fits else None
+
+    def sizes(e: EngineEstimate) -> str:
+        return f"device {fmt_gib(e.device_bytes)}, host {fmt_gib(e.host_bytes)}"
+
+    # (flag text, engine mode, settings) for each single change, mildest first.
+    changes: list[tuple[str, str, Settings]] = []
+    if mode == "zenflow":
+        lower = [k for k in TOPK_FIXES if k < s.topk_ratio]
+        fit_k = next((k for k in lower if fitting(mode, dataclasses.replace(s, topk_ratio=k))),
+                     lower[-1] if lower else None)  # fmt: skip
+        if fit_k is not None:
+            changes.append((f"--set zero_optimization.zenflow.topk_ratio={fit_k}", mode,
+                            dataclasses.replace(s, topk_ratio=fit_k)))  # fmt: skip
+    if not s.bf16:
+        changes.append(("--set bf16.enabled=true", mode, dataclasses.replace(s, bf16=True)))
+    smaller = [mb for mb in (s.micro_batch // 2**i for i in range(1, 12)) if mb >= 1]
+    if smaller:
+        mb = next((m for m in smaller if fitting(mode, dataclasses.replace(s, micro_batch=m))),
+                  1)  # fmt: skip
+        changes.append((f"--micro-batch {mb}", mode, dataclasses.replace(s, micro_batch=mb)))
+    for other in ("offload", "zenflow") if mode == "device" else ("offload",):
+        if other != mode:
+            changes.append((f"--engine {other}", other, s))
+    singles = [f"{flags} ({sizes(e)})" for flags, m, st in changes if (e := fitting(m, st))]
+    if singles:
+        return singles
+    # None alone: accumulate them (topk, bf16, micro-batch, then the engine) until it fits.
+    flags_all: list[str] = []
+    m, st = mode, s
+    for flags, m_change, st_change in changes:
+        flags_all.append(flags)
+        m = m_change
+        st = dataclasses.replace(
+            st, topk_ratio=min(st.topk_ratio, st_change.topk_ratio), bf16=st.bf16 or st_change.bf16,
+            micro_batch=min(st.micro_batch, st_change.micro_batch),
+        )  # fmt: skip
+        if e := fitting(m, st):
+            return [f"together: {' '.join(flags_all)} ({sizes(e)})"]
+    return []
+
+
+def refusal_message(result: Estimate, mode: str) -> str:
+    """The shortfall of ``mode`` and the fixes that would make it fit."""
+    eng, b, c = result.engines[mode], result.budget, result.census
+    parts = []
+    for side, missing in eng.short.items():
+        if side == "memory":
+            need, have = eng.device_bytes + eng.host_bytes, b.host_bytes
+            where = f"in RAM ({b.device_source}: device and host share it; {b.host_source})"
+        elif side == "device":
+            need, have = eng.device_bytes, b.device_bytes
+            where = f"on the device ({b.device_source})"
+        else:
+            need, have, where = eng.host_bytes, b.host_bytes, f"on the host ({b.host_source})"
+        parts.append(f"needs {fmt_gib(need)} {where} but has {fmt_gib(have)}: short by "
+                     f"{fmt_gib(missing)}")  # fmt: skip
+    side = "host" if set(eng.short) == {"host"} else "device"
+    big = ", ".join(f"{i.what} {fmt_gib(i.bytes)}" for i in eng.largest_items(3, side))
+    fixes = _fixes(c, result.settings, b, mode)
+    fix = ("Fix: " + "; or ".join(fixes) + "." if fixes else
+           "Neither a lower topk_ratio, bf16, a smaller micro-batch nor --engine offload, "
+           "alone or together, makes it fit: use a machine with more memory or a smaller "
+           "model.")  # fmt: skip
+    return (
+        f"{c.model} will not fit with the {mode} engine: it "
+        + "; it ".join(parts)
+        + f". Largest holders: {big}. {fix} `zfctl estimate {c.model}` shows the full layout; "
+        "--force skips this check."
+    )
+
+
+def preflight(
+    model: str,
+    *,
+    mode: str,
+    config=None,
+    micro_batch: int | None = None,
+    seq_len: int | None = None,
+    num_labels: int = 2,
+    device_mem: str | int | None = None,
+    host_mem: str | int | None = None,
+) -> Estimate | None:
+    """Refuse a run that cannot fit (``WillNotFitError``: the shortfall and the fix).
+
+    Reads only MODEL's config (meta device): nothing is allocated. A model whose config cannot
+    be resolved here returns None: the run then reports that problem with its own message.
+    """
+    dev = parse_size(device_mem, "--device-mem") if device_mem is not None else None
+    hst = parse_size(host_mem, "--host-mem") if host_mem is not None else None
+    try:
+        census = resolve_census(model, num_labels=num_labels)
+    except EstimateError:
+        return None
+    s = settings_from_config(config, micro_batch=micro_batch, seq_len=seq_len)
+    result = estimate(census, s, detect_budget(dev, hst))
+    if not result.engines[mode].fits:
+        raise WillNotFitError(refusal_message(result, mode))
+    return result

@@ -1,0 +1,102 @@
+"""`zfctl estimate MODEL`: will it fit? Bytes per engine on the device and the host.
+
+Thin: parse flags, call ``zenflow.hardware.estimate`` (config only, meta device), print its
+plain dict as JSON or render it with ``zfctl.estimate_render``. Torch and zenflow are
+imported inside the command so ``zfctl --help`` stays light.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from zfctl.errors import user_error
+
+
+def estimate(
+    model: Annotated[
+        str,
+        typer.Argument(
+            help="Hub id (from the cache), local model directory, or an architecture name: "
+            "gpt2, gpt2-medium, gpt2-large, gpt2-xl, distilgpt2, llama-7b, llama-13b. Only "
+            "the config is read."
+        ),
+    ],
+    device_mem: Annotated[
+        str | None,
+        typer.Option(
+            help="Device memory, e.g. 24GiB, 80GB, 512MiB or bytes (a separate device of that "
+            "size). Default: CUDA device 0's memory; without CUDA the device is the CPU."
+        ),
+    ] = None,
+    host_mem: Annotated[
+        str | None,
+        typer.Option(help="Host memory, like --device-mem. Default: MemAvailable."),
+    ] = None,
+    topk_ratio: Annotated[
+        float | None,
+        typer.Option(help="ZenFlow topk_ratio (0 < x <= 1). Default: the config's, else 0.1."),
+    ] = None,
+    bf16: Annotated[
+        bool | None,
+        typer.Option(
+            "--bf16/--no-bf16", help="bf16 weights and grads. Default: the config's, else bf16."
+        ),
+    ] = None,
+    overlap_step: Annotated[
+        bool | None,
+        typer.Option(
+            "--overlap-step/--no-overlap-step",
+            help="A second host accumulator slot (overlap). Default: the config's, else off.",
+        ),
+    ] = None,
+    micro_batch: Annotated[
+        int | None,
+        typer.Option(min=1, help="Micro-batch for the activations. Default: the config's, else 8."),
+    ] = None,
+    seq_len: Annotated[int, typer.Option(min=1, help="Tokens per example.")] = 128,
+    head: Annotated[
+        str, typer.Option(help="classification (what zfctl finetune trains) or causal-lm.")
+    ] = "classification",
+    num_labels: Annotated[int, typer.Option(min=1, help="Labels of the classifier.")] = 2,
+    config: Annotated[
+        Path | None,
+        typer.Option(help="DeepSpeed JSON config: topk_ratio, bf16, overlap_step, pin_memory."),
+    ] = None,
+    summary: Annotated[
+        bool, typer.Option("--summary", help="Only the summary table, not the itemised ones.")
+    ] = False,
+    json_output: Annotated[
+        bool, typer.Option("--json", help="Print the estimate as one JSON object.")
+    ] = False,
+) -> None:
+    """Estimate device and host memory of each engine for MODEL, before anything is allocated."""
+    from zenflow.hardware import estimate as est
+
+    cfg = None
+    if config is not None:
+        if not config.is_file():
+            raise user_error(
+                f"--config {config}: no such file; write one with `zfctl init --output {config}`."
+            )
+        from zenflow.config import load_config
+
+        cfg = load_config(config)
+    dev = est.parse_size(device_mem, "--device-mem") if device_mem is not None else None
+    hst = est.parse_size(host_mem, "--host-mem") if host_mem is not None else None
+    settings = est.settings_from_config(
+        cfg, topk_ratio=topk_ratio, bf16=bf16, overlap_step=overlap_step,
+        micro_batch=micro_batch, seq_len=seq_len,
+    )  # fmt: skip
+    census = est.resolve_census(model, head=head, num_labels=num_labels)
+    data = est.estimate(census, settings, est.detect_budget(dev, hst), head=head).to_json()
+    if json_output:
+        typer.echo(json.dumps(data, indent=2))
+        return
+    from zfctl.estimate_render import render
+
+    render(Console(highlight=False), data, items=not summary)

@@ -1,0 +1,153 @@
+"""Rendering of `zfctl estimate`: Rich tables from the plain dict
+``zenflow.hardware.estimate.Estimate.to_json`` builds (pure functions: data in, tables out)."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+
+def fmt_bytes(n: int | float | None) -> str:
+    """Binary units, 3 significant figures: "12.3 GiB", "512 MiB", "0 B"."""
+    if n is None:
+        return "-"
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            v = n / size
+            return f"{v:.3g} {unit}" if v < 100 else f"{v:.0f} {unit}"
+    return f"{int(n)} B"
+
+
+def fmt_params(n: int) -> str:
+    for unit, size in (("B", 10**9), ("M", 10**6), ("k", 10**3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return str(n)
+
+
+def header_lines(data: dict) -> list[str]:
+    """Model, classification, settings and the budget, as plain sentences."""
+    lines = [
+        f"{data['model']}: {data['params']:,} trainable params ({fmt_params(data['params'])}), "
+        f"{data['head']} head; config from {data['source']}, built on the meta device.",
+        f"ZenFlow weights: {data['zenflow_weights']} matrices, "
+        f"{fmt_params(data['zenflow_params'])} params; dense: {fmt_params(data['dense_params'])}"
+        f"; topk_ratio {data['topk_ratio']:g} selects {fmt_params(data['selected_elements'])} "
+        f"elements in {data['selected_columns']:,} columns.",
+        f"{data['dtype']} weights and grads; overlap_step "
+        f"{'on' if data['overlap_step'] else 'off'}; pin_memory "
+        f"{'on' if data['pin_memory'] else 'off'}; activations for micro-batch "
+        f"{data['micro_batch']}, sequence {data['seq_len']}.",
+    ]
+    if data["device_is_host"]:
+        lines.append(
+            f"Memory: {fmt_bytes(data['host_mem'])} ({data['host_source']}); "
+            f"{data['device_source']}: device and host share this RAM, so device + host must "
+            "fit it together, and nothing is pinned."
+        )
+    else:
+        lines.append(
+            f"Device: {fmt_bytes(data['device_mem'])} ({data['device_source']}); host: "
+            f"{fmt_bytes(data['host_mem'])} ({data['host_source']})."
+        )
+    return lines
+
+
+def verdict(data: dict, eng: dict) -> str:
+    """What must fit where, and whether it does."""
+    if data["device_is_host"]:
+        need = (
+            f"device + host {fmt_bytes(eng['device_bytes'] + eng['host_bytes'])} of "
+            f"{fmt_bytes(data['host_mem'])} RAM"
+        )
+    else:
+        need = (
+            f"device {fmt_bytes(eng['device_bytes'])} of {fmt_bytes(data['device_mem'])}, "
+            f"host {fmt_bytes(eng['host_bytes'])} of {fmt_bytes(data['host_mem'])}"
+        )
+    if eng["fits"]:
+        return f"{need}: [green]fits[/green]"
+    where = {"device": "device", "host": "host", "memory": "RAM"}
+    short = ", ".join(f"{where[k]} short by {fmt_bytes(v)}" for k, v in eng["short_bytes"].items())
+    return f"{need}: [bold red]does NOT fit[/bold red] ({short})"
+
+
+def engine_table(data: dict, mode: str) -> Table:
+    """One engine: each buffer with its bytes, bytes per param and formula, the totals and
+    the verdict."""
+    eng = data["engines"][mode]
+    params = data["params"] or 1
+    table = Table(title=escape(f"{mode}: {eng['title']}"), title_justify="left")
+    table.add_column("side", no_wrap=True)
+    table.add_column("holds")
+    table.add_column("bytes", justify="right", no_wrap=True)
+    table.add_column("B/param", justify="right", no_wrap=True)
+    table.add_column("formula", no_wrap=True, style="dim")
+    for side in ("device", "host"):
+        items = [i for i in eng["items"] if i["side"] == side]
+        for n, item in enumerate(items):
+            formula = "see below" if item["category"] == "activations" else item["formula"]
+            table.add_row(
+                side if n == 0 else "", escape(item["what"]), fmt_bytes(item["bytes"]),
+                f"{item['bytes'] / params:.2f}", escape(formula),
+            )  # fmt: skip
+        if side == "device":
+            total, per_param = eng["device_bytes"], f"{eng['bytes_per_param']:.2f}"
+            note = f"total; state {fmt_bytes(eng['device_state_bytes'])} (B/param: state)"
+        else:
+            total, per_param = eng["host_bytes"], f"{eng['host_bytes'] / params:.2f}"
+            note = f"total; pinned {fmt_bytes(eng['pinned_bytes'])}"
+        table.add_row(
+            "" if items else side, f"[bold]{note}[/bold]", f"[bold]{fmt_bytes(total)}[/bold]",
+            f"[bold]{per_param}[/bold]", "",
+        )  # fmt: skip
+        table.add_section()
+    table.caption = f"{verdict(data, eng)}."
+    table.caption_justify = "left"
+    return table
+
+
+def summary_table(data: dict) -> Table:
+    """One row per engine: device, host, pinned, B/param, fits, the three largest holders."""
+    table = Table(title="Will it fit?", title_justify="left")
+    table.add_column("engine", no_wrap=True)
+    table.add_column("device", justify="right", no_wrap=True)
+    table.add_column("host", justify="right", no_wrap=True)
+    table.add_column("pinned", justify="right", no_wrap=True)
+    table.add_column("B/param", justify="right", no_wrap=True)
+    table.add_column("fits", no_wrap=True)
+    table.add_column("largest holders")
+    for mode, eng in data["engines"].items():
+        fits = "[green]yes[/green]" if eng["fits"] else "[bold red]NO[/bold red]"
+        table.add_row(
+            mode, fmt_bytes(eng["device_bytes"]), fmt_bytes(eng["host_bytes"]),
+            fmt_bytes(eng["pinned_bytes"]), f"{eng['bytes_per_param']:.2f}", fits,
+            escape(", ".join(f"{h['side']} {h['category']} {fmt_bytes(h['bytes'])}"
+                             for h in eng["largest_holders"])),
+        )  # fmt: skip
+    return table
+
+
+def activation_note(data: dict) -> str:
+    act = data["activations"]
+    if act["bytes"] is None:
+        return f"Activations: {act['formula']}; not included."
+    return (
+        f"Activations ({fmt_bytes(act['bytes'])} on the device, every engine alike) are an "
+        f"estimate: {act['formula']} (Korthikanti et al. 2022, no recomputation). B/param is "
+        "the device state (weights, grads, optimizer, staging) per trainable param. Not "
+        "counted: the framework's own overhead (CUDA context, allocator fragmentation)."
+    )
+
+
+def render(console: Console, data: dict, *, items: bool = True) -> None:
+    """The header, one itemised table per engine (with ``items``), the summary table, and the
+    activation note."""
+    for line in header_lines(data):
+        console.print(escape(line))
+    if items:
+        for mode in data["engines"]:
+            console.print(engine_table(data, mode))
+    console.print(summary_table(data))
+    console.print(escape(activation_note(data)))
