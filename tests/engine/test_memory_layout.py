@@ -124,3 +124,35 @@ def test_counts_cross_the_hand_over_with_the_moments(accelerator):
         torch.testing.assert_close(w.host.master[:, 0].double(), expected0, rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(model.w.detach()[:, 0].double(), expected0, rtol=1e-6,
                                    atol=1e-7)  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["zenflow", "offload", "device"])
+@pytest.mark.parametrize("bf16", [True, False])
+def test_estimate_agrees_with_the_engine_on_sim(mode, bf16):
+    """``zfctl estimate``'s numbers for weights, grads and optimizer state are within 10% of
+    what the engine actually holds on the simulated device (its memory accounting)."""
+    from zenflow.hardware.census import census_of
+    from zenflow.hardware.estimate import layout, settings_from_config
+
+    zf = {"topk_ratio": 0.1, "update_interval": 4} if mode == "zenflow" else None
+    cfg = make_config(zf, bf16={"enabled": bf16})
+    census = census_of(gpt2_small_shape(), name="gpt2-2x256", source="test")
+    items = layout(census, mode, settings_from_config(cfg))
+    estimated: dict[str, int] = {}
+    for it in items:
+        if it.side == "device" and it.category != "activations":
+            estimated[it.category] = estimated.get(it.category, 0) + it.bytes
+    model = gpt2_small_shape()
+    with ZenFlowEngine(model, cfg, mode=mode, accelerator="sim") as e:
+        ids = torch.randint(0, 4096, (2, 16), generator=torch.Generator().manual_seed(1))
+        with e.autocast():
+            loss = model(input_ids=ids, labels=ids).loss
+        e.backward(loss)
+        e.step(loss)
+        held = e.accel.held()
+    held["optimizer"] = held.get("optimizer", 0) + held.pop("optimizer_state", 0)
+    for cat in ("weights", "grads", "optimizer"):
+        if estimated.get(cat, 0) == 0 and held.get(cat, 0) == 0:
+            continue
+        assert held[cat] == pytest.approx(estimated[cat], rel=0.10), (cat, held, estimated)
+    assert sum(held.values()) == pytest.approx(sum(estimated.values()), rel=0.10)

@@ -28,8 +28,9 @@ GIB = 2**30
 # P = 8192 + 128 + 4096 + 32 = 12448; Pz = 12288; Pd = 160.
 # topk 0.1: k1 = ceil(6.4) = 7, k2 = ceil(12.8) = 13, sum k = 20;
 #   S = 128*7 + 32*13 = 896 + 416 = 1312; N = 12288 - 1312 = 10976.
-# B = min(largest ZenFlow weight, 2**22) = 8192.
-P, PZ, PD, S, K, N, B = 12448, 12288, 160, 1312, 20, 10976, 8192
+# B = the engine's bucket rule (zenflow.engine.copies.bucket_elems_for): min(4Mi, Pz/64,
+# largest) = 192, at least the tallest weight's rows (128): 192.
+P, PZ, PD, S, K, N, B = 12448, 12288, 160, 1312, 20, 10976, 192
 
 
 def mlp_census():
@@ -76,8 +77,9 @@ def test_census_uses_the_conv1d_column_axis():
             {
                 # 2P weights + 2P grads + 8P moments + 4P fp32 master = 16P
                 "device": (P * 16, 0),
-                # device: 2P + 2P + 2 buckets*B*2; host: 12P + 2P landing + 2P bf16 image
-                "offload": (P * 4 + 2 * B * 2, P * 16),
+                # device: 2P + 2P (copies go straight from/to the model's own buffers);
+                # host: 12P + 2P landing + 2P bf16 image
+                "offload": (P * 4, P * 16),
                 # device: 4P + S*12 + Pd*12 + 8*sum k + 2*B*2
                 # host: Pz*12 + Pz*4*2 slots + N*2 + 4*B*2
                 "zenflow": (
@@ -90,7 +92,7 @@ def test_census_uses_the_conv1d_column_axis():
             Settings(bf16=False, overlap_step=False),
             {
                 "device": (P * 16, 0),  # 4P + 4P + 8P, no separate master
-                "offload": (P * 8 + 2 * B * 4, P * 12 + P * 4),  # no image: master copied
+                "offload": (P * 8, P * 12 + P * 4),  # no image: the master is copied
                 "zenflow": (
                     P * 8 + S * 8 + PD * 8 + 8 * K + 2 * B * 4,
                     PZ * 12 + PZ * 4 + N * 4 + 4 * B * 4,
@@ -105,8 +107,8 @@ def test_layout_matches_the_hand_computation(settings, expected):
         assert sides(c, mode, settings) == (dev, host), mode
     # the numbers themselves, once, for the bf16 + overlap case
     if settings.bf16:
-        assert sides(c, "zenflow", settings) == (100384, 333248)
-        assert sides(c, "offload", settings) == (82560, 199168)
+        assert sides(c, "zenflow", settings) == (68384, 269248)
+        assert sides(c, "offload", settings) == (49792, 199168)
 
 
 def test_holders_group_items_by_engine_category():
@@ -163,7 +165,7 @@ def test_seven_billion_on_the_meta_device():
                      "d", "h"))  # fmt: skip
     per_param = {m: e.bytes_per_param for m, e in r.engines.items()}
     assert 5.2 <= per_param["zenflow"] <= 5.5  # ZENFLOW.md 2b: about 5.2 at k = 0.1
-    assert 4.0 <= per_param["offload"] < 4.01  # 2 + 2 and the staging buckets
+    assert per_param["offload"] == 4.0  # bf16 weights + bf16 gradients
     assert per_param["device"] == 16.0
     assert resolve_census("llama-13b").params == 12_852_034_560
 
@@ -232,7 +234,7 @@ def test_settings_from_the_config():
 def test_fits_on_a_separate_device_and_pins_the_host_side():
     c = mlp_census()
     s = Settings(bf16=True, overlap_step=True)
-    dev, host = 100384, 333248  # zenflow, from the hand computation
+    dev, host = 68384, 269248  # zenflow, from the hand computation
     exact = est.estimate(c, s, Budget(dev, host, False, "d", "h")).engines["zenflow"]
     assert exact.fits and exact.pinned_bytes == host
     short = est.estimate(c, s, Budget(dev - 1, host - 5, False, "d", "h")).engines["zenflow"]
@@ -244,7 +246,7 @@ def test_fits_on_a_separate_device_and_pins_the_host_side():
 def test_when_the_device_is_the_cpu_both_sides_share_the_ram():
     c = mlp_census()
     s = Settings(bf16=True, overlap_step=True)
-    total = 100384 + 333248
+    total = 68384 + 269248
     fits = est.estimate(c, s, Budget(total, total, True, "cpu", "h")).engines["zenflow"]
     assert fits.fits and fits.pinned_bytes == 0  # nothing to pin for without a device
     short = est.estimate(c, s, Budget(total - 7, total - 7, True, "cpu", "h")).engines["zenflow"]
@@ -336,12 +338,12 @@ def test_preflight_refuses_names_the_shortfall_and_a_fix(tiny_gpt2_dir):
 
 
 def test_refusal_suggests_the_changes_that_fit():
-    """MLP, bf16, zenflow: 100384 device bytes at topk 0.1; at 0.05 (k = 4 and 7, S = 736,
-    sum k = 11) 4P + 736*12 + Pd*12 + 88 + 2*B*2 = 93400; offload needs 82560."""
+    """MLP, bf16, zenflow: 68384 device bytes at topk 0.1; at 0.05 (k = 4 and 7, S = 736,
+    sum k = 11) 4P + 736*12 + Pd*12 + 88 + 2*B*2 = 61400; offload needs 49792."""
     c = mlp_census()
     s = Settings(bf16=True, overlap_step=True)
-    r = est.estimate(c, s, Budget(95000, GIB, False, "d", "h"))
-    assert r.engines["zenflow"].short == {"device": 100384 - 95000}
+    r = est.estimate(c, s, Budget(65000, GIB, False, "d", "h"))
+    assert r.engines["zenflow"].short == {"device": 68384 - 65000}
     msg = est.refusal_message(r, "zenflow")
     assert "--set zero_optimization.zenflow.topk_ratio=0.05" in msg
     assert "--engine offload" in msg

@@ -12,13 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from zenflow.engine.copies import bucket_elems_for
 from zenflow.engine.selection import DEFAULT_MIN_NUMEL, classify_params, num_selected
 from zenflow.errors import UserInputError
 
 HEADS = ("classification", "causal-lm")
-# One staging bucket holds the largest ZenFlow weight, capped at 4 Mi elements (8 MiB in
-# bf16): big enough to keep a copy engine busy, small enough to stay negligible.
-BUCKET_MAX_ELEMENTS = 2**22
 
 
 class EstimateError(UserInputError):
@@ -90,9 +88,12 @@ class ParamCensus:
         return self.params - self.dense_params
 
     @property
-    def bucket_elements(self) -> int:  # B
-        largest_zf = max((r * c for r, c in self.zenflow_weights), default=self.largest_numel)
-        return min(largest_zf, BUCKET_MAX_ELEMENTS)
+    def bucket_elements(self) -> int:  # B: the engine's own rule (zenflow.engine.copies)
+        return bucket_elems_for(
+            [r * c for r, c in self.zenflow_weights] or [self.largest_numel],
+            [r for r, _ in self.zenflow_weights],
+            None,
+        )
 
     def selected(self, topk_ratio: float) -> tuple[int, int]:
         """(S, sum of k): selected elements and selected columns over all ZenFlow weights."""

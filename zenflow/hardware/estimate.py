@@ -188,8 +188,8 @@ def layout(census: ParamCensus, mode: str, s: Settings) -> list[Item]:
         if s.bf16:
             dev("optimizer", "master weights (fp32)", P * 4, "P*4")
     elif mode == "offload":  # ZeRO-Offload: the whole optimizer on the host
-        dev("staging", f"copy buckets ({DEVICE_BUCKETS}, {dn})", DEVICE_BUCKETS * B * dt,
-            f"{DEVICE_BUCKETS}*B*{dt}")  # fmt: skip
+        # gradients are copied straight from autograd's buffers and weights straight back
+        # into the model's: no device buckets
         host("master_moments", "master + exp_avg + exp_avg_sq (fp32)", P * 12, "P*12")
         # every step's gradient lands here (device->host copy) before the CPU Adam reads it
         host("accumulators", f"gradient landing buffer ({dn})", P * dt, f"P*{dt}")
