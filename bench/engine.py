@@ -1,12 +1,19 @@
-"""Side-by-side engine benchmark: device AdamW, ZeRO-Offload, ZenFlow (overlap on / off).
+"""Side-by-side engine benchmark: floor (forward+backward only), device AdamW, ZeRO-Offload,
+ZenFlow (overlap on / off), on the cpu, sim or cuda accelerator.
 
 All modes run in ONE process on identical GPT-2-shaped models (random init), alternating
-rounds so that machine noise hits every mode alike. Per mode it reports medians of the
+rounds so that machine noise hits every mode alike; each round is a whole number of
+ZenFlow windows, so window-end steps are counted. Per mode it reports medians of the
 iteration (forward+backward+step), forward+backward, engine step, device optimizer and
-stall times, the mean iteration time (window-end spikes included), and counted traffic per
-step, absolute and as a multiple of the trainable model bytes.
+stall times, the mean iteration time (window-end spikes included), counted traffic per
+step (absolute and as a multiple of the model's training-dtype bytes) and the device bytes
+per parameter (weights, gradients and engine state, activations excluded).
+
+On ``--device sim`` every mode's device compute runs on the simulated device's reserved
+cores (the floor too), and copies cross a modelled PCIe link (``--bandwidth``).
 
     .venv/bin/python bench/engine.py                      # 4 layers, width 512 (~38M)
+    .venv/bin/python bench/engine.py --device sim --bf16 --batch 1 --seq 16
     .venv/bin/python bench/engine.py --layers 12 --width 768 --json
 """
 
@@ -29,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from zenflow import ZenFlowEngine, load_config  # noqa: E402
 
-MODES = ("device", "offload", "zenflow-overlap", "zenflow-sync")
+MODES = ("floor", "device", "offload", "zenflow-overlap", "zenflow-sync")
 
 
 def build_model(layers: int, width: int, vocab: int, seed: int = 0):
@@ -45,6 +52,7 @@ def build_model(layers: int, width: int, vocab: int, seed: int = 0):
 
 def make_config(args, overlap: bool | None):
     raw = {
+        "bf16": {"enabled": args.bf16},
         "train_micro_batch_size_per_gpu": args.batch,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
         "gradient_clipping": 1.0,
@@ -70,16 +78,20 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8, help="measured steps per mode per round")
-    ap.add_argument("--warmup", type=int, default=4, help="unmeasured steps per mode")
+    ap.add_argument("--warmup", type=int, default=8, help="unmeasured steps per mode")
     ap.add_argument("--topk", type=float, default=0.1)
     ap.add_argument("--update-interval", type=int, default=4)
     ap.add_argument("--select-interval", type=int, default=1000)
-    ap.add_argument("--grad-accum", default="auto", choices=["auto", "host", "device"])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "sim", "cuda"])
+    ap.add_argument("--bf16", action="store_true", help="bf16 weights and gradients")
+    ap.add_argument("--bandwidth", type=float, default=25e9, help="sim: bytes/s per direction")
     ap.add_argument("--host-kernel", default="native", choices=["native", "reference"])
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
     modes = args.modes.split(",")
+    if args.steps % args.update_interval or args.warmup % args.update_interval:
+        ap.error("--steps and --warmup must be multiples of --update-interval (whole windows)")
 
     base_threads = torch.get_num_threads()
     base = build_model(args.layers, args.width, args.vocab)
@@ -87,22 +99,36 @@ def main(argv=None) -> int:
     batches = [
         torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen) for _ in range(8)
     ]
+    from zenflow.engine.accelerator import make_accelerator
+
+    def accel():
+        return make_accelerator(args.device, bandwidth=args.bandwidth)
+
     runs = {}
     for m in modes:
         model = copy.deepcopy(base)
-        if m == "device":
-            eng = ZenFlowEngine(model, make_config(args, None), mode="device")
-        elif m == "offload":
+        if args.device == "cuda":
+            model = model.cuda()
+        if m == "floor":  # forward+backward only, on the device's compute threads
+            a = accel()
+            threads = a.compute_threads(0.5, False)[0] if args.device == "sim" else base_threads
+            a.close()
+            if args.bf16:
+                model = model.bfloat16()
+            runs[m] = {"model": model, "engine": None, "threads": threads, "rows": [], "i": 0}
+            continue
+        if m in ("device", "offload"):
             eng = ZenFlowEngine(
-                model, make_config(args, None), mode="offload", host_kernel=args.host_kernel
-            )
+                model, make_config(args, None), mode=m, host_kernel=args.host_kernel,
+                accelerator=accel(),
+            )  # fmt: skip
         else:
             eng = ZenFlowEngine(
                 model, make_config(args, m == "zenflow-overlap"), mode="zenflow",
-                host_kernel=args.host_kernel, grad_accum=args.grad_accum,
+                host_kernel=args.host_kernel, accelerator=accel(),
             )  # fmt: skip
         threads = eng.resolved.get("training_threads", base_threads)
-        torch.set_num_threads(base_threads)  # the overlap engine set its own split
+        torch.set_num_threads(base_threads)  # the engine set its own split
         runs[m] = {"model": model, "engine": eng, "threads": threads, "rows": [], "i": 0}
 
     def run_steps(m, n, record):
@@ -113,13 +139,20 @@ def main(argv=None) -> int:
             b = batches[r["i"] % len(batches)]
             r["i"] += 1
             t0 = time.perf_counter()
-            with eng.autocast():
+            if eng is None:  # floor
                 loss = model(input_ids=b, labels=b).loss
-            loss.backward()
-            t1 = time.perf_counter()
-            st = eng.step(loss)
-            eng.zero_grad()
-            t2 = time.perf_counter()
+                loss.backward()
+                t1 = t2 = time.perf_counter()
+                model.zero_grad(set_to_none=True)
+                st = None
+            else:
+                with eng.autocast():
+                    loss = model(input_ids=b, labels=b).loss
+                eng.backward(loss)
+                t1 = time.perf_counter()
+                st = eng.step(loss)
+                eng.zero_grad()
+                t2 = time.perf_counter()
             if record:
                 r["rows"].append((t2 - t0, t1 - t0, st))
         torch.set_num_threads(base_threads)
@@ -131,43 +164,57 @@ def main(argv=None) -> int:
             run_steps(m, args.steps, True)
 
     results = {}
+    params = sum(p.numel() for p in base.parameters())
     for m in modes:
         r = runs[m]
         eng = r["engine"]
         rows = r["rows"]
-        mb = eng.model_bytes
-        traffic = [st.d2h_bytes + st.h2d_bytes for _, _, st in rows]
+        stats = [st for *_, st in rows if st is not None]
+        mb = params * (2 if args.bf16 else 4) if eng is None else eng.model_bytes
+        traffic = [st.d2h_bytes + st.h2d_bytes for st in stats] or [0]
+
+        def med(f, stats=stats):
+            return statistics.median(map(f, stats)) if stats else 0.0
+
         results[m] = {
             "iter_ms_median": statistics.median(x[0] for x in rows) * 1e3,
             "iter_ms_mean": statistics.mean(x[0] for x in rows) * 1e3,
             "fwd_bwd_ms_median": statistics.median(x[1] for x in rows) * 1e3,
-            "step_ms_median": statistics.median(st.step_ms for *_, st in rows),
-            "step_ms_mean": statistics.mean(st.step_ms for *_, st in rows),
-            "device_opt_ms_median": statistics.median(st.device_opt_ms for *_, st in rows),
-            "stall_ms_mean": statistics.mean(st.stall_ms for *_, st in rows),
+            "step_ms_median": med(lambda st: st.step_ms),
+            "step_ms_mean": statistics.mean(st.step_ms for st in stats) if stats else 0.0,
+            "device_opt_ms_median": med(lambda st: st.device_opt_ms),
+            "stall_ms_mean": statistics.mean(st.stall_ms for st in stats) if stats else 0.0,
             "bytes_per_step": statistics.mean(traffic),
             "x_model_bytes": statistics.mean(traffic) / mb,
+            "device_bytes_per_param": (
+                max(st.device_bytes for st in stats) / params if stats else None
+            ),
             "training_threads": r["threads"],
-            "resolved": {k: v for k, v in eng.resolved.items() if k != "grad_accum_note"},
+            "resolved": {} if eng is None else dict(eng.resolved),
         }
-        eng.close()
+        if eng is not None:
+            eng.close()
     meta = {
-        "layers": args.layers, "width": args.width, "vocab": args.vocab,
-        "params": sum(p.numel() for p in base.parameters()), "batch": args.batch,
-        "seq": args.seq, "rounds": args.rounds, "steps": args.steps, "cores": os.cpu_count(),
-        "torch": torch.__version__,
+        "layers": args.layers, "width": args.width, "vocab": args.vocab, "params": params,
+        "batch": args.batch, "seq": args.seq, "rounds": args.rounds, "steps": args.steps,
+        "cores": os.cpu_count(), "torch": torch.__version__, "device": args.device,
+        "bf16": args.bf16, "sim_bandwidth": args.bandwidth if args.device == "sim" else None,
+        "update_interval": args.update_interval, "topk": args.topk,
     }  # fmt: skip
     if args.json:
         print(json.dumps({"meta": meta, "results": results}, indent=2, default=str))
         return 0
     print(
         f"GPT-2 shape: {args.layers} layers, width {args.width}, {meta['params'] / 1e6:.1f}M "
-        f"params, micro-batch {args.batch}, seq {args.seq}; {args.rounds} rounds x "
-        f"{args.steps} steps per mode"
+        f"params, micro-batch {args.batch}, seq {args.seq}, {'bf16' if args.bf16 else 'fp32'}, "
+        f"device {args.device}"
+        + (f" ({args.bandwidth / 1e9:g} GB/s modelled)" if args.device == "sim" else "")
+        + f"; {args.rounds} rounds x {args.steps} steps per mode"
     )
     hdr = (
         f"{'mode':<17}{'iter med':>9}{'iter mean':>10}{'fwd+bwd':>9}{'step med':>9}"
         f"{'step mean':>10}{'dev opt':>8}{'stall':>8}{'MB/step':>9}{'x model':>8}"
+        f"{'dev B/p':>8}{'x floor':>8}"
     )
     print(hdr)
     for m, x in results.items():
@@ -176,6 +223,16 @@ def main(argv=None) -> int:
             f"{x['fwd_bwd_ms_median']:9.1f}{x['step_ms_median']:9.1f}{x['step_ms_mean']:10.1f}"
             f"{x['device_opt_ms_median']:8.1f}{x['stall_ms_mean']:8.1f}"
             f"{x['bytes_per_step'] / 1e6:9.1f}{x['x_model_bytes']:8.2f}"
+            + (
+                f"{x['device_bytes_per_param']:8.2f}"
+                if x["device_bytes_per_param"]
+                else f"{'-':>8}"
+            )
+            + (
+                f"{x['iter_ms_mean'] / results['floor']['iter_ms_mean']:8.2f}"
+                if "floor" in results
+                else ""
+            )
         )
     print("times in ms (stall: mean per step); traffic counted by the engine at each copy")
     return 0

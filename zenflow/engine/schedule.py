@@ -174,12 +174,11 @@ class ZenFlowEngine:
             self.zf = config.zenflow if config.zenflow is not None else ZenFlowConfig()
             overlap = bool(self.zf.overlap_step)
             self.select_every = self._resolve_select_interval(self.zf, steps_per_epoch)
+        # The core split: the device's compute (a separate device: its reserved share of the
+        # cores, whatever the mode) and the host's work.
         reserved = float(self.zf.pt_reserved_cores_perc) if self.zf else 0.5
-        if mode == "device":
-            self.training_threads, self.host_threads = torch.get_num_threads(), 0
-        else:
-            self.training_threads, self.host_threads = self.accel.compute_threads(reserved, overlap)
-            torch.set_num_threads(self.training_threads)
+        self.training_threads, self.host_threads = self.accel.compute_threads(reserved, overlap)
+        torch.set_num_threads(self.training_threads)
         if mode == "device":
             self.impl = DeviceMode(self, masters)
         elif mode == "offload":
