@@ -101,6 +101,29 @@ def init(
         int | None,
         typer.Option(help="Scheduler total_num_steps (WarmupDecayLR, WarmupCosineLR)."),
     ] = None,
+    tensorboard: Annotated[
+        str | None,
+        typer.Option(
+            metavar="DIR",
+            help="Log every step and eval to TensorBoard under DIR/<job name> (DeepSpeed's "
+            'tensorboard block; "" = inside the run directory).',
+        ),
+    ] = None,
+    csv_monitor: Annotated[
+        str | None,
+        typer.Option(
+            metavar="DIR",
+            help="Log every step and eval to CSV files under DIR/<job name> (DeepSpeed's "
+            'csv_monitor block; "" = inside the run directory).',
+        ),
+    ] = None,
+    job_name: Annotated[
+        str | None,
+        typer.Option(
+            help="job_name of the tensorboard/csv_monitor blocks (default: each run's "
+            "directory name, so runs do not share files)."
+        ),
+    ] = None,
     set_: Annotated[
         list[str] | None,
         typer.Option("--set", help="Override any key: --set dotted.json.path=value (repeatable)."),
@@ -149,6 +172,14 @@ def init(
             overrides = {k: v for k, v in overrides.items() if not k.startswith(sched)}
         else:
             overrides["scheduler.type"] = scheduler
+    if job_name is not None and tensorboard is None and csv_monitor is None:
+        raise user_error("--job-name names the logs of --tensorboard or --csv-monitor; pass one.")
+    for block, folder in (("tensorboard", tensorboard), ("csv_monitor", csv_monitor)):
+        if folder is not None:
+            overrides[f"{block}.enabled"] = True
+            overrides[f"{block}.output_path"] = folder
+            if job_name is not None:
+                overrides[f"{block}.job_name"] = job_name
     overrides.update(parse_set_args(set_ or []))
     # Validate exactly what will be written; raises ConfigError listing every problem.
     try:
@@ -181,6 +212,11 @@ def init(
         f"micro-batch={config.train_micro_batch_size_per_gpu} "
         f"grad-accum={config.gradient_accumulation_steps} bf16={config.bf16}"
     )
+    for name in ("tensorboard", "csv_monitor"):
+        block = getattr(config.monitor, name)
+        if block.enabled:
+            where = block.output_path or f"<run dir>/{name}"
+            console.print(f"  {name}: {escape(where)}/{escape(block.job_name or '<run name>')}")
     if config.ignored:
         console.print(
             "[yellow]note:[/] not used by the zenflow engine (kept for DeepSpeed): "

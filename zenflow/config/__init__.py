@@ -11,8 +11,11 @@ from zenflow.config.schema import (
     Config,
     ConfigError,
     ConfigProblem,
+    LogDirConfig,
+    MonitorConfig,
     OptimizerConfig,
     SchedulerConfig,
+    WandbConfig,
     ZenFlowConfig,
 )
 
@@ -21,8 +24,11 @@ __all__ = [
     "Config",
     "ConfigError",
     "ConfigProblem",
+    "LogDirConfig",
+    "MonitorConfig",
     "OptimizerConfig",
     "SchedulerConfig",
+    "WandbConfig",
     "ZenFlowConfig",
     "apply_overrides",
     "load_config",

@@ -23,8 +23,11 @@ from zenflow.config.schema import (
     Config,
     ConfigError,
     ConfigProblem,
+    LogDirConfig,
+    MonitorConfig,
     OptimizerConfig,
     SchedulerConfig,
+    WandbConfig,
     ZenFlowConfig,
 )
 
@@ -265,6 +268,9 @@ _TOP_LEVEL_HONOURED = (
     "steps_per_print",
     "wall_clock_breakdown",
     "zero_optimization",
+    "tensorboard",
+    "csv_monitor",
+    "wandb",
 )
 
 _SCHEDULER_PARAMS: dict[str, tuple[str, ...]] = {
@@ -417,6 +423,54 @@ def _parse_scheduler(r: _Reader, raw: Mapping, optimizer_lr: float) -> Scheduler
                 value = _SCHEDULER_DEFAULTS[key]
             out[key] = value
     return SchedulerConfig(type=name, params=types.MappingProxyType(out))
+
+
+def _string(r: _Reader, parent: Mapping, key: str, path: str, default: Any, *, empty: bool):
+    """A JSON string (``empty``: "" allowed); null or absent gives ``default``."""
+    value = parent.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, str) or (not empty and not value):
+        what = "a string" if empty else "a non-empty string"
+        r.problem(path, value, f"must be {what}", f'write {key} as "..." or remove it')
+        return default
+    return value
+
+
+def _parse_log_dir(r: _Reader, raw: Mapping, key: str) -> LogDirConfig:
+    d = LogDirConfig()
+    block = r.obj(raw, key, key)
+    if block is None:
+        return d
+    r.ignore_unknown(block, ("enabled", "output_path", "job_name"), key)
+    return LogDirConfig(
+        enabled=r.boolean(block, "enabled", f"{key}.enabled", d.enabled),
+        output_path=_string(
+            r, block, "output_path", f"{key}.output_path", d.output_path, empty=True
+        ),
+        job_name=_string(r, block, "job_name", f"{key}.job_name", d.job_name, empty=False),
+    )
+
+
+def _parse_monitor(r: _Reader, raw: Mapping) -> MonitorConfig:
+    """DeepSpeed's monitor blocks (deepspeed/monitor/config.py of 0.19.6 for the keys)."""
+    d = WandbConfig()
+    wandb = r.obj(raw, "wandb", "wandb")
+    if wandb is None:
+        wandb_cfg = d
+    else:
+        r.ignore_unknown(wandb, ("enabled", "group", "team", "project"), "wandb")
+        wandb_cfg = WandbConfig(
+            enabled=r.boolean(wandb, "enabled", "wandb.enabled", d.enabled),
+            group=_string(r, wandb, "group", "wandb.group", d.group, empty=False),
+            team=_string(r, wandb, "team", "wandb.team", d.team, empty=False),
+            project=_string(r, wandb, "project", "wandb.project", d.project, empty=False),
+        )
+    return MonitorConfig(
+        tensorboard=_parse_log_dir(r, raw, "tensorboard"),
+        csv_monitor=_parse_log_dir(r, raw, "csv_monitor"),
+        wandb=wandb_cfg,
+    )
 
 
 def _resolve_batch(r: _Reader, raw: Mapping, world_size: int) -> tuple[int | None, int | None, int]:
@@ -579,6 +633,7 @@ def validate(raw: Mapping, source: str, world_size: int) -> Config:
     steps_per_print = r.integer(raw, "steps_per_print", "steps_per_print", 10, 1)
     wall = r.boolean(raw, "wall_clock_breakdown", "wall_clock_breakdown", False)
     zenflow, stage, device, pin = _parse_zero(r, raw, zf_problems)
+    monitor = _parse_monitor(r, raw)
 
     problems = r.problems + zf_problems
     if problems:
@@ -599,6 +654,7 @@ def validate(raw: Mapping, source: str, world_size: int) -> Config:
         offload_device=device,
         pin_memory=pin,
         ignored=tuple(r.ignored),
+        monitor=monitor,
         source=source,
         raw=copy.deepcopy(dict(raw)),
     )

@@ -17,6 +17,9 @@ caller, never silently dropped and never an error):
   ``adam_w_mode``), ``scheduler`` (``WarmupLR``, ``WarmupDecayLR``, ``WarmupCosineLR``),
   ``gradient_clipping``, ``bf16.enabled``, ``fp16.enabled``, ``steps_per_print``,
   ``wall_clock_breakdown``.
+- DeepSpeed's monitor blocks ``tensorboard``, ``csv_monitor`` (``enabled``,
+  ``output_path``, ``job_name``) and ``wandb`` (``enabled``, ``group``, ``team``,
+  ``project``): see ``MonitorConfig``; zenflow.train.monitors writes them.
 
 The rules are in ``zenflow.config.rules``, loading in ``zenflow.config.loader``. Every
 problem of one file is collected and raised together in one ``ConfigError``; each names
@@ -42,8 +45,11 @@ __all__ = [
     "Config",
     "ConfigError",
     "ConfigProblem",
+    "LogDirConfig",
+    "MonitorConfig",
     "OptimizerConfig",
     "SchedulerConfig",
+    "WandbConfig",
     "ZenFlowConfig",
 ]
 
@@ -186,6 +192,58 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class LogDirConfig:
+    """DeepSpeed's ``tensorboard`` or ``csv_monitor`` block: where one logger writes.
+
+    The logs go to ``<output_path>/<job_name>/``. Two deliberate differences from
+    DeepSpeed 0.19.6 (whose defaults are ``output_path ""``, i.e. the launch directory,
+    and ``job_name "DeepSpeedJobName"``), so runs never write into one another's files:
+    an empty ``output_path`` means the run directory (``<run_dir>/tensorboard`` or
+    ``<run_dir>/csv_monitor``), and an absent ``job_name`` means the run directory's name.
+    """
+
+    enabled: bool = False
+    """Write this log (DeepSpeed's default: off)."""
+    output_path: str = ""
+    """Folder of the logs; "" = a folder inside the run directory. Relative paths are
+    relative to the working directory, as in DeepSpeed."""
+    job_name: str | None = None
+    """Sub-folder of output_path for this run; None = the run directory's name."""
+
+
+@dataclass(frozen=True)
+class WandbConfig:
+    """DeepSpeed's ``wandb`` block. Weights & Biases runs offline unless WANDB_MODE says
+    otherwise, and only when the ``wandb`` package is installed."""
+
+    enabled: bool = False
+    """Log to W&B (needs ``pip install wandb``)."""
+    group: str | None = None
+    """W&B group of the run."""
+    team: str | None = None
+    """W&B team (entity)."""
+    project: str = "deepspeed"
+    """W&B project (DeepSpeed's default name)."""
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    """DeepSpeed's monitor blocks: per-step and eval metrics to TensorBoard, CSV, W&B."""
+
+    tensorboard: LogDirConfig = field(default_factory=LogDirConfig)
+    """``tensorboard``: event files through torch.utils.tensorboard.SummaryWriter."""
+    csv_monitor: LogDirConfig = field(default_factory=LogDirConfig)
+    """``csv_monitor``: one ``<tag>.csv`` per metric (rows: step, value), as DeepSpeed."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """``wandb``: Weights & Biases, offline by default."""
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any monitor is on."""
+        return self.tensorboard.enabled or self.csv_monitor.enabled or self.wandb.enabled
+
+
+@dataclass(frozen=True)
 class Config:
     """A validated DeepSpeed config, as the engine honours it.
 
@@ -223,6 +281,8 @@ class Config:
     """``zero_optimization.offload_optimizer.pin_memory``."""
     ignored: tuple[str, ...]
     """Dotted paths of keys present in the JSON that the engine does not honour."""
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    """The ``tensorboard``, ``csv_monitor`` and ``wandb`` blocks (all off by default)."""
     source: str = field(default="<dict>", compare=False)
     """Where the config came from: a file path or "<dict>"."""
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)

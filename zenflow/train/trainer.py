@@ -49,6 +49,7 @@ from zenflow.train.events import (
     RunStarted,
     StepEvent,
 )
+from zenflow.train.monitors import MonitorSink
 from zenflow.train.spec import (
     ENGINE_MODES,
     RunSpec,
@@ -129,6 +130,10 @@ class _Run:
         spec = self.spec
         self.torch = torch
         self.config = effective_config(spec)
+        # Monitors (tensorboard/csv_monitor/wandb blocks) see every event; checked here,
+        # before anything is loaded.
+        self.monitor = MonitorSink(self.config.monitor, self.config.source)
+        self.on_event = self.monitor.tee(self.on_event)
         self.micro_batch = spec.micro_batch or self.config.train_micro_batch_size_per_gpu or 8
         # Record the effective value: a resumed run compares against it.
         self.spec = spec = dataclasses.replace(spec, micro_batch=self.micro_batch)
@@ -368,6 +373,7 @@ class _Run:
             return self._run_with_engine(torch)
         finally:
             self.engine.close()
+            self.monitor.close()
 
     def _prepare_run_dir(self) -> tuple[int, int, int, float]:
         """Create or reopen the run dir; returns (start step, epoch, index, prior wall s)."""
