@@ -197,9 +197,13 @@ class Accelerator:
         """Stop background threads (idempotent)."""
 
     # ---------------------------------------------------------------- threads
-    def compute_threads(self, reserved_share: float, overlap: bool) -> tuple[int, int]:
-        """(threads for device compute on the training thread, threads for host work)."""
-        n = cores()
+    def compute_threads(
+        self, reserved_share: float, overlap: bool, ranks_per_node: int = 1
+    ) -> tuple[int, int]:
+        """(threads for device compute on the training thread, threads for host work), out
+        of this rank's share of the cores. A separate device (sim, cuda) keeps its reserved
+        share whether or not the host step overlaps."""
+        n = max(1, cores() // max(1, ranks_per_node))
         host = max(1, round(n * (1 - reserved_share)))
         return max(1, n - host), host
 
@@ -237,11 +241,14 @@ class CpuAccelerator(Accelerator):
     def copy_h2d(self, dst, src, after=None):
         return self._copy(dst, src, "h2d")
 
-    def compute_threads(self, reserved_share: float, overlap: bool) -> tuple[int, int]:
+    def compute_threads(
+        self, reserved_share: float, overlap: bool, ranks_per_node: int = 1
+    ) -> tuple[int, int]:
         # Without overlap the training thread and the host step take turns on every core.
         if not overlap:
-            return torch.get_num_threads(), cores()
-        return super().compute_threads(reserved_share, overlap)
+            n = max(1, cores() // max(1, ranks_per_node))
+            return min(torch.get_num_threads(), n), n
+        return super().compute_threads(reserved_share, overlap, ranks_per_node)
 
     def describe(self) -> str:
         return "cpu (the device is the CPU itself: device and host share memory)"
@@ -389,10 +396,6 @@ class SimAccelerator(Accelerator):
             for e in self._engines.values():
                 e.close()
 
-    def compute_threads(self, reserved_share: float, overlap: bool) -> tuple[int, int]:
-        # The device has its own cores whether or not the host step overlaps.
-        return super().compute_threads(reserved_share, overlap)
-
     def describe(self) -> str:
         return (
             f"sim (simulated accelerator on the CPU: {self.bandwidth / 1e9:g} GB/s copies, "
@@ -472,11 +475,6 @@ class CudaAccelerator(Accelerator):
 
     def device_bytes(self) -> int:
         return int(torch.cuda.memory_allocated(self.device))
-
-    def compute_threads(self, reserved_share: float, overlap: bool) -> tuple[int, int]:
-        # Device compute is on the GPU; the training thread keeps its share of the cores
-        # for launching kernels and Python, the host step gets the rest.
-        return super().compute_threads(reserved_share, overlap)
 
     def rng_state(self) -> dict:
         return {"cuda": torch.cuda.get_rng_state(self.device)}

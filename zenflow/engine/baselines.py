@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from zenflow.engine.distributed import sum_of_squares
 from zenflow.engine.host import HostState, HostTask, run_host_tasks
 
 
@@ -62,15 +63,22 @@ def full_host_step(e, items, hp, landing=None, images=None) -> None:
 
 
 class OffloadMode:
-    """ZeRO-Offload: fp32 master and moments of every parameter on the host."""
+    """ZeRO-Offload: fp32 master and moments of every parameter on the host (data
+    parallel: of the parameters this rank owns; each owner sends its updated weights)."""
 
     def __init__(self, engine, masters: dict[str, torch.Tensor]):
         self.e = engine
         accel = engine.accel
+        dp = engine.dp
+        sizes = [s.param.numel() for s in engine.specs]
+        self.owners = dp.owners(sizes) if dp.enabled else [0] * len(sizes)
         self.items = []
         self.landing = []
         self.images = []
-        for s in engine.specs:
+        self.states = {}
+        for s, owner in zip(engine.specs, self.owners, strict=True):
+            if dp.enabled and not dp.owns(owner):
+                continue
             p = s.param
             master = accel.host_empty(p.shape, torch.float32, engine.pin)
             master.copy_(masters[s.name])  # init copy: not a step, not counted
@@ -80,13 +88,19 @@ class OffloadMode:
                 accel.host_zeros(p.shape, torch.float32, engine.pin),
             )
             self.items.append((p, st, 1))
+            self.states[s.name] = st
             if not accel.shared_memory:
                 self.landing.append(accel.host_empty(p.shape, p.dtype, engine.pin))
                 if p.dtype == torch.bfloat16:
                     self.images.append(accel.host_empty(p.shape, p.dtype, engine.pin))
                 else:
                     self.images.append(None)
-        self.states = {s.name: it[1] for s, it in zip(engine.specs, self.items, strict=True)}
+
+    def sync_grads(self, dp) -> float:
+        """Each parameter's averaged gradient to its owner only (reduce-scatter)."""
+        grads = [s.param.grad for s in self.e.specs]
+        dp.reduce_mean_to_owners_(list(zip(grads, self.owners, strict=True)))
+        return sum_of_squares([g for g, o in zip(grads, self.owners, strict=True) if dp.owns(o)])
 
     def step(self, t: int, hp) -> None:
         items = [it for it in self.items if it[0].grad is not None]
@@ -94,6 +108,10 @@ class OffloadMode:
         landing = [self.landing[i] for i in idx] if self.landing else None
         images = [self.images[i] for i in idx] if self.images else None
         full_host_step(self.e, items, hp, landing, images)
+        dp = self.e.dp
+        if dp.enabled:  # every owner's updated weights to every rank
+            for s, owner in zip(self.e.specs, self.owners, strict=True):
+                dp.broadcast_(s.param.data, owner)
 
     def resolved(self) -> dict:
         return {}
@@ -129,6 +147,12 @@ class DeviceMode:
         except (RuntimeError, ValueError):  # no fused kernel for this device / dtype
             self.optimizer = cls(self.masters, foreach=True, **kw)
             self.impl = "foreach"
+
+    def sync_grads(self, dp) -> float:
+        """Every rank updates every parameter: all gradients averaged everywhere."""
+        grads = [s.param.grad for s in self.e.specs]
+        dp.allreduce_mean_(grads)
+        return sum_of_squares(grads) if dp.rank == 0 else 0.0
 
     def step(self, t: int, hp) -> None:
         t0 = time.perf_counter()

@@ -22,7 +22,7 @@ import torch
 from zenflow.engine.host import HostJob
 from zenflow.errors import EngineError
 
-FORMAT = "zenflow-engine/2"
+FORMAT = "zenflow-engine/3"
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:
@@ -37,6 +37,8 @@ def engine_state_dict(engine) -> dict:
         "dtype": str(engine.dtype),
         "global_step": engine.global_step,
         "skipped_steps": engine.skipped_steps,
+        "world_size": engine.dp.world,
+        "rank": engine.dp.rank,
     }
     impl = engine.impl
     if engine.mode == "device":
@@ -63,23 +65,29 @@ def engine_state_dict(engine) -> dict:
         pending = {"window_start": job.window_start, "submit_step": job.submit_step}
     weights = {}
     for w in impl.zweights:
-        acc = torch.zeros(w.spec.param.shape, dtype=torch.float32)
-        if impl.window_len > 0 and w.nonsel_host is not None:
-            cur = _host(w.acc[impl.slot]) if accel.shared_memory else w.acc[impl.slot]
-            acc.index_copy_(w.cd, w.nonsel_host, cur.index_select(w.cd, w.nonsel_host))
         weights[w.spec.name] = {
             "selected": None if w.sel_host is None else w.sel_host.clone(),
             "master_sel": None if w.master_sel is None else accel.to_host(w.master_sel),
             "exp_avg_dev": accel.to_host(w.exp_avg_dev),
             "exp_avg_sq_dev": accel.to_host(w.exp_avg_sq_dev),
             "steps_dev": accel.to_host(w.steps_dev.counts),
-            "master": _host(w.host.master),
-            "exp_avg_host": _host(w.host.exp_avg),
-            "exp_avg_sq_host": _host(w.host.exp_avg_sq),
-            "steps_host": _host(w.host.steps.counts),
-            "grad_accum_sum": acc,
             "sel_mass_sum": w.sel_mass_sum,
             "nonsel_mass_acc": w.nonsel_mass_acc,
+            "owner": w.owner,
+            "host": None,  # data parallel: the host state lives with the owner only
+        }
+        if not w.owned:
+            continue
+        acc = torch.zeros(w.spec.param.shape, dtype=torch.float32)
+        if impl.window_len > 0 and w.nonsel_host is not None:
+            cur = _host(w.acc[impl.slot]) if accel.shared_memory else w.acc[impl.slot]
+            acc.index_copy_(w.cd, w.nonsel_host, cur.index_select(w.cd, w.nonsel_host))
+        weights[w.spec.name]["host"] = {
+            "master": _host(w.host.master),
+            "exp_avg": _host(w.host.exp_avg),
+            "exp_avg_sq": _host(w.host.exp_avg_sq),
+            "steps": _host(w.host.steps.counts),
+            "grad_accum_sum": acc,
         }
     sd["zenflow"] = {
         "selected": impl.selected,
@@ -134,6 +142,11 @@ def load_engine_state(engine, sd: dict) -> None:
         f"it was saved with training dtype {sd.get('dtype')} but this engine trains in "
         f"{engine.dtype} (bf16.enabled must match).",
     )
+    _check(
+        (sd.get("world_size", 1), sd.get("rank", 0)) == (engine.dp.world, engine.dp.rank),
+        f"it is rank {sd.get('rank', 0)} of {sd.get('world_size', 1)} ranks but this engine is "
+        f"rank {engine.dp.rank} of {engine.dp.world}: resume with the same number of ranks.",
+    )
     engine.global_step = int(sd["global_step"])
     engine.skipped_steps = int(sd["skipped_steps"])
     impl = engine.impl
@@ -144,6 +157,7 @@ def load_engine_state(engine, sd: dict) -> None:
         impl.optimizer.load_state_dict(sd["device_optimizer"])  # moves state to the params
         return
     if engine.mode == "offload":
+        _check(set(impl.states) == set(sd["offload"]), "the offloaded parameters differ.")
         for name, st in impl.states.items():
             src = sd["offload"][name]
             st.master.copy_(src["master"])
@@ -175,20 +189,23 @@ def load_engine_state(engine, sd: dict) -> None:
         _fill_device(w.exp_avg_sq_dev, src["exp_avg_sq_dev"], accel)
         _fill_device(w.steps_dev.counts, src["steps_dev"], accel)
         w.steps_dev.recheck()
-        w.host.master.copy_(src["master"])
-        w.host.exp_avg.copy_(src["exp_avg_host"])
-        w.host.exp_avg_sq.copy_(src["exp_avg_sq_host"])
-        w.host.steps.counts.copy_(src["steps_host"])
-        w.host.steps.recheck()
         w.sel_mass_sum = float(src["sel_mass_sum"])
         w.nonsel_mass_acc = float(src["nonsel_mass_acc"])
+        _check(int(src["owner"]) == w.owner, f"{w.spec.name} has another owner rank.")
+        if not w.owned:
+            continue
+        h = src["host"]
+        w.host.master.copy_(h["master"])
+        w.host.exp_avg.copy_(h["exp_avg"])
+        w.host.exp_avg_sq.copy_(h["exp_avg_sq"])
+        w.host.steps.counts.copy_(h["steps"])
+        w.host.steps.recheck()
         for a in w.acc:
             a.zero_()
-        acc = src["grad_accum_sum"]
         if accel.shared_memory:
-            _fill_device(w.acc[0], acc, accel)
+            _fill_device(w.acc[0], h["grad_accum_sum"], accel)
         else:
-            w.acc[0].copy_(acc)
+            w.acc[0].copy_(h["grad_accum_sum"])
     for d in engine.dense:
         src = z["dense"][d.spec.name]
         if d.master is not None:
@@ -209,4 +226,5 @@ def load_engine_state(engine, sd: dict) -> None:
         impl.inflight = HostJob(window_start=p["window_start"], submit_step=p["submit_step"])
         if impl.stream:
             for w in impl.zweights:
-                w.pack_image()
+                if w.owned:
+                    w.pack_image()

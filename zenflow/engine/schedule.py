@@ -40,6 +40,7 @@ from zenflow.engine.accelerator import Accelerator, make_accelerator
 from zenflow.engine.baselines import DeviceMode, OffloadMode
 from zenflow.engine.checkpoint import engine_state_dict, load_engine_state
 from zenflow.engine.device_adam import AdamHyper, adamw_dense_
+from zenflow.engine.distributed import DataParallel
 from zenflow.engine.host import resolve_kernel
 from zenflow.engine.selection import DEFAULT_MIN_NUMEL, ParamSpec, classify_params
 from zenflow.engine.stats import StepStats
@@ -93,6 +94,11 @@ class ZenFlowEngine:
     destinations until their copy completes (tests). ``host_kernel``: "native" (the SIMD
     CPU Adam), "reference" or a callable with the same signature. ``min_numel``: 2-D params
     smaller than this are always important (updated fully on the device).
+
+    Data parallel: when the caller has initialised a torch.distributed process group of
+    more than one rank, the engine averages gradients, partitions the host state and agrees
+    every schedule decision across ranks (``zenflow.engine.distributed``);
+    ``ranks_per_node`` (torchrun's LOCAL_WORLD_SIZE) shares this machine's cores among them.
     """
 
     def __init__(
@@ -107,6 +113,7 @@ class ZenFlowEngine:
         min_numel: int = DEFAULT_MIN_NUMEL,
         sim_strict: bool = False,
         device_budget_bytes: int | None = None,
+        ranks_per_node: int = 1,
     ):
         if mode not in MODES:
             raise EngineError(f"mode={mode!r} is not allowed: use one of {', '.join(MODES)}.")
@@ -160,6 +167,7 @@ class ZenFlowEngine:
         self.rec = StepRecord()
         self._torch_threads_orig = torch.get_num_threads()
         self.bucket_request = int(getattr(config, "reduce_bucket_size", 0) or 0) or None
+        self.dp = DataParallel()
 
         masters = self._take_masters_and_cast()
         self.model_bytes = sum(s.param.numel() * s.param.element_size() for s in self.specs)
@@ -177,7 +185,9 @@ class ZenFlowEngine:
         # The core split: the device's compute (a separate device: its reserved share of the
         # cores, whatever the mode) and the host's work.
         reserved = float(self.zf.pt_reserved_cores_perc) if self.zf else 0.5
-        self.training_threads, self.host_threads = self.accel.compute_threads(reserved, overlap)
+        self.training_threads, self.host_threads = self.accel.compute_threads(
+            reserved, overlap, ranks_per_node
+        )
         torch.set_num_threads(self.training_threads)
         if mode == "device":
             self.impl = DeviceMode(self, masters)
@@ -196,6 +206,7 @@ class ZenFlowEngine:
             "pinned_host_buffers": self.pin,
             "training_threads": self.training_threads,
             "host_threads": self.host_threads,
+            "world_size": self.dp.world,
             "steps_per_epoch": steps_per_epoch,
             **self.impl.resolved(),
             "host_kernel": "-" if mode == "device" else self.kernel_name_now(),
@@ -373,6 +384,32 @@ class ZenFlowEngine:
         load_engine_state(self, sd)
 
     # ------------------------------------------------------------------ the step
+    def _local_norm(self):
+        """Global L2 norm of every gradient present (fp32 accumulation), as float and
+        tensor."""
+        present = [s.param.grad for s in self.specs if s.param.grad is not None]
+        if not present:
+            return 0.0, None
+        total = torch.linalg.vector_norm(
+            torch.stack(
+                [torch.linalg.vector_norm(g.detach(), 2.0, dtype=torch.float32) for g in present]
+            ),
+            2.0,
+        )
+        return float(total), total
+
+    def _synced_norm(self, loss_f):
+        """Data parallel: average the gradients (each rank gets what it needs), then agree
+        on the global norm and the skip in one small all-reduce."""
+        for s in self.specs:  # every rank takes part in every collective, same shapes
+            if s.param.grad is None:
+                s.param.grad = torch.zeros_like(s.param)
+        sq_partial = self.impl.sync_grads(self.dp)
+        bad_loss = float(loss_f is not None and not math.isfinite(loss_f))
+        sq, bad = self.dp.allreduce_sum([sq_partial, bad_loss])
+        norm = math.sqrt(sq) if math.isfinite(sq) and sq >= 0 else float("nan")
+        return norm, torch.tensor(norm, dtype=torch.float32, device=self.device), bad > 0
+
     def step(self, loss=None) -> StepStats:
         """One optimizer step over the gradients in ``param.grad`` -> :class:`StepStats`."""
         if self._closed:
@@ -394,20 +431,14 @@ class ZenFlowEngine:
         t = self.global_step + 1
         self._lr = lr = float(lr_at(self.config, t))
         hp = AdamHyper(lr, *(getattr(self.hp_base, f) for f in _HP_REST))
+        if self.dp.enabled:
+            grad_norm, total, nonfinite = self._synced_norm(loss_f)
+        else:
+            grad_norm, total = self._local_norm()
+            nonfinite = loss_f is not None and not math.isfinite(loss_f)
         present = [s.param.grad for s in self.specs if s.param.grad is not None]
         self.accel.set_held("grads", sum(g.numel() * g.element_size() for g in present))
-        if present:
-            total = torch.linalg.vector_norm(
-                torch.stack(
-                    [torch.linalg.vector_norm(g.detach(), 2.0, dtype=torch.float32)
-                     for g in present]
-                ),
-                2.0,
-            )  # fmt: skip
-            grad_norm = float(total)
-        else:
-            total, grad_norm = None, 0.0
-        skipped = (loss_f is not None and not math.isfinite(loss_f)) or not math.isfinite(grad_norm)
+        skipped = nonfinite or not math.isfinite(grad_norm)
         if skipped:
             self.skipped_steps += 1
         else:

@@ -45,6 +45,7 @@ from zenflow.engine.copies import (
     plan_pieces,
 )
 from zenflow.engine.device_adam import adamw_columns_, adamw_dense_
+from zenflow.engine.distributed import sum_of_squares
 from zenflow.engine.host import (
     Accumulator,
     ColumnSteps,
@@ -56,7 +57,6 @@ from zenflow.engine.host import (
 )
 from zenflow.engine.selection import (
     ParamSpec,
-    allreduce_scores_,
     column_scores,
     complement,
     num_selected,
@@ -70,14 +70,18 @@ AUTO_INTERVAL_MAX = 64  # bound of update_interval "auto" (window length 1..64)
 class ZfWeight:
     """Engine-owned state of one ZenFlow weight (never glued onto the Parameter)."""
 
-    def __init__(self, spec: ParamSpec, k: int, accel, master_init: torch.Tensor, slots: int,
-                 pin: bool, dtype: torch.dtype, bucket_elems: int):  # fmt: skip
+    def __init__(self, spec: ParamSpec, k: int, accel, master_init: torch.Tensor | None,
+                 slots: int, pin: bool, dtype: torch.dtype, bucket_elems: int,
+                 owner: int = 0, owned: bool = True):  # fmt: skip
         p = spec.param
         self.spec = spec
         self.cd = spec.column_dim
         self.n_cols = spec.n_cols
         self.k = k
         self.rows = p.numel() // self.n_cols
+        # data parallel: the rank holding this weight's host state (every rank: one rank)
+        self.owner = owner
+        self.owned = owned
         # per-column layout for the native op: element i is in column (i // inner) % n_cols
         self.col_inner = 1 if self.cd == p.dim() - 1 else p.shape[-1]
         self.sel_dev: torch.Tensor | None = None
@@ -94,6 +98,14 @@ class ZfWeight:
         self.exp_avg_dev = accel.zeros(shape_k, torch.float32, "optimizer")
         self.exp_avg_sq_dev = accel.zeros(shape_k, torch.float32, "optimizer")
         self.steps_dev = ColumnSteps(accel.zeros((k,), torch.int64, "optimizer"), 0)
+        self.pieces = []
+        if not accel.shared_memory:
+            self.pieces = plan_pieces(tuple(p.shape), self.cd, self.n_cols - k, bucket_elems)
+        self.host: HostState | None = None
+        self.acc: list[torch.Tensor] = []
+        self.image: list[torch.Tensor] = []
+        if not owned:
+            return
         master = accel.host_empty(p.shape, torch.float32, pin)
         master.copy_(master_init)  # the initial fp32 weights: not a step, not counted
         self.host = HostState(
@@ -104,14 +116,10 @@ class ZfWeight:
         )
         if accel.shared_memory:  # summed where autograd writes (host memory already)
             self.acc = [accel.zeros(p.shape, torch.float32, "optimizer") for _ in range(slots)]
-            self.pieces = []
-            self.image = []
         else:
             self.acc = [accel.host_zeros(p.shape, torch.float32, pin) for _ in range(slots)]
-            self.pieces = plan_pieces(tuple(p.shape), self.cd, self.n_cols - k, bucket_elems)
             flat = accel.host_empty((self.rows * (self.n_cols - k),), dtype, pin)
-            self.image = []  # per piece: a contiguous view of flat, the piece's shape
-            off = 0
+            off = 0  # per piece: a contiguous view of flat, in the piece's shape
             for pc in self.pieces:
                 self.image.append(flat[off : off + pc.numel].view(pc.shape))
                 off += pc.numel
@@ -159,12 +167,17 @@ class ZenFlowMode:
             [s.param.numel() // s.n_cols for s in zspecs],
             engine.bucket_request,
         )
-        for s in zspecs:
+        dp = engine.dp
+        owners = dp.owners([s.param.numel() for s in zspecs]) if dp.enabled else [0] * len(zspecs)
+        for s, owner in zip(zspecs, owners, strict=True):
+            owned = not dp.enabled or dp.owns(owner)
             self.zweights.append(
-                ZfWeight(s, num_selected(s.n_cols, self.topk_ratio), accel, masters[s.name],
-                         self.slots, engine.pin, engine.dtype, self.bucket_elems)
+                ZfWeight(s, num_selected(s.n_cols, self.topk_ratio), accel,
+                         masters[s.name] if owned else None, self.slots, engine.pin,
+                         engine.dtype, self.bucket_elems, owner, owned)
             )  # fmt: skip
         self.stream = not accel.shared_memory and bool(self.zweights)
+        self._full_sync = False  # data parallel: this step's gradients were fully averaged
         if self.stream:
             max_piece = max(pc.numel for w in self.zweights for pc in w.pieces) if any(
                 w.pieces for w in self.zweights) else 1  # fmt: skip
@@ -257,6 +270,8 @@ class ZenFlowMode:
         if self.stream:
             t0 = time.perf_counter()
             for w in self.zweights:
+                if not w.owned:
+                    continue
                 g = w.grad()
                 acc = w.acc[self.slot]
                 for pc in w.pieces:
@@ -270,7 +285,8 @@ class ZenFlowMode:
             e.rec.transfer_s += time.perf_counter() - t0
         else:
             for w in self.zweights:
-                w.acc[self.slot].add_(w.grad())
+                if w.owned:
+                    w.acc[self.slot].add_(w.grad())
         if self.update_interval is None:
             self._auto_stats()
 
@@ -279,12 +295,17 @@ class ZenFlowMode:
         the vote) and accumulated non-selected mass per column. Mass = squared L2 norm."""
         if not self.zweights:
             return
+        dp = self.e.dp
         vals = []
         for w in self.zweights:
             s = column_scores(w.grad(), w.cd)
-            vals.append(s[w.sel_dev].sum())
-            vals.append(s[w.nonsel_dev].sum())
+            # data parallel: the selected part is the same on every rank (rank 0 counts it),
+            # the non-selected part is averaged on its owner only
+            vals.append(s[w.sel_dev].sum() * float(dp.rank == 0 or not dp.enabled))
+            vals.append(s[w.nonsel_dev].sum() * float(w.owned))
         vals = torch.stack(vals).tolist()
+        if dp.enabled:
+            vals = dp.allreduce_sum(vals)
         for i, w in enumerate(self.zweights):
             w.sel_mass_sum += vals[2 * i] / w.k
             if w.n_cols > w.k:
@@ -301,6 +322,38 @@ class ZenFlowMode:
             if w.n_cols == w.k or w.nonsel_mass_acc >= w.sel_mass_sum / self.window_len
         )
         return votes / len(self.zweights) >= self.auto_ratio
+
+    # ------------------------------------------------------------------ data parallel
+    def sync_grads(self, dp) -> float:
+        """Average this step's gradients across ranks; return the squares this rank is the
+        single holder of (their all-reduced sum is the squared global norm).
+
+        Until the first selection, and during warm-up, every gradient is all-reduced (every
+        rank needs all of it). After: the always-important params and the selected columns
+        are all-reduced (every rank updates them identically), the non-selected columns are
+        reduce-scattered to their weight's owner (only it accumulates them)."""
+        t = self.e.global_step + 1
+        self._full_sync = not self.selected or t <= self.warmup_rounds
+        grads = [s.param.grad for s in self.e.specs]
+        if self._full_sync:
+            dp.allreduce_mean_(grads)
+            return sum_of_squares(grads) if dp.rank == 0 else 0.0
+        shared = [d.spec.param.grad for d in self.e.dense]
+        sel, nonsel = [], []
+        for w in self.zweights:
+            g = w.spec.param.grad
+            sel.append(g.index_select(w.cd, w.sel_dev))
+            nonsel.append((g.index_select(w.cd, w.nonsel_dev), w.owner))
+        dp.allreduce_mean_(shared + sel)
+        dp.reduce_mean_to_owners_(nonsel)
+        mine = []
+        for w, gs, (gn, _) in zip(self.zweights, sel, nonsel, strict=True):
+            g = w.spec.param.grad
+            g.index_copy_(w.cd, w.sel_dev, gs)
+            if w.owned:
+                g.index_copy_(w.cd, w.nonsel_dev, gn)
+                mine.append(gn)
+        return (sum_of_squares(shared + sel) if dp.rank == 0 else 0.0) + sum_of_squares(mine)
 
     # ------------------------------------------------------------------ host steps
     def check_worker(self) -> None:
@@ -330,18 +383,29 @@ class ZenFlowMode:
         index, cast to the training dtype (the fp32 master is never overwritten)."""
         e = self.e
         t0 = time.perf_counter()
+        dp = e.dp
         for w in self.zweights:
             p = w.spec.param.data
             if self.stream:
-                for pc, img in zip(w.pieces, w.image, strict=True):
+                for i_pc, pc in enumerate(w.pieces):
                     i, bucket = self.buckets.take(pc.shape)
-                    e.accel.compute_wait(e.accel.copy_h2d(bucket, img))
+                    if w.owned:
+                        e.accel.compute_wait(e.accel.copy_h2d(bucket, w.image[i_pc]))
+                    if dp.enabled:  # the owner's result to every rank's device
+                        dp.broadcast_(bucket, w.owner)
                     p.index_copy_(w.cd, w.nonsel_dev[pc.c0 : pc.c1], bucket)
                     self.buckets.mark(i, e.accel.record_compute())
             else:  # shared memory: the gather is the copy (counted at the weight's dtype)
-                vals = w.host.master.index_select(w.cd, w.nonsel_host)
-                p.index_copy_(w.cd, w.nonsel_dev, vals.to(p.dtype))
-                e.accel.traffic.h2d_bytes += vals.numel() * p.element_size()
+                if w.owned:
+                    vals = w.host.master.index_select(w.cd, w.nonsel_host).to(p.dtype)
+                    e.accel.traffic.h2d_bytes += vals.numel() * p.element_size()
+                else:
+                    shape = list(p.shape)
+                    shape[w.cd] = w.n_cols - w.k
+                    vals = torch.empty(shape, dtype=p.dtype, device=p.device)
+                if dp.enabled:
+                    dp.broadcast_(vals, w.owner)
+                p.index_copy_(w.cd, w.nonsel_dev, vals)
         job.applied_step = t
         # Staleness: the oldest gradient in this update is from job.window_start; the device
         # sees it at the end of step t. With overlap t is the end of the NEXT window, so
@@ -355,6 +419,10 @@ class ZenFlowMode:
         slot = self.slot
         tasks = []
         for w in self.zweights:
+            w.sel_mass_sum = 0.0
+            w.nonsel_mass_acc = 0.0
+            if not w.owned:
+                continue
             acc = w.acc[slot]
 
             def after(w=w, acc=acc):
@@ -370,8 +438,6 @@ class ZenFlowMode:
             if not self.stream:
                 acc.index_fill_(w.cd, w.sel_dev, 0.0)
             tasks.append(HostTask(w.host, acc, 1.0 / n, w.col_inner, None, after))
-            w.sel_mass_sum = 0.0
-            w.nonsel_mass_acc = 0.0
         before = None
         if self.stream:
             fence = self.accumulator.fence()
@@ -432,7 +498,11 @@ class ZenFlowMode:
         e.dense_update(hp)
         e.rec.devopt_s += time.perf_counter() - t0
         # device counts start when a column is selected: it carries the host's count
-        full_host_step(e, [(w.spec.param, w.host, w.col_inner) for w in self.zweights], hp)
+        owned = [w for w in self.zweights if w.owned]
+        full_host_step(e, [(w.spec.param, w.host, w.col_inner) for w in owned], hp)
+        if e.dp.enabled:  # each owner's updated weights to every rank
+            for w in self.zweights:
+                e.dp.broadcast_(w.spec.param.data, w.owner)
 
     # ------------------------------------------------------------------ selection
     def _select(self, t: int) -> None:
@@ -446,52 +516,77 @@ class ZenFlowMode:
         full-size first Adam step), and so are the counts (bias correction).
         """
         e = self.e
-        accel = e.accel
+        dp = e.dp
         t0 = time.perf_counter()
         for w in self.zweights:
-            p = w.spec.param.data
-            scores = allreduce_scores_(column_scores(w.grad(), w.cd))
-            new = select_topk(scores, w.k)
-            old = w.sel_dev if w.sel_dev is not None else new[:0]
-            stay_o, stay_n, in_pos, in_cols, out_pos, out_cols = split_handover(old, new)
-            cd = w.cd
-            if out_cols.numel():
-                out_h = out_cols.cpu()
-                src = p.index_select(cd, out_cols) if w.master_sel is None else \
-                    w.master_sel.index_select(cd, out_pos)  # fmt: skip
-                for dst, val in (
-                    (w.host.master, src),
-                    (w.host.exp_avg, w.exp_avg_dev.index_select(cd, out_pos)),
-                    (w.host.exp_avg_sq, w.exp_avg_sq_dev.index_select(cd, out_pos)),
-                ):
-                    dst.index_copy_(cd, out_h, accel.to_host(val))
-                w.host.steps.counts[out_h] = accel.to_host(w.steps_dev.counts[out_pos])
-            fields = [("exp_avg_dev", w.host.exp_avg), ("exp_avg_sq_dev", w.host.exp_avg_sq)]
-            if w.master_sel is not None:
-                fields.append(("master_sel", w.host.master))
-            in_h = in_cols.cpu()
-            for name, host_src in fields:
-                old_t = getattr(w, name)
-                new_t = accel.empty(w.shape_k, torch.float32, "optimizer")
-                new_t.index_copy_(cd, stay_n, old_t.index_select(cd, stay_o))
-                if in_cols.numel():
-                    new_t.index_copy_(cd, in_pos, accel.to_device(
-                        host_src.index_select(cd, in_h), "handover"))  # fmt: skip
-                setattr(w, name, new_t)
-            steps = accel.empty((w.k,), torch.int64, "optimizer")
-            steps[stay_n] = w.steps_dev.counts[stay_o]
-            if in_cols.numel():
-                steps[in_pos] = accel.to_device(w.host.steps.counts[in_h], "handover")
-                master_in = accel.to_device(w.host.master.index_select(cd, in_h), "handover")
-                p.index_copy_(cd, in_cols, master_in.to(p.dtype))  # equal already; explicit
-            w.steps_dev = ColumnSteps(steps, None)
-            w.steps_dev.recheck()
-            w.host.steps.recheck()
-            w.set_selection(new)
-            e.rec.moved += int(in_cols.numel() + out_cols.numel())
+            scores = column_scores(w.grad(), w.cd)
+            if dp.enabled:  # the owner scores the averaged gradient; the others add zeros
+                if not w.owned:
+                    scores.zero_()
+                dp.allreduce_scores_(scores, w.spec.param.numel())
+            e.rec.moved += self._hand_over(w, select_topk(scores, w.k))
         self.selected = True
         self.last_select_step = t
         e.rec.stall_s += time.perf_counter() - t0
+
+    def _hand_over(self, w: ZfWeight, new: torch.Tensor) -> int:
+        """Make ``new`` (sorted) the selected columns of ``w``; returns the columns moved."""
+        accel, dp = self.e.accel, self.e.dp
+        p = w.spec.param.data
+        cd, host = w.cd, w.host
+        old = w.sel_dev if w.sel_dev is not None else new[:0]
+        stay_o, stay_n, in_pos, in_cols, out_pos, out_cols = split_handover(old, new)
+        if out_cols.numel() and w.owned:  # device -> host, by index
+            out_h = out_cols.cpu()
+            src = p.index_select(cd, out_cols) if w.master_sel is None else \
+                w.master_sel.index_select(cd, out_pos)  # fmt: skip
+            for dst, val in (
+                (host.master, src),
+                (host.exp_avg, w.exp_avg_dev.index_select(cd, out_pos)),
+                (host.exp_avg_sq, w.exp_avg_sq_dev.index_select(cd, out_pos)),
+            ):
+                dst.index_copy_(cd, out_h, accel.to_host(val))
+            host.steps.counts[out_h] = accel.to_host(w.steps_dev.counts[out_pos])
+        in_h = in_cols.cpu()
+        n_in = int(in_cols.numel())
+        shape_in = list(w.shape_k)
+        shape_in[cd] = n_in
+
+        def incoming(read_host, shape, dtype):
+            """The entering columns' host values, on this rank's device (from the owner)."""
+            if w.owned:
+                t = accel.to_device(read_host(), "handover")
+            else:
+                t = accel.empty(shape, dtype, "handover")
+            if dp.enabled:
+                dp.broadcast_(t, w.owner)
+            return t
+
+        fields = [("exp_avg_dev", "exp_avg"), ("exp_avg_sq_dev", "exp_avg_sq")]
+        if w.master_sel is not None:
+            fields.append(("master_sel", "master"))
+        for name, host_name in fields:
+            old_t = getattr(w, name)
+            new_t = accel.empty(w.shape_k, torch.float32, "optimizer")
+            new_t.index_copy_(cd, stay_n, old_t.index_select(cd, stay_o))
+            if n_in:
+                vals = incoming(lambda h=host_name: getattr(host, h).index_select(cd, in_h),
+                                shape_in, torch.float32)  # fmt: skip
+                new_t.index_copy_(cd, in_pos, vals)
+            setattr(w, name, new_t)
+        steps = accel.empty((w.k,), torch.int64, "optimizer")
+        steps[stay_n] = w.steps_dev.counts[stay_o]
+        if n_in:
+            steps[in_pos] = incoming(lambda: host.steps.counts[in_h], (n_in,), torch.int64)
+            master_in = incoming(lambda: host.master.index_select(cd, in_h), shape_in,
+                                 torch.float32)  # fmt: skip
+            p.index_copy_(cd, in_cols, master_in.to(p.dtype))  # equal already; explicit
+        w.steps_dev = ColumnSteps(steps, None)
+        w.steps_dev.recheck()
+        if w.owned:
+            host.steps.recheck()
+        w.set_selection(new)
+        return int(in_cols.numel() + out_cols.numel())
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> BaseException | None:

@@ -1,0 +1,91 @@
+"""One rank of a data-parallel engine run (used by test_data_parallel.py).
+
+    python dp_worker.py RANK WORLD STORE OUT SPEC_JSON
+
+SPEC: mode, accelerator, zenflow block (or null), steps, optional "resume_from" (a state
+file to load first) / "save_after" (write the state after that many steps and stop),
+"fail_rank" / "fail_step" (raise there). Each rank trains on its slice of the same global
+batches; WORLD=1 trains on whole batches. Writes the parameters, the selected columns after
+every step, the window lengths and the engine's score-traffic counters to OUT.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conftest import MLP, make_config, mlp_batches  # noqa: E402
+
+from zenflow import ZenFlowEngine  # noqa: E402
+
+GLOBAL_BATCH = 8
+
+
+def main() -> None:
+    rank, world, store, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    spec = json.loads(sys.argv[5])
+    torch.set_num_threads(1)
+    if world > 1:
+        dist.init_process_group(
+            "gloo", store=dist.FileStore(store, world), rank=rank, world_size=world,
+            timeout=datetime.timedelta(seconds=60),
+        )  # fmt: skip
+    torch.manual_seed(0)  # the same model on every rank
+    model = MLP()
+    cfg = make_config(spec["zenflow"], clip=1.0)
+    engine = ZenFlowEngine(
+        model, cfg, mode=spec["mode"], accelerator=spec["accelerator"], sim_strict=True,
+        host_kernel="reference", min_numel=1000,
+    )  # fmt: skip
+    start = 0
+    if spec.get("resume_from"):
+        state = torch.load(f"{spec['resume_from']}.{rank}", weights_only=True)
+        model.load_state_dict(state["model"])
+        engine.load_state_dict(state["engine"])
+        start = state["step"]
+    per_rank = GLOBAL_BATCH // world
+    batches = mlp_batches(spec["steps"], bs=GLOBAL_BATCH)
+    selected = []
+    for i in range(start, spec["steps"]):
+        if spec.get("fail_rank") == rank and spec.get("fail_step") == i:
+            raise ValueError(f"rank {rank} broke at step {i}")
+        x, y = batches[i]
+        sl = slice(rank * per_rank, (rank + 1) * per_rank)
+        loss = model(x[sl], y[sl])
+        engine.backward(loss)
+        engine.step(loss)
+        engine.zero_grad()
+        selected.append({w.spec.name: w.sel_host.tolist() for w in engine.zweights
+                         if w.sel_host is not None})  # fmt: skip
+        if spec.get("save_after") == i + 1:
+            torch.save({"model": model.state_dict(), "engine": engine.state_dict(),
+                        "step": i + 1}, f"{spec['save_to']}.{rank}")  # fmt: skip
+            break
+    result = {
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "selected": selected,
+        "window_lengths": engine.window_lengths,
+        "owned": [w.spec.name for w in engine.zweights if w.owned],
+        "host_bytes": sum(
+            t.numel() * t.element_size()
+            for w in engine.zweights
+            if w.owned
+            for t in (w.host.master, w.host.exp_avg, w.host.exp_avg_sq, *w.acc)
+        ),  # fmt: skip
+        "score_floats": engine.dp.score_floats,
+        "score_grad_equivalent": engine.dp.score_grad_equivalent,
+    }
+    engine.close()
+    torch.save(result, out)
+    if world > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

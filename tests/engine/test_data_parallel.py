@@ -1,0 +1,135 @@
+"""Data parallel on torch.distributed: two gloo ranks equal one rank over the same global
+batch, select identical columns, resume mid-window, and a failing rank ends the job.
+
+Each run is real processes (``dp_worker.py``) in a gloo group on a file store (no network).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import MLP
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+WORKER = HERE / "dp_worker.py"
+ZF = {"topk_ratio": 0.2, "update_interval": 2, "select_strategy": "step", "select_interval": 3,
+      "overlap_step": True}  # fmt: skip
+ENV = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+
+
+def _run(tmp_path: Path, world: int, spec: dict, tag: str) -> list[dict]:
+    store = tmp_path / f"store-{tag}"
+    store.unlink(missing_ok=True)
+    outs = [tmp_path / f"{tag}-{r}.pt" for r in range(world)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(WORKER),
+                str(r),
+                str(world),
+                str(store),
+                str(outs[r]),
+                json.dumps(spec),
+            ],
+            env=ENV,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for r in range(world)
+    ]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+    return [torch.load(o, weights_only=True) for o in outs]
+
+
+def _assert_params_close(a: dict, b: dict, atol=2e-6):
+    for n in a:
+        torch.testing.assert_close(a[n], b[n], atol=atol, rtol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
+
+
+@pytest.mark.parametrize(
+    "mode,accelerator",
+    [("zenflow", "cpu"), ("zenflow", "sim"), ("offload", "cpu"), ("offload", "sim"),
+     ("device", "cpu")],
+)  # fmt: skip
+def test_two_ranks_equal_one_rank_over_the_global_batch(tmp_path, mode, accelerator):
+    zf = ZF if mode == "zenflow" else None
+    spec = {"mode": mode, "accelerator": accelerator, "zenflow": zf, "steps": 8}
+    one = _run(tmp_path, 1, spec, "one")[0]
+    r0, r1 = _run(tmp_path, 2, spec, "two")
+    _assert_params_close(r0["params"], one["params"])
+    for n in r0["params"]:  # the replicas stay identical
+        assert torch.equal(r0["params"][n], r1["params"][n]), n
+    torch.manual_seed(0)
+    init = dict(MLP().named_parameters())
+    assert all(not torch.equal(one["params"][n], init[n]) for n in init)  # all trained
+    if mode == "zenflow":
+        # both ranks select identical columns every step, and the same as one rank with the
+        # whole batch (the averaged gradient's scores, not either rank's own)
+        assert r0["selected"] == r1["selected"] == one["selected"]
+        assert r0["window_lengths"] == r1["window_lengths"] == one["window_lengths"]
+        # host state partitioned: each weight on one rank, about half the bytes each
+        assert sorted(r0["owned"] + r1["owned"]) == sorted(one["owned"])
+        assert not set(r0["owned"]) & set(r1["owned"])
+        total = one["host_bytes"]
+        assert max(r0["host_bytes"], r1["host_bytes"]) < 0.75 * total
+        # re-selection all-reduces one float per column, not the gradient
+        assert 0 < r0["score_floats"] * 10 < r0["score_grad_equivalent"]
+
+
+@pytest.mark.parametrize("accelerator", ["cpu", "sim"])
+def test_mid_window_resume_with_two_ranks(tmp_path, accelerator):
+    base = {"mode": "zenflow", "accelerator": accelerator, "zenflow": ZF, "steps": 10}
+    straight = _run(tmp_path, 2, base, "straight")
+    ckpt = str(tmp_path / "state")
+    # step 5: the host step of window 3..4 is in flight, window 5..6 one step in
+    _run(tmp_path, 2, {**base, "save_after": 5, "save_to": ckpt}, "first")
+    resumed = _run(tmp_path, 2, {**base, "resume_from": ckpt}, "second")
+    for a, b in zip(resumed, straight, strict=True):
+        for n in a["params"]:
+            assert torch.equal(a["params"][n], b["params"][n]), n
+    assert resumed[0]["selected"] == straight[0]["selected"][5:]
+
+
+def test_resume_with_another_world_size_is_refused(tmp_path):
+    ckpt = str(tmp_path / "state")
+    base = {"mode": "zenflow", "accelerator": "cpu", "zenflow": ZF, "steps": 4}
+    _run(tmp_path, 2, {**base, "save_after": 2, "save_to": ckpt}, "first")
+    with pytest.raises(AssertionError, match="same number of ranks"):
+        _run(tmp_path, 1, {**base, "resume_from": ckpt}, "again")
+
+
+def test_a_failing_rank_ends_the_job_with_its_message(tmp_path):
+    """Under torchrun, rank 1 raising at step 3 brings the job down (rank 0 is blocked in a
+    collective with it) with rank 1's message, well within the collective timeout."""
+    spec = {"mode": "zenflow", "accelerator": "cpu", "zenflow": ZF, "steps": 8,
+            "fail_rank": 1, "fail_step": 3}  # fmt: skip
+    launcher = tmp_path / "launch.py"
+    launcher.write_text(
+        "import os, sys, runpy\n"
+        "rank, world = os.environ['RANK'], os.environ['WORLD_SIZE']\n"
+        f"sys.argv = [{str(WORKER)!r}, rank, world, {str(tmp_path / 'store-fail')!r}, "
+        f"{str(tmp_path / 'fail')!r} + rank, {json.dumps(spec)!r}]\n"
+        f"runpy.run_path({str(WORKER)!r}, run_name='__main__')\n"
+    )
+    t0 = time.monotonic()
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-addr", "127.0.0.1", "--master-port", "0", str(launcher)],
+        env=ENV, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    took = time.monotonic() - t0
+    assert r.returncode != 0
+    assert "rank 1 broke at step 3" in r.stdout + r.stderr
+    assert took < 60, f"the job took {took:.0f} s to end: a hang until the timeout"

@@ -1,0 +1,150 @@
+"""Data parallelism for the engine, on torch.distributed (no home-made communication).
+
+The engine owns data parallelism as DeepSpeed's engine does (no DDP wrapper). With a
+process group of N > 1 ranks initialised by the caller (``torchrun`` / ``zfctl finetune
+--nproc``; gloo on cpu and sim, nccl on cuda):
+
+- **Ownership.** Host state is partitioned by parameter: each offloaded weight has one
+  owner rank (greedy balance by size, largest first), which alone holds its fp32 master,
+  moments and window sums, runs its host Adam step and sends the result to the others. Host
+  memory per rank falls about as 1/N.
+- **Gradients** are averaged in the training dtype, in buckets: what every rank needs (the
+  always-important params and the selected columns, which all ranks update identically on
+  their devices) by all-reduce; the offloaded part (non-selected columns, or whole params in
+  offload mode) by reduce-scatter, so each owner receives only the average of what it owns.
+- **Agreement.** Every decision that changes the schedule is taken from all-reduced numbers,
+  so step counts cannot diverge: the global gradient norm (each rank adds the squares it is
+  the single holder of), the non-finite skip (any rank's loss or gradient), the auto-window
+  vote (selected mass from the shared part, non-selected mass from the owners) and the
+  column scores of a re-selection (each owner scores its weights' averaged gradient, the
+  others add zeros: one float per column instead of the gradient itself).
+
+Collectives time out (the process group's timeout, set by the caller), so a rank that dies
+brings the others down instead of hanging them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BUCKET_BYTES = 25 * 2**20  # per collective, like DDP's default bucket
+
+
+def _dist():
+    return torch.distributed
+
+
+def sum_of_squares(tensors) -> float:
+    """Sum of squares of ``tensors`` (fp32 per tensor, summed in double): a rank's share of
+    the squared global gradient norm."""
+    return sum(float(torch.linalg.vector_norm(t, 2.0, dtype=torch.float32)) ** 2 for t in tensors)
+
+
+class DataParallel:
+    """The engine's view of the process group (a no-op with one rank)."""
+
+    def __init__(self) -> None:
+        d = _dist()
+        on = d.is_available() and d.is_initialized() and d.get_world_size() > 1
+        self.enabled = bool(on)
+        self.world = d.get_world_size() if on else 1
+        self.rank = d.get_rank() if on else 0
+        self.backend = d.get_backend() if on else None
+        self.bytes_sent = 0  # payload bytes this rank put into collectives (stats, logs)
+        self.score_floats = 0  # floats all-reduced for column scores
+        self.score_grad_equivalent = 0  # floats the gradients would have been instead
+
+    # ------------------------------------------------------------------ ownership
+    def owners(self, sizes: list[int]) -> list[int]:
+        """Owner rank of each item: largest first to the least-loaded rank (ties: lowest
+        rank), so every rank computes the same assignment."""
+        load = [0] * self.world
+        out = [0] * len(sizes)
+        for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+            r = min(range(self.world), key=lambda r: (load[r], r))
+            out[i] = r
+            load[r] += sizes[i]
+        return out
+
+    def owns(self, owner: int) -> bool:
+        return owner == self.rank
+
+    # ------------------------------------------------------------------ collectives
+    def _buckets(self, tensors: list[torch.Tensor]):
+        group, size = [], 0
+        for t in tensors:
+            n = t.numel() * t.element_size()
+            if group and (size + n > BUCKET_BYTES or t.dtype != group[0].dtype):
+                yield group
+                group, size = [], 0
+            group.append(t)
+            size += n
+        if group:
+            yield group
+
+    def allreduce_mean_(self, tensors: list[torch.Tensor]) -> None:
+        """Average ``tensors`` in place across ranks (bucketed, in their own dtype)."""
+        d = _dist()
+        for group in self._buckets(tensors):
+            flat = torch.cat([t.reshape(-1) for t in group])
+            d.all_reduce(flat, op=d.ReduceOp.SUM)
+            flat.mul_(1.0 / self.world)
+            self.bytes_sent += flat.numel() * flat.element_size()
+            off = 0
+            for t in group:
+                n = t.numel()
+                t.copy_(flat[off : off + n].view_as(t))
+                off += n
+
+    def reduce_mean_to_owners_(self, items: list[tuple[torch.Tensor, int]]) -> None:
+        """For (tensor, owner) pairs: the owner's tensor becomes the average over ranks; the
+        others' are left as they are (not to be used). One reduce-scatter per dtype: rank r's
+        chunk is the concatenation of what r owns (padded to a common length)."""
+        d = _dist()
+        by_dtype: dict[torch.dtype, list[tuple[torch.Tensor, int]]] = {}
+        for t, owner in items:
+            by_dtype.setdefault(t.dtype, []).append((t, owner))
+        for dtype, group in by_dtype.items():
+            per_rank = [[t for t, o in group if o == r] for r in range(self.world)]
+            lengths = [sum(t.numel() for t in ts) for ts in per_rank]
+            longest = max(lengths)
+            if longest == 0:
+                continue
+            device = group[0][0].device
+            chunks = []
+            for ts, n in zip(per_rank, lengths, strict=True):
+                flat = torch.zeros(longest, dtype=dtype, device=device)
+                if ts:
+                    flat[:n] = torch.cat([t.reshape(-1) for t in ts])
+                chunks.append(flat)
+            mine = torch.empty(longest, dtype=dtype, device=device)
+            d.reduce_scatter(mine, chunks, op=d.ReduceOp.SUM)
+            self.bytes_sent += longest * self.world * mine.element_size()
+            mine.mul_(1.0 / self.world)
+            off = 0
+            for t in per_rank[self.rank]:
+                n = t.numel()
+                t.copy_(mine[off : off + n].view_as(t))
+                off += n
+
+    def allreduce_sum(self, values: list[float]) -> list[float]:
+        """Sum a few numbers over ranks (float64 on the CPU with gloo, else on the device)."""
+        d = _dist()
+        dev = "cpu" if self.backend == "gloo" else torch.cuda.current_device()
+        t = torch.tensor(values, dtype=torch.float64, device=dev)
+        d.all_reduce(t, op=d.ReduceOp.SUM)
+        return t.tolist()
+
+    def allreduce_scores_(self, scores: torch.Tensor, grad_numel: int) -> torch.Tensor:
+        """Sum per-column score partials over ranks (in place); log the cost next to what
+        gathering the gradient would have cost."""
+        d = _dist()
+        d.all_reduce(scores, op=d.ReduceOp.SUM)
+        self.score_floats += scores.numel()
+        self.score_grad_equivalent += grad_numel
+        return scores
+
+    def broadcast_(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        _dist().broadcast(tensor, src=src)
+        self.bytes_sent += tensor.numel() * tensor.element_size() if src == self.rank else 0
+        return tensor
