@@ -48,6 +48,12 @@ CONFIG = {
 }
 
 
+@pytest.fixture(autouse=True)
+def _no_stray_hw_json(tmp_path, monkeypatch):
+    """Runs read ./hw.json by default: run every test from its own empty folder."""
+    monkeypatch.chdir(tmp_path)
+
+
 @pytest.fixture(scope="module")
 def sample_dir(tmp_path_factory):
     # 20 training rows: with 4 per step an epoch is 5 steps, so 6 steps cross an epoch.
@@ -63,7 +69,6 @@ def _spec(tiny_gpt2_dir, data_dir, root, gas: int = 1, **kw) -> RunSpec:
         seq_len=16,
         runs_root=root,
         max_eval_samples=8,
-        hw_json=root / "no-hw.json",
     )
     base.update(kw)
     return RunSpec(**base)
