@@ -70,17 +70,17 @@ def set_rng_state(torch, device, state: dict) -> None:
 # ---------------------------------------------------------------------------- writing
 
 
-def _write_failure(exc: BaseException, tmp: Path) -> StorageError | None:
-    """The StorageError for a failed ``torch.save`` to ``tmp``, or None when ``exc`` is not
+def _write_failure(exc: BaseException, tmp: Path) -> OSError | None:
+    """The OSError behind a failed ``torch.save`` into ``tmp``, or None when ``exc`` is not
     a write failure. torch reports I/O errors as RuntimeError without an errno ("unexpected
-    pos 576 vs 534" on a full disk), so the file system is asked: read-only, or (nearly)
-    no space left beside the partial file."""
+    pos 576 vs 534" on a full disk), so the file system is asked, while the partial file is
+    still there: read-only, (nearly) no space left, or not writable."""
     if isinstance(exc, OSError):
-        return StorageError(os_error_message(exc, tmp, "cannot write checkpoint"))
+        return exc
     if not isinstance(exc, RuntimeError):
         return None
     reason = str(exc).split("] .", 1)[-1].strip() or str(exc)
-    code = None
+    code = errno.EIO
     with contextlib.suppress(OSError):
         st = os.statvfs(tmp.parent)
         if st.f_flag & os.ST_RDONLY:
@@ -89,10 +89,7 @@ def _write_failure(exc: BaseException, tmp: Path) -> StorageError | None:
             code = errno.ENOSPC
         elif not os.access(tmp.parent, os.W_OK):
             code = errno.EACCES
-    if code is None:
-        code = errno.EIO
-    err = OSError(code, f"{os.strerror(code)} (torch.save: {reason})", str(tmp))
-    return StorageError(os_error_message(err, tmp, "cannot write checkpoint"))
+    return OSError(code, f"{os.strerror(code)} (torch.save: {reason})")
 
 
 def write_checkpoint(torch, run_dir: Path, step: int, state: dict) -> Path:
@@ -113,8 +110,8 @@ def write_checkpoint(torch, run_dir: Path, step: int, state: dict) -> Path:
         failure = _write_failure(exc, tmp) if isinstance(exc, Exception) else None
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
-        if failure is not None:
-            raise failure from exc
+        if failure is not None:  # the message's free space is counted without the temp file
+            raise StorageError(os_error_message(failure, path, "cannot write checkpoint")) from exc
         raise
     for old in runs.checkpoints(run_dir)[:-KEEP_CHECKPOINTS]:
         old.unlink(missing_ok=True)
