@@ -33,7 +33,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from zenflow.engine.stats import TIMING_FIELDS
 from zenflow.errors import (
     CheckpointError,
     StorageError,
@@ -61,6 +60,7 @@ from zenflow.train.events import (
     RunStarted,
     StepEvent,
 )
+from zenflow.train.rundir import RunDirectory
 from zenflow.train.signals import StopRequests
 from zenflow.train.spec import (
     ENGINE_MODES,
@@ -74,17 +74,13 @@ from zenflow.train.spec import (
     resume_command,
     spec_record,
 )
+from zenflow.train.summary import run_header, run_summary, step_counts, zenflow_settings
 
 __all__ = ["RunInterrupted", "RunSpec", "resume_command", "run_finetune"]
 
 
 def _noop(_event) -> None:
     pass
-
-
-def _finite_mean(values) -> float | None:
-    vals = [float(v) for v in values if v is not None and math.isfinite(float(v))]
-    return sum(vals) / len(vals) if vals else None
 
 
 # ---------------------------------------------------------------------------- the run
@@ -100,7 +96,7 @@ class _Run:
         self.candidates: list[Path] = []  # checkpoints to resume from, newest first
         self.explicit_checkpoint = False  # --resume named one file
         self.run_dir: Path | None = None
-        self.lock: runs.RunDirLock | None = None
+        self.dir: RunDirectory | None = None
         self.notes: list[str] = []  # said in the header (RunStarted)
         if spec.engine_mode not in ENGINE_MODES:
             raise UserInputError(
@@ -121,37 +117,15 @@ class _Run:
             raise UserInputError(f"epochs must be positive, got {spec.epochs}.")
         self.spec = spec
 
-    # -- the run directory: claimed (locked) before the slow setup when it exists already
+    # -- the run directory (zenflow.train.rundir): locked for the whole run
     def claim_run_dir(self) -> None:
-        """Lock an existing run directory for this process (resume, or --run-dir) and refuse
-        one that holds a run unless resuming or overwriting. A new directory is created
-        and locked only after setup succeeded (``_open_new_run_dir``): no empty run
-        directory is left behind by a setup error."""
-        spec = self.spec
-        if spec.resume:
-            self.run_dir = Path(spec.run_dir)
-            self._lock(self.run_dir)
-        elif spec.run_dir is not None and Path(spec.run_dir).is_dir():
-            self.run_dir = Path(spec.run_dir)
-            self._lock(self.run_dir)
-            self._refuse_existing_run(self.run_dir)
-
-    def _lock(self, run_dir: Path) -> None:
-        self.lock = runs.RunDirLock(run_dir).acquire()
-
-    def _refuse_existing_run(self, run_dir: Path) -> None:
-        if not self.spec.overwrite and runs.holds_run(run_dir):
-            raise UserInputError(
-                f"--run-dir {run_dir} already holds a run. Continue it with --resume "
-                f"{run_dir}, or pass --overwrite to delete its files "
-                f"({', '.join(runs.OUR_ENTRIES)}) and start a new run there, or choose "
-                "another --run-dir."
-            )
+        self.dir = RunDirectory(self.spec)
+        self.dir.claim()
+        self.run_dir = self.dir.path
 
     def release(self) -> None:
-        if self.lock is not None:
-            self.lock.release()
-            self.lock = None
+        if self.dir is not None:
+            self.dir.release()
 
     # -- setup
     def setup(self) -> None:
@@ -309,136 +283,16 @@ class _Run:
             self.metrics_file.flush()
         self.metrics_lines += 1
 
-    # -- header / summary
+    # -- header / summary (zenflow.train.summary)
     def zenflow_settings(self) -> dict | None:
-        """The zenflow block the engine runs with (the defaults when the config has none
-        and the engine is zenflow), its "auto" values resolved; None when not used."""
-        from zenflow.config import ZenFlowConfig
-
-        zf_cfg = self.config.zenflow
-        if zf_cfg is None and self.spec.engine_mode == "zenflow":
-            zf_cfg = ZenFlowConfig()
-        if zf_cfg is None:
-            return None
-        zf = dataclasses.asdict(zf_cfg)
-        zf.update({k: v for k, v in self.engine.resolved.items() if k in zf})
-        return zf
+        return zenflow_settings(self.config, self.spec.engine_mode, self.engine.resolved)
 
     def header(self, start_step: int, start_counts: dict | None = None) -> dict:
-        cfg = self.config
-        zf = self.zenflow_settings()
-        return {
-            "run_dir": str(self.run_dir),
-            "model": self.spec.model,
-            "task": self.task.name,
-            "init": self.spec.init,
-            "engine_mode": self.spec.engine_mode,
-            "sources": self.sources,
-            "params": self.params,
-            "model_bytes": self.engine.model_bytes,
-            "device": str(self.device),
-            "train_examples": len(self.task_data.train),
-            "dev_examples": len(self.task_data.dev),
-            "eval_examples": min(
-                len(self.task_data.dev), self.spec.max_eval_samples or len(self.task_data.dev)
-            ),
-            "micro_batch": self.micro_batch,
-            "gradient_accumulation_steps": self.gas,
-            "seq_len": self.spec.seq_len,
-            "steps_per_epoch": self.spe,
-            "total_steps": self.total_steps,
-            "start_step": start_step,
-            "resumed_from": str(self.resumed_from) if self.resumed_from else None,
-            "lr": cfg.optimizer.lr,
-            "scheduler": cfg.scheduler.type,
-            "bf16": cfg.bf16,
-            "gradient_clipping": cfg.gradient_clipping,
-            "zenflow": zf,
-            "engine_resolved": dict(self.engine.resolved),
-            "config_source": cfg.source,
-            "config_ignored": list(cfg.ignored),
-            "metrics": list(self.task.metrics),
-            "seed": self.spec.seed,
-            # Counts of the steps before start_step (a resumed run's dashboard goes on).
-            "start_counts": start_counts or {},
-            "notes": list(self.notes),
-        }
+        return run_header(self, start_step, start_counts)
 
     def summary(self, wall_s: float, status: str) -> dict:
         lines = runs.read_metrics(self.run_dir / runs.METRICS_FILE)
-        steps = [m for m in lines if m.get("type") == "step"]
-        evals = [m for m in lines if m.get("type") == "eval"]
-        n = len(steps)
-        model_bytes = self.engine.model_bytes
-        d2h = sum(int(m.get("d2h_bytes", 0)) for m in steps)
-        h2d = sum(int(m.get("h2d_bytes", 0)) for m in steps)
-        samples = n * self.micro_batch * self.gas
-        tokens = samples * self.spec.seq_len
-        train_s = sum(float(m.get("wall_ms", 0.0)) for m in steps) / 1e3
-        losses = [m.get("loss") for m in steps]
-        timing = {f: _finite_mean(m.get(f) for m in steps) for f in TIMING_FIELDS}
-        windows = [m["window_len"] for m in steps if m.get("window_len")]
-        last_eval = {k: v for k, v in evals[-1].items() if k != "type"} if evals else None
-        cfg = self.config
-        return {
-            "status": status,
-            "run_dir": str(self.run_dir),
-            "model": self.spec.model,
-            "task": self.task.name,
-            "engine_mode": self.spec.engine_mode,
-            "steps": n,
-            "total_steps": self.total_steps,
-            "epochs": n / self.spe,
-            "final_loss": losses[-1] if losses else None,
-            "final_loss_mean_last_10": _finite_mean(losses[-10:]),
-            "eval": last_eval,
-            "validation": {k: last_eval[k] for k in self.task.metrics} if last_eval else None,
-            "validation_accuracy": (last_eval or {}).get("accuracy"),
-            "non_finite_steps": sum(
-                1
-                for m in steps
-                if m.get("skipped") or m.get("loss") is None or not math.isfinite(m["loss"])
-            ),
-            "timing_ms_mean": timing,
-            "stall_fraction": (
-                timing["stall_ms"] / timing["wall_ms"]
-                if timing["stall_ms"] is not None and timing["wall_ms"]
-                else None
-            ),
-            "d2h_bytes_total": d2h,
-            "h2d_bytes_total": h2d,
-            "bytes_per_step": (d2h + h2d) / n if n else None,
-            "bytes_per_step_x_model": (d2h + h2d) / n / model_bytes if n else None,
-            "d2h_per_step_x_model": d2h / n / model_bytes if n else None,
-            "h2d_per_step_x_model": h2d / n / model_bytes if n else None,
-            "host_updates": sum(1 for m in steps if m.get("host_update")),
-            "mean_window_len": sum(windows) / len(windows) if windows else None,
-            "selection_changes": sum(int(m.get("selection_changed", 0)) for m in steps),
-            "samples": samples,
-            "tokens": tokens,
-            "train_s": train_s,
-            "samples_per_s": samples / train_s if train_s > 0 else None,
-            "tokens_per_s": tokens / train_s if train_s > 0 else None,
-            "wall_s": wall_s,
-            "model_bytes": model_bytes,
-            "params": self.params,
-            "sources": self.sources,
-            "config": {
-                "source": cfg.source,
-                "lr": cfg.optimizer.lr,
-                "optimizer": cfg.optimizer.type,
-                "weight_decay": cfg.optimizer.weight_decay,
-                "scheduler": cfg.scheduler.type,
-                "micro_batch": self.micro_batch,
-                "gradient_accumulation_steps": self.gas,
-                "seq_len": self.spec.seq_len,
-                "gradient_clipping": cfg.gradient_clipping,
-                "bf16": cfg.bf16,
-                "zenflow": self.zenflow_settings(),
-                "engine_resolved": dict(self.engine.resolved),
-            },
-            "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
-        }
+        return run_summary(self, lines, wall_s, status)
 
     # -- the loop
     def run(self) -> dict:
@@ -446,7 +300,7 @@ class _Run:
         from zenflow.engine import ZenFlowEngine
 
         spec = self.spec
-        done = self.already_finished()
+        done = self.dir.finished_summary(self.total_steps)
         if done is not None:
             self.on_event(RunAlreadyFinished(done))
             return done
@@ -470,23 +324,6 @@ class _Run:
         finally:
             self.engine.close()
 
-    def already_finished(self) -> dict | None:
-        """The summary of a resumed run that already did everything asked of it (finished,
-        its final checkpoint, model and summary written), else None."""
-        if not self.spec.resume:
-            return None
-        run_dir = Path(self.spec.run_dir)
-        summary = runs.read_json(run_dir / runs.SUMMARY_FILE)
-        final = runs.checkpoint_step(runs.latest_checkpoint(run_dir))
-        if (
-            isinstance(summary, dict)
-            and summary.get("status") == "finished"
-            and summary.get("steps") == self.total_steps == final
-            and (run_dir / runs.MODEL_DIR).is_dir()
-        ):
-            return summary
-        return None
-
     def _recovery_hint(self) -> str:
         if self.last_checkpoint is not None:
             return (
@@ -495,25 +332,6 @@ class _Run:
             )
         return "No checkpoint was written; start the run again once there is room."
 
-    def _open_new_run_dir(self) -> None:
-        """Create (or take over with --overwrite) the run directory, locked, empty of run
-        files."""
-        spec = self.spec
-        if spec.run_dir is None:
-            root = Path(spec.runs_root)
-            with runs.writing(root, "cannot create a run directory under"):
-                self.run_dir = runs.create_run_dir(root, spec.model, self.task.name)
-            self._lock(self.run_dir)
-            return
-        self.run_dir = Path(spec.run_dir)
-        if self.lock is None:  # the directory did not exist at claim time
-            with runs.writing(self.run_dir, "cannot create the run directory"):
-                self.run_dir.mkdir(parents=True, exist_ok=True)
-            self._lock(self.run_dir)
-            self._refuse_existing_run(self.run_dir)
-        if spec.overwrite:
-            runs.clear_run(self.run_dir)
-
     def _prepare_run_dir(self) -> tuple[int, int, int, float]:
         """Create or reopen the run dir; returns (start step, epoch, index, prior wall s)."""
         spec, torch = self.spec, self.torch
@@ -521,23 +339,15 @@ class _Run:
             self.run_dir = Path(spec.run_dir)
             state = self.load_resume_state()
             step = state["step"]
-            # Lines written after the checkpoint belong to steps that run again; a final
-            # evaluation of a run stopped during its final save runs again too.
-            kept = runs.trim_metrics(
-                self.run_dir / runs.METRICS_FILE,
-                state["metrics_lines"],
-                drop_eval_at=step if step >= self.total_steps else None,
-            )
+            kept = self.dir.reopen(state["metrics_lines"], step, self.total_steps)
             self.metrics_lines = len(kept)
-            self.start_counts = _step_counts(kept)
-            with runs.writing(self.run_dir / runs.SUMMARY_FILE, "cannot remove"):
-                (self.run_dir / runs.SUMMARY_FILE).unlink(missing_ok=True)  # no longer true
+            self.start_counts = step_counts(kept)
             set_rng_state(torch, self.device, state["rng"])
             pos = state["position"]
             self.last_checkpoint = self.resumed_from
             start = (step, pos["epoch"], pos["index"], float(state.get("wall_s", 0.0)))
         else:
-            self._open_new_run_dir()
+            self.run_dir = self.dir.create(self.task.name)
             with runs.writing(self.run_dir / runs.METRICS_FILE):
                 (self.run_dir / runs.METRICS_FILE).write_text("", encoding="utf-8")
             self.metrics_lines = 0
@@ -704,16 +514,6 @@ class _Run:
         )
         self.on_event(event)
         raise event
-
-
-def _step_counts(records: list[dict]) -> dict:
-    """What the dashboard counts over a run, from its metrics lines (a resumed run's start)."""
-    steps = [r for r in records if r.get("type") == "step"]
-    return {
-        "host_updates": sum(1 for r in steps if r.get("host_update")),
-        "selection_changes": sum(int(r.get("selection_changed") or 0) for r in steps),
-        "skipped": sum(1 for r in steps if r.get("skipped")),
-    }
 
 
 def run_finetune(spec: RunSpec, on_event: Callable[[object], None] = _noop) -> dict:
