@@ -101,12 +101,10 @@ def save_model(model, tokenizer, out: Path) -> None:
         raise StorageError(os_error_message(exc, out, "cannot save the model to")) from exc
     except Exception as exc:
         m = re.search(r"os error (\d+)", str(exc))
-        if m is None:
-            raise
+        if m is None or int(m.group(1)) not in errno.errorcode:
+            raise  # not an I/O failure: a bug, reported as one
         code = int(m.group(1))
-        err = OSError(code, os.strerror(code) if code else str(exc), str(out))
-        if code not in errno.errorcode:
-            raise
+        err = OSError(code, os.strerror(code))
         raise StorageError(os_error_message(err, out, "cannot save the model to")) from exc
 
 
