@@ -327,10 +327,10 @@ class _Run:
     def _recovery_hint(self) -> str:
         if self.last_checkpoint is not None:
             return (
-                f"The last good checkpoint, {self.last_checkpoint}, is kept; once there is "
-                f"room, continue with: {resume_command(self.spec, self.run_dir)}"
+                f"The last good checkpoint, {self.last_checkpoint}, is kept; once that is "
+                f"fixed, continue with: {resume_command(self.spec, self.run_dir)}"
             )
-        return "No checkpoint was written; start the run again once there is room."
+        return "No checkpoint was written yet; start the run again once that is fixed."
 
     def _prepare_run_dir(self) -> tuple[int, int, int, float]:
         """Create or reopen the run dir; returns (start step, epoch, index, prior wall s)."""
