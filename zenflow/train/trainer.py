@@ -191,7 +191,7 @@ class _Run:
         }
 
     def save_checkpoint(self, step, epoch, index, rng, wall_s, *, state=None) -> Path:
-        """Write a checkpoint atomically (temp file + rename); keep the newest few."""
+        """Write a checkpoint atomically (temp file, fsync, rename); keep the newest few."""
         if state is None:
             state = self.checkpoint_state(step, epoch, index, rng, wall_s)
         state["metrics_lines"] = self.metrics_lines
