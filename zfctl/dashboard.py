@@ -67,6 +67,7 @@ class DashboardState:
     evals: list = field(default_factory=list)  # (step, metrics)
     checkpoint: str | None = None
     summary: dict | None = None
+    already_finished: bool = False
 
     def apply(self, event: Any) -> None:
         kind = type(event).__name__
@@ -74,6 +75,11 @@ class DashboardState:
             self.header = dict(event.header)
             self.total_steps = int(self.header.get("total_steps") or 0)
             self.step = int(self.header.get("start_step") or 0)
+            # A resumed run's counts go on from the steps before it.
+            counts = self.header.get("start_counts") or {}
+            self.host_updates = int(counts.get("host_updates") or 0)
+            self.selection_changed = int(counts.get("selection_changes") or 0)
+            self.skipped = int(counts.get("skipped") or 0)
         elif kind == "StepEvent":
             s = event.stats
             row = s.to_dict()
@@ -94,6 +100,9 @@ class DashboardState:
             self.checkpoint = str(event.path)
         elif kind == "RunFinished":
             self.summary = dict(event.summary)
+        elif kind == "RunAlreadyFinished":
+            self.summary = dict(event.summary)
+            self.already_finished = True
 
     def mean(self, key: str) -> float | None:
         vals = [r[key] for r in self.recent if isinstance(r.get(key), (int, float))]
@@ -166,6 +175,8 @@ def render_header(header: dict) -> Panel:
     t.add_row("run dir", escape(str(header.get("run_dir"))))
     if header.get("resumed_from"):
         t.add_row("resumed", escape(str(header["resumed_from"])))
+    for note in header.get("notes") or []:
+        t.add_row("[yellow]note[/]", f"[yellow]{escape(str(note))}[/]")
     return Panel(t, title="zfctl finetune", border_style="cyan")
 
 
@@ -260,6 +271,9 @@ def format_plain_header(header: dict) -> list[str]:
     if zf and header.get("engine_mode") == "zenflow":
         lines.append("zenflow: " + ", ".join(f"{k}={v}" for k, v in zf.items()))
     lines.append(f"run dir: {header.get('run_dir')}")
+    if header.get("resumed_from"):
+        lines.append(f"resumed from: {header['resumed_from']}")
+    lines += [f"note: {note}" for note in header.get("notes") or []]
     return lines
 
 

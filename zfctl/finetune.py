@@ -22,7 +22,7 @@ from zfctl.dashboard import (
     render_dashboard,
     render_summary,
 )
-from zfctl.errors import EXIT_INTERRUPTED, err_console, user_error
+from zfctl.errors import err_console, user_error
 
 ENGINES = ("zenflow", "offload", "device")
 INITS = ("pretrained", "random")
@@ -69,10 +69,25 @@ def finetune(
     seq_len: Annotated[int, typer.Option(min=2, help="Tokens per example.")] = 128,
     lr: Annotated[float | None, typer.Option(help="Peak learning rate.")] = None,
     seed: Annotated[int, typer.Option(help="Random seed (init, data order, dropout).")] = 42,
-    run_dir: Annotated[Path | None, typer.Option(help="Run directory (default: new).")] = None,
+    run_dir: Annotated[
+        Path | None,
+        typer.Option(help="Run directory (default: a new one under --runs-root)."),
+    ] = None,
+    overwrite: Annotated[
+        bool,
+        typer.Option(
+            "--overwrite",
+            help="--run-dir holds a run: delete its run files (config, metrics, summary, "
+            "hw.json, checkpoints, model) and start a new run there.",
+        ),
+    ] = False,
     runs_root: Annotated[Path, typer.Option(help="Where new run directories go.")] = Path("runs"),
     resume: Annotated[
-        str | None, typer.Option(help="auto (latest run of MODEL and TASK) or a run directory.")
+        str | None,
+        typer.Option(
+            help="auto (latest run of MODEL and TASK), a run directory (its newest readable "
+            "checkpoint) or a checkpoint file."
+        ),
     ] = None,
     eval_every: Annotated[
         int | None, typer.Option(min=1, help="Also evaluate every N steps.")
@@ -91,7 +106,10 @@ def finetune(
         typer.Option("--set", help="Override a config key: dotted.json.path=value."),
     ] = None,
     hw_json: Annotated[
-        Path | None, typer.Option(help="tune-hw result saved with the run (default ./hw.json).")
+        Path | None,
+        typer.Option(
+            help="tune-hw result saved with the run (must exist; default ./hw.json when present)."
+        ),
     ] = None,
     no_dashboard: Annotated[
         bool, typer.Option("--no-dashboard", help="Plain progress lines, no live dashboard.")
@@ -153,6 +171,7 @@ def finetune(
         max_steps=max_steps, epochs=epochs, micro_batch=micro_batch, seq_len=seq_len, lr=lr,
         seed=seed, run_dir=run_dir, runs_root=runs_root, resume=resume, eval_every=eval_every,
         max_eval_samples=max_eval_samples, hw_json=hw_json, checkpoint_every=checkpoint_every,
+        overwrite=overwrite,
     )  # fmt: skip
     if json_output:
         renderer = _JsonRenderer()
@@ -165,18 +184,27 @@ def finetune(
             summary = run_finetune(spec, renderer)
     except RunInterrupted as exc:
         console = err_console()
-        console.print(f"[yellow]interrupted after step {exc.step}[/]")
+        why = "stopped by SIGTERM" if exc.signal == "SIGTERM" else "interrupted"
+        console.print(f"[yellow]{why} after step {exc.step}[/]")
         if exc.resume_command:
             console.print(f"checkpoint: {escape(str(exc.checkpoint))}")
             console.print(f"resume with: [bold]{escape(exc.resume_command)}[/]")
-        raise typer.Exit(EXIT_INTERRUPTED) from None
+        raise typer.Exit(exc.exit_code) from None
     if not json_output:
-        out.print(render_summary(summary))
-        out.print(f"report: zfctl report {escape(summary['run_dir'])}")
+        if renderer.already_finished:
+            out.print(
+                f"run {escape(str(summary.get('run_dir')))} already finished "
+                f"({summary.get('steps')} steps); nothing to do."
+            )
+        else:
+            out.print(render_summary(summary))
+        out.print(f"report: zfctl report {escape(str(summary['run_dir']))}")
 
 
 class _JsonRenderer:
     """One JSON object per event on stdout, nothing else."""
+
+    already_finished = False
 
     def __enter__(self):
         return self
@@ -185,6 +213,7 @@ class _JsonRenderer:
         return None
 
     def __call__(self, event) -> None:
+        self.already_finished |= type(event).__name__ == "RunAlreadyFinished"
         sys.stdout.write(event_to_json(event) + "\n")
         sys.stdout.flush()
 
@@ -195,6 +224,10 @@ class _PlainRenderer:
     def __init__(self, every: int):
         self.every = max(1, int(every))
         self.state = DashboardState()
+
+    @property
+    def already_finished(self) -> bool:
+        return self.state.already_finished
 
     def __enter__(self):
         return self
@@ -227,6 +260,10 @@ class _LiveRenderer:
 
         self.state = DashboardState()
         self.live = Live(console=console, refresh_per_second=4, transient=False)
+
+    @property
+    def already_finished(self) -> bool:
+        return self.state.already_finished
 
     def __enter__(self):
         self.live.__enter__()

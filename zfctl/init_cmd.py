@@ -190,14 +190,20 @@ def init(
     if print_only:
         typer.echo(json.dumps(data, indent=2))
         return
+    if output.is_dir():
+        raise user_error(
+            f"--output {output} is a directory; give a file path, e.g. --output "
+            f"{output / 'ds_config.json'}."
+        )
     if output.exists() and not force:
         raise user_error(
             f"{output} already exists; pass --force to overwrite it, or --output PATH to "
             "write elsewhere."
         )
-    from zenflow.train.runs import write_json_atomic
+    from zenflow.train.runs import write_json_atomic, writing
 
-    write_json_atomic(output, data)
+    with writing(output, "--output: cannot write"):
+        write_json_atomic(output, data)
     console = Console(highlight=False)
     console.print(f"[green]wrote[/] {escape(str(output))} (template {template})")
     if config.zenflow is not None:

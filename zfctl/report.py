@@ -163,6 +163,7 @@ def run_report(run: dict) -> dict:
     run_dir = str(run.get("run_dir") or (summary or {}).get("run_dir") or "")
     return {
         "run_dir": run_dir,
+        "warnings": list(run.get("warnings") or []),
         "name": Path(run_dir).name,
         "status": status,
         "has_summary": summary is not None,
@@ -187,17 +188,46 @@ def resume_command(spec: dict, run_dir: str) -> str:
     return " ".join(args)
 
 
+def _comparable(first: dict, other: dict) -> str | None:
+    """Why ``other``'s speed cannot be compared with ``first``'s (another task or model),
+    or None when it can."""
+    from zenflow.train.runs import same_model
+
+    diffs = []
+    if first.get("task") != other.get("task"):
+        diffs.append(f"task {other.get('task')} vs {first.get('task')}")
+    a, b = first.get("model"), other.get("model")
+    if a != b and not (a is not None and b is not None and same_model(str(a), str(b))):
+        diffs.append(f"model {b} vs {a}")
+    return "; ".join(diffs) or None
+
+
+def comparison_warnings(reports: list[dict]) -> list[str]:
+    """One line per run that trains something else than the first (no speed-up shown)."""
+    out = []
+    for i, r in enumerate(reports[1:], 2):
+        why = _comparable(reports[0], r)
+        if why:
+            out.append(
+                f"#{i} {r.get('name')} is not comparable with #1 {reports[0].get('name')} "
+                f"({why}): no speed-up shown for it."
+            )
+    return out
+
+
 def compare(reports: list[dict]) -> list[dict]:
     """One row per run, in the given order, with the key numbers and the speed-up against
     the first run: ``speedup_vs_first`` = first run's mean wall ms per step / this run's,
     ``samples_per_s_vs_first`` = this run's samples/s / the first run's (None when either
-    side is unknown)."""
+    side is unknown, or when the run trains another task or model than the first:
+    ``comparable`` False, see ``comparison_warnings``)."""
     if not reports:
         return []
     first = reports[0]
     rows = []
     for r in reports:
         timing = r.get("timing_ms_mean") or {}
+        comparable = _comparable(first, r) is None
         rows.append(
             {
                 "run_dir": r.get("run_dir"),
@@ -215,23 +245,33 @@ def compare(reports: list[dict]) -> list[dict]:
                 "tokens_per_s": r.get("tokens_per_s"),
                 "final_loss": r.get("final_loss"),
                 "validation_accuracy": r.get("validation_accuracy"),
+                "comparable": comparable,
                 "speedup_vs_first": _ratio(
                     (first.get("timing_ms_mean") or {}).get("wall_ms"), timing.get("wall_ms")
-                ),
-                "samples_per_s_vs_first": _ratio(
-                    r.get("samples_per_s"), first.get("samples_per_s")
-                ),
+                )
+                if comparable
+                else None,
+                "samples_per_s_vs_first": _ratio(r.get("samples_per_s"), first.get("samples_per_s"))
+                if comparable
+                else None,
             }
         )
     return rows
 
 
 def report_document(reports: list[dict]) -> dict:
-    """The ``--json`` document: {"runs": [...], "comparison": [...] (2+ runs)}."""
+    """The ``--json`` document: {"runs": [...], "comparison": [...] (2+ runs),
+    "warnings": [...]} (warnings: lines skipped in a metrics.jsonl, runs not comparable)."""
     doc: dict[str, Any] = {"runs": reports}
     if len(reports) > 1:
         doc["comparison"] = compare(reports)
+    doc["warnings"] = report_warnings(reports)
     return jsonable(doc)
+
+
+def report_warnings(reports: list[dict]) -> list[str]:
+    lines = [w for r in reports for w in r.get("warnings") or []]
+    return lines + (comparison_warnings(reports) if len(reports) > 1 else [])
 
 
 # ---------------------------------------------------------------------------- finding runs
@@ -340,6 +380,9 @@ def report(
     reports = [run_report(r) for r in loaded]
     if plot is not None:
         write_plot(loaded, reports, plot)
+    warn = err_console()
+    for line in report_warnings(reports):  # on stderr, so --json stays one document
+        warn.print(f"[yellow]warning:[/] {escape(line)}")
     if as_json:
         typer.echo(json.dumps(report_document(reports), indent=2, allow_nan=False))
     else:

@@ -227,6 +227,10 @@ def _speedup(x: Any) -> str:
     return "-" if x is None else f"{x:.2f}x"
 
 
+def _vs_first(row: dict, key: str) -> str:
+    return _speedup(row.get(key)) if row.get("comparable", True) else "not comparable"
+
+
 # (label, formatter of one comparison row)
 COMPARISON_ROWS = (
     ("status", lambda c: str(c.get("status") or "-")),
@@ -246,8 +250,8 @@ COMPARISON_ROWS = (
     ("tokens/s", lambda c: fmt_num(_finite(c.get("tokens_per_s")), ".0f")),
     ("final loss", lambda c: fmt_num(_finite(c.get("final_loss")), ".4f")),
     ("accuracy", lambda c: fmt_num(_finite(c.get("validation_accuracy")), ".4f")),
-    ("speed-up vs first", lambda c: _speedup(c.get("speedup_vs_first"))),
-    ("samples/s vs first", lambda c: _speedup(c.get("samples_per_s_vs_first"))),
+    ("speed-up vs first", lambda c: _vs_first(c, "speedup_vs_first")),
+    ("samples/s vs first", lambda c: _vs_first(c, "samples_per_s_vs_first")),
 )  # fmt: skip
 
 

@@ -101,3 +101,32 @@ def test_event_json_round_trip():
     assert obj["tokens_per_s"] == 768.0
     done = json.loads(event_to_json(RunFinished({"steps": 3, "final_loss": float("nan")})))
     assert done["summary"]["final_loss"] is None  # NaN is not JSON
+
+
+def test_counts_go_on_after_a_resume(tiny_gpt2_dir, tmp_path, monkeypatch):
+    """The live host-update and column-move counts of a resumed run continue from the
+    interrupted one: they end where an uninterrupted run's end (issue 10 item 8)."""
+    import dataclasses
+
+    from zenflow.config import load_config
+    from zenflow.train.data import write_sst2_sample
+    from zenflow.train.spec import RunSpec
+    from zenflow.train.trainer import run_finetune
+
+    monkeypatch.chdir(tmp_path)
+    zf = {"topk_ratio": 0.1, "update_interval": 2, "select_strategy": "step",
+          "select_interval": 2}  # fmt: skip
+    cfg = load_config({"train_micro_batch_size_per_gpu": 4, "zero_optimization": {
+        "stage": 2, "offload_optimizer": {"device": "cpu"}, "zenflow": zf}})  # fmt: skip
+    spec = RunSpec(model=str(tiny_gpt2_dir), task="sst2", config=cfg, seq_len=16,
+                   data_dir=str(write_sst2_sample(tmp_path / "data", n=24, n_dev=4)),
+                   max_steps=6, max_eval_samples=4, runs_root=tmp_path / "a")  # fmt: skip
+    straight = DashboardState()
+    run_finetune(spec, straight.apply)
+    first = DashboardState()
+    s = run_finetune(dataclasses.replace(spec, max_steps=3, runs_root=tmp_path / "b"), first.apply)
+    second = DashboardState()
+    run_finetune(dataclasses.replace(spec, resume=s["run_dir"]), second.apply)
+    assert 0 < first.host_updates < straight.host_updates
+    assert (second.step, second.host_updates) == (6, straight.host_updates)
+    assert second.selection_changed == straight.selection_changed > first.selection_changed

@@ -1,5 +1,5 @@
-"""A real Ctrl-C (SIGINT) to a running `zfctl finetune` process: checkpoint, resume command on
-stderr, exit 130; running the printed command finishes the run."""
+"""A real Ctrl-C (SIGINT) or SIGTERM to a running `zfctl finetune` process: checkpoint, resume
+command on stderr, exit 130 or 143; running the printed command finishes the run."""
 
 from __future__ import annotations
 
@@ -53,3 +53,56 @@ def test_sigint_saves_and_prints_resume_command(tiny_gpt2_dir, glue_dir, tmp_pat
     assert r.returncode == 0, r.stderr
     summary = runs.read_run(run_dir)["summary"]
     assert summary["steps"] == done_steps + 2 and summary["status"] == "finished"
+
+
+def test_sigterm_checkpoints_exits_143_and_resumes_bit_exactly(cli, tiny_gpt2_dir, tmp_path):
+    """A real SIGTERM (what Slurm or Kubernetes send before a kill) to `zfctl finetune`:
+    checkpoint at the step boundary, the resume command, exit 143; running that command
+    gives the same losses and weights as a run that was never stopped."""
+    from zenflow.train.data import write_sst2_sample
+
+    # 40 steps: SIGTERM goes out when step 2 is reported, long before the end.
+    data = write_sst2_sample(tmp_path / "data", n=100, n_dev=8)
+    common = [
+        str(tiny_gpt2_dir), "--task", "sst2", "--data-dir", str(data), "--max-steps", "40",
+        "--micro-batch", "2", "--seq-len", "16", "--max-eval-samples", "8",
+    ]  # fmt: skip
+    straight = cli("finetune", *common, "--run-dir", tmp_path / "straight", "--json")
+    assert straight.exit_code == 0, straight.output
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    run_dir = tmp_path / "stopped"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "zfctl", "finetune", *common, "--run-dir", str(run_dir), "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    try:
+        for line in proc.stdout:
+            event = json.loads(line)
+            if event.get("event") == "StepEvent" and event["step"] >= 2:
+                proc.send_signal(signal.SIGTERM)
+                break
+        _, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err
+    assert "Traceback" not in err and "stopped by SIGTERM after step" in err
+    done_steps = len(runs.read_run(run_dir)["metrics"])
+    assert 2 <= done_steps < 40
+    ckpt = runs.latest_checkpoint(run_dir)
+    assert ckpt.name == f"step-{done_steps:07d}.pt" and f"checkpoint: {ckpt}" in err
+    (resume,) = [ln for ln in err.splitlines() if ln.startswith("resume with: ")]
+    cmd = shlex.split(resume[len("resume with: ") :])
+    assert cmd[:2] == ["zfctl", "finetune"] and cmd[cmd.index("--resume") + 1] == str(run_dir)
+
+    r = cli(*cmd[1:], "--json")
+    assert r.exit_code == 0, r.output
+    got, ref = runs.read_run(run_dir), runs.read_run(tmp_path / "straight")
+    assert [m["loss"] for m in got["metrics"]] == [m["loss"] for m in ref["metrics"]]
+    assert got["evals"] == ref["evals"] and got["summary"]["steps"] == 40
+
+    import torch
+
+    a = torch.load(runs.latest_checkpoint(run_dir), weights_only=True)["model"]
+    b = torch.load(runs.latest_checkpoint(tmp_path / "straight"), weights_only=True)["model"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

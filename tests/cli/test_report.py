@@ -60,6 +60,7 @@ def make_run(
     walls: list[float],
     *,
     model: str = "gpt2",
+    task: str = "sst2",
     engine_mode: str = "zenflow",
     accuracy: float | None = 0.875,
     finished: bool = True,
@@ -82,7 +83,7 @@ def make_run(
         "zero_optimization": {"stage": 2, "zenflow": zenflow},
         "run": {
             "model": model,
-            "task": "sst2",
+            "task": task,
             "engine_mode": engine_mode,
             "micro_batch": MICRO_BATCH,
             "seq_len": SEQ_LEN,
@@ -126,7 +127,7 @@ def summary_for(run_dir: Path, walls: list[float], accuracy: float | None, confi
         "status": "finished",
         "run_dir": str(run_dir),
         "model": config["run"]["model"],
-        "task": "sst2",
+        "task": config["run"]["task"],
         "engine_mode": config["run"]["engine_mode"],
         "steps": n,
         "total_steps": n,
@@ -245,6 +246,56 @@ def test_comparison_speedup_against_the_first_run(cli, tmp_path):
     assert table.exit_code == 0, table.output
     assert "comparison" in table.stdout and "speed-up vs first" in table.stdout
     assert "2.00x" in table.stdout and "1.00x" in table.stdout
+
+
+def test_runs_of_other_tasks_or_models_get_no_speedup(cli, tmp_path):
+    a = make_run(tmp_path, "20240101-120000-gpt2-sst2", [200.0] * 5)
+    b = make_run(tmp_path, "20240101-130000-gpt2-rte", [100.0] * 5, task="rte")
+    c = make_run(tmp_path, "20240101-140000-opt-sst2", [50.0] * 5, model="opt")
+    d = make_run(tmp_path, "20240101-150000-gpt2-sst2", [100.0] * 5)
+    result = cli("report", "--json", a, b, c, d)
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    rows = doc["comparison"]
+    assert [r["comparable"] for r in rows] == [True, False, False, True]
+    assert [r["speedup_vs_first"] for r in rows] == [1.0, None, None, pytest.approx(2.0)]
+    assert rows[1]["samples_per_s_vs_first"] is None
+    assert doc["warnings"] == [
+        f"#2 {b.name} is not comparable with #1 {a.name} (task rte vs sst2): no speed-up "
+        "shown for it.",
+        f"#3 {c.name} is not comparable with #1 {a.name} (model opt vs gpt2): no speed-up "
+        "shown for it.",
+    ]
+    table = cli("report", a, b, c, d)
+    assert table.exit_code == 0, table.output
+    text = " ".join(table.output.split())
+    assert f"warning: #2 {b.name} is not comparable with #1 {a.name} (task rte vs sst2)" in text
+    assert "not comparable" in table.stdout and "2.00x" in table.stdout
+
+
+def test_garbage_lines_are_skipped_with_a_warning_and_reading_goes_on(cli, tmp_path):
+    run = make_run(tmp_path, "20240101-120000-gpt2-sst2", [100.0] * 40, finished=False)
+    lines = (run / "metrics.jsonl").read_bytes().splitlines(True)
+    lines[10:10] = [b"\xff\xfe not utf-8\n", b"[1, 2]\n", b"{not json\n"]
+    (run / "metrics.jsonl").write_bytes(b"".join(lines) + b'{"type": "step", "st')
+    result = cli("report", "--json", run)
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    (r,) = doc["runs"]
+    assert r["steps"] == 40 and r["validation_accuracy"] == 0.875  # the eval line is last
+    m = run / "metrics.jsonl"
+    assert (
+        doc["warnings"]
+        == r["warnings"]
+        == [
+            f"{m} line 11 is not UTF-8 text; skipped it",
+            f"{m} line 12 is not a JSON object; skipped it",
+            f"{m} line 13 is not valid JSON; skipped it",
+            f"{m} line 45 (the last) is incomplete, as a crash mid-write leaves it; skipped it",
+        ]
+    )
+    text = " ".join(result.output.split())
+    assert f"warning: {m} line 11 is not UTF-8 text; skipped it" in text
 
 
 def run_report_of(run_dir: Path) -> dict:

@@ -298,3 +298,29 @@ def test_pretrained_source(tiny_gpt2_dir, tmp_path):
     assert pretrained_source("gpt2", cache_dir=tmp_path / "hf") is None  # config only
     (snap / "model.safetensors").write_bytes(b"")
     assert pretrained_source("gpt2", cache_dir=tmp_path / "hf") == "hub cache: gpt2"
+
+
+def test_save_model_turns_write_failures_into_storage_errors(tmp_path):
+    """safetensors reports a full disk as SafetensorError("... (os error 28)"): the run
+    gets one StorageError naming the model folder; an error that is not I/O stays a bug."""
+    from safetensors import SafetensorError
+
+    from zenflow.errors import StorageError
+    from zenflow.train.models import save_model
+
+    class Model:
+        def __init__(self, exc):
+            self.exc = exc
+
+        def save_pretrained(self, out):
+            raise self.exc
+
+    out = tmp_path / "model"
+    full = SafetensorError("Error while serializing: I/O error: No space left (os error 28)")
+    with pytest.raises(StorageError) as exc:
+        save_model(Model(full), None, out)
+    assert str(exc.value).startswith(f"cannot save the model to {out}: No space left on device")
+    with pytest.raises(StorageError, match="Read-only file system"):
+        save_model(Model(OSError(30, "Read-only file system")), None, out)
+    with pytest.raises(TypeError, match="not I/O"):
+        save_model(Model(TypeError("not I/O")), None, out)

@@ -10,11 +10,14 @@ import signal
 
 import pytest
 import torch
+from trainhelp import assert_same_params as _assert_same_params
+from trainhelp import final_model as _final_model
+from trainhelp import losses as _losses
+from trainhelp import make_spec as _spec
 
 from zenflow.config import load_config
 from zenflow.errors import UserInputError
 from zenflow.train import runs
-from zenflow.train.data import write_sst2_sample
 from zenflow.train.events import (
     CheckpointSaved,
     EvalEvent,
@@ -25,64 +28,6 @@ from zenflow.train.events import (
 )
 from zenflow.train.spec import RunSpec
 from zenflow.train.trainer import run_finetune
-
-# Constant lr (no scheduler) so every step moves the weights; a small ZenFlow window and
-# step-wise reselection so a 6-step run crosses windows, a reselection and an in-flight
-# host step at the resume point.
-CONFIG = {
-    "train_micro_batch_size_per_gpu": 4,
-    "gradient_accumulation_steps": 1,
-    "gradient_clipping": 1.0,
-    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
-    "zero_optimization": {
-        "stage": 2,
-        "offload_optimizer": {"device": "cpu"},
-        "zenflow": {
-            "topk_ratio": 0.1,
-            "update_interval": 2,
-            "select_strategy": "step",
-            "select_interval": 2,
-            "overlap_step": True,
-        },
-    },
-}
-
-
-@pytest.fixture(scope="module")
-def sample_dir(tmp_path_factory):
-    # 20 training rows: with 4 per step an epoch is 5 steps, so 6 steps cross an epoch.
-    return write_sst2_sample(tmp_path_factory.mktemp("sample"), n=20, n_dev=12)
-
-
-def _spec(tiny_gpt2_dir, data_dir, root, gas: int = 1, **kw) -> RunSpec:
-    base = dict(
-        model=str(tiny_gpt2_dir),
-        task="sst2",
-        config=load_config({**CONFIG, "gradient_accumulation_steps": gas}),
-        data_dir=str(data_dir),
-        seq_len=16,
-        runs_root=root,
-        max_eval_samples=8,
-        hw_json=root / "no-hw.json",
-    )
-    base.update(kw)
-    return RunSpec(**base)
-
-
-def _losses(run_dir) -> list[float]:
-    return [m["loss"] for m in runs.read_run(run_dir)["metrics"]]
-
-
-def _final_model(run_dir) -> dict:
-    ckpt = runs.latest_checkpoint(run_dir)
-    return torch.load(ckpt, weights_only=False)["model"]
-
-
-def _assert_same_params(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
-
 
 # ------------------------------------------------------------------ end to end, real data
 

@@ -2,6 +2,11 @@
 
 Config flows one way: a JSON file (or dict) plus CLI overrides -> ``load_config`` ->
 ``Config`` -> engine. The engine never reads the file again.
+
+Reading is strict where JSON itself is lax: a key given twice in one object is an error
+(Python's json keeps the last silently; DeepSpeed refuses duplicates), and so is nesting
+deeper than ``MAX_DEPTH`` levels (no DeepSpeed config nests beyond 5; deeper input would
+otherwise end in a RecursionError inside the parser or the validation).
 """
 
 from __future__ import annotations
@@ -15,6 +20,9 @@ from typing import Any
 
 from zenflow.config.rules import parse_zenflow, validate
 from zenflow.config.schema import Config, ConfigError, ConfigProblem
+
+# Levels of objects/arrays allowed (the top-level object is level 1).
+MAX_DEPTH = 32
 
 # --------------------------------------------------------------------------------------
 # Loading and overrides
@@ -50,7 +58,9 @@ def _read_json(path: str) -> Any:
             path,
         ) from None
     try:
-        return json.loads(text)
+        return _parse_strict(text, path)
+    except RecursionError:
+        raise ConfigError([_depth_problem("(top level)")], path) from None
     except json.JSONDecodeError as exc:
         line_text = text.splitlines()[exc.lineno - 1] if text.splitlines() else ""
         raise ConfigError(
@@ -68,6 +78,88 @@ def _read_json(path: str) -> Any:
         ) from None
 
 
+def _depth_problem(where: str) -> ConfigProblem:
+    return ConfigProblem(
+        where,
+        "...",
+        f"nests objects/arrays more than {MAX_DEPTH} levels deep (a DeepSpeed config "
+        "needs at most 5)",
+        "remove the extra nesting; the file may be generated wrongly",
+    )
+
+
+def _parse_strict(text: str, source: str) -> Any:
+    """json.loads, with a key given twice in one object reported (a ConfigError naming
+    every such key by its dotted path) instead of keeping the last value silently."""
+    repeated: list[tuple[dict, str, list]] = []
+
+    def hook(pairs: list[tuple[str, Any]]) -> dict:
+        obj: dict = {}
+        seen: dict[str, list] = {}
+        for key, value in pairs:
+            seen.setdefault(key, []).append(value)
+            obj[key] = value
+        repeated.extend((obj, k, vals) for k, vals in seen.items() if len(vals) > 1)
+        return obj
+
+    data = json.loads(text, object_pairs_hook=hook)
+    if repeated:
+        paths = _object_paths(data)
+        problems = [
+            ConfigProblem(
+                _join(paths.get(id(obj), "?"), key),
+                vals,
+                f"is given {len(vals)} times in the same JSON object (JSON readers keep "
+                "only the last one silently; DeepSpeed refuses the file)",
+                f"keep one {key!r} entry",
+            )
+            for obj, key, vals in repeated
+        ]
+        raise ConfigError(problems, source)
+    return data
+
+
+def _join(path: str, key: Any) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+def _object_paths(data: Any) -> dict[int, str]:
+    """id(dict) -> its dotted path ("" for the top level), walked without recursion."""
+    out: dict[int, str] = {}
+    stack = [(data, "")]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, dict):
+            out[id(node)] = path
+            stack.extend((v, _join(path, k)) for k, v in node.items())
+        elif isinstance(node, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(node))
+    return out
+
+
+def _too_deep(data: Any) -> str | None:
+    """The dotted path where ``data`` first nests deeper than MAX_DEPTH, else None
+    (walked without recursion, so any depth is safe to check)."""
+    stack = [(data, "", 1)]
+    while stack:
+        node, path, depth = stack.pop()
+        if not isinstance(node, (Mapping, list, tuple)):
+            continue
+        if depth > MAX_DEPTH:
+            return path or "(top level)"
+        if isinstance(node, Mapping):
+            stack.extend((v, _join(path, k), depth + 1) for k, v in node.items())
+        else:
+            stack.extend((v, f"{path}[{i}]", depth + 1) for i, v in enumerate(node))
+    return None
+
+
+def _check_depth(data: Any, source: str) -> None:
+    where = _too_deep(data)
+    if where is not None:
+        raise ConfigError([_depth_problem(where)], source)
+
+
 def load_config(
     src: str | os.PathLike | Mapping,
     overrides: Mapping[str, Any] | None = None,
@@ -81,13 +173,17 @@ def load_config(
     validation; ``Config.raw`` holds the result. ``world_size`` enters the batch-size rule.
     """
     if isinstance(src, Mapping):
-        source, raw = "<dict>", copy.deepcopy(dict(src))
+        source = "<dict>"
+        _check_depth(src, source)  # before deepcopy, which recurses
+        raw = copy.deepcopy(dict(src))
     else:
         source = os.fspath(src)
         raw = _read_json(source)
+        _check_depth(raw, source)
     if overrides:
         if not isinstance(raw, Mapping):
             validate(raw, source, world_size)  # raises the top-level problem
+        _check_depth(dict(overrides), "--set")
         raw = apply_overrides(raw, overrides, source=source)
     return validate(raw, source, world_size)
 
@@ -161,7 +257,7 @@ def parse_set_args(items: Sequence[str]) -> dict[str, Any]:
             continue
         try:
             value: Any = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):
             value = text
         out[key] = value
     if problems:

@@ -1,52 +1,183 @@
-"""Checkpoint files of a run: atomic writes, retention, loading, and the RNG states they hold."""
+"""Checkpoint files of a run: atomic writes, retention, safe loading, and the RNG states.
+
+A checkpoint is data, never code: it holds only tensors and plain Python types (dicts,
+lists, ints, floats, strings, None), and is loaded with ``torch.load(weights_only=True)``,
+so a file shared by someone else cannot run anything when resumed. It loads onto the CPU
+(``map_location="cpu"``); ``model.load_state_dict`` and ``engine.load_state_dict`` copy
+each piece to the device that owns it, so a checkpoint resumes on any device.
+
+Writing is atomic (temp file, fsync, rename); a failed write removes its temp file, keeps
+every older checkpoint and raises ``StorageError`` naming the path and the free space.
+Reading falls back from an unreadable newest checkpoint to the newest readable one
+(``load_newest``) and says so; a checkpoint that would need code to load is refused.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import pickle
 import random
 from pathlib import Path
 
-from zenflow.errors import UserInputError
+from zenflow.errors import CheckpointError, StorageError, os_error_message
 from zenflow.train import runs
 
 KEEP_CHECKPOINTS = 2  # the latest and one previous
-CHECKPOINT_FORMAT = 1
+# 2: loadable with weights_only=True, RNG states per device type, no copy of the config.
+CHECKPOINT_FORMAT = 2
+# A failed write with less than this free beside it is reported as "no space left".
+_NEARLY_FULL_BYTES = 1 << 20
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """The file would need Python code (pickled objects) to load: refused, never loaded."""
+
+
+# ---------------------------------------------------------------------------- RNG states
 
 
 def rng_state(torch, device) -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    """The RNG states a resumed run restores, per device type: ``cpu`` (torch's CPU
+    generator), ``python`` (``random``, as lists and ints) and ``cuda`` (one state per
+    visible GPU) when the run uses CUDA."""
+    version, internal, gauss_next = random.getstate()
+    state = {
+        "cpu": torch.get_rng_state(),
+        "python": {"version": version, "state": list(internal), "gauss_next": gauss_next},
+    }
     if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
+        # torch.cuda.get_rng_state_all(): a list of CPU ByteTensors, one per device.
+        # Written against torch.cuda's documented API; no GPU has run it in this project.
+        state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def set_rng_state(torch, device, state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
+    """Restore ``rng_state``'s result; states of a device type this run does not use are
+    ignored (a CUDA run resumed on the CPU continues, though not bit for bit)."""
+    torch.set_rng_state(state["cpu"].to("cpu"))
+    py = state["python"]
+    random.setstate((int(py["version"]), tuple(int(x) for x in py["state"]), py["gauss_next"]))
+    if device.type == "cuda" and state.get("cuda"):
+        # torch.cuda.set_rng_state(state, device) takes a CPU ByteTensor; a machine with
+        # fewer GPUs than the saving one restores the ones it has (not run here: no GPU).
+        for i, s in enumerate(state["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(s.to("cpu"), i)
+
+
+# ---------------------------------------------------------------------------- writing
+
+
+def _write_failure(exc: BaseException, tmp: Path) -> OSError | None:
+    """The OSError behind a failed ``torch.save`` into ``tmp``, or None when ``exc`` is not
+    a write failure. torch reports I/O errors as RuntimeError without an errno ("unexpected
+    pos 576 vs 534" on a full disk), so the file system is asked, while the partial file is
+    still there: read-only, (nearly) no space left, or not writable."""
+    if isinstance(exc, OSError):
+        return exc
+    if not isinstance(exc, RuntimeError):
+        return None
+    reason = str(exc).split("] .", 1)[-1].strip() or str(exc)
+    code = errno.EIO
+    with contextlib.suppress(OSError):
+        st = os.statvfs(tmp.parent)
+        if st.f_flag & os.ST_RDONLY:
+            code = errno.EROFS
+        elif st.f_bavail * st.f_frsize < _NEARLY_FULL_BYTES:
+            code = errno.ENOSPC
+        elif not os.access(tmp.parent, os.W_OK):
+            code = errno.EACCES
+    return OSError(code, f"{os.strerror(code)} (torch.save: {reason})")
 
 
 def write_checkpoint(torch, run_dir: Path, step: int, state: dict) -> Path:
-    """Write ``state`` as checkpoints/step-NNNNNNN.pt atomically (temp file + rename) and
-    keep the newest ``KEEP_CHECKPOINTS``."""
+    """Write ``state`` as checkpoints/step-NNNNNNN.pt atomically (temp file, fsync, rename)
+    and keep the newest ``KEEP_CHECKPOINTS``. On failure the temp file is removed, older
+    checkpoints stay, and a write failure raises StorageError (path and free space)."""
     d = run_dir / runs.CHECKPOINT_DIR
-    d.mkdir(exist_ok=True)
     path = d / f"step-{step:07d}.pt"
     tmp = d / f".{path.name}.tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    try:
+        d.mkdir(exist_ok=True)
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as exc:
+        failure = _write_failure(exc, tmp) if isinstance(exc, Exception) else None
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        if failure is not None:  # the message's free space is counted without the temp file
+            raise StorageError(os_error_message(failure, path, "cannot write checkpoint")) from exc
+        raise
     for old in runs.checkpoints(run_dir)[:-KEEP_CHECKPOINTS]:
         old.unlink(missing_ok=True)
     return path
 
 
-def read_checkpoint(torch, path: Path, device) -> dict:
-    """The checkpoint dict at ``path``; UserInputError when it is unreadable or foreign."""
+# ---------------------------------------------------------------------------- reading
+
+
+def read_checkpoint(torch, path: Path) -> dict:
+    """The checkpoint dict at ``path``, loaded onto the CPU with ``weights_only=True``.
+
+    UnsafeCheckpointError when the file holds pickled Python objects (it could run code:
+    refused, nothing of it executed); CheckpointError when it is unreadable or foreign."""
     try:
-        state = torch.load(path, map_location=device, weights_only=False)
-    except Exception as exc:
-        raise UserInputError(f"Cannot read checkpoint {path}: {exc}.") from exc
-    if state.get("format") != CHECKPOINT_FORMAT:
-        raise UserInputError(f"{path} is not a zfctl checkpoint of format {CHECKPOINT_FORMAT}.")
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        if "global" in str(exc).lower():  # an object that only code can rebuild
+            raise UnsafeCheckpointError(
+                f"{path} holds Python objects, not only tensors and plain data, so loading "
+                "it could run code; it was refused and nothing in it was executed. zfctl "
+                "never writes such checkpoints: use one written by zfctl, or start a new run."
+            ) from None
+        raise CheckpointError(f"Cannot read checkpoint {path}: {_first_line(exc)}.") from None
+    except FileNotFoundError:
+        raise CheckpointError(f"Checkpoint {path} does not exist.") from None
+    except OSError as exc:
+        raise CheckpointError(os_error_message(exc, path, "cannot read checkpoint")) from None
+    except Exception as exc:  # truncated zip, bad magic, EOF: torch raises several types
+        raise CheckpointError(f"Cannot read checkpoint {path}: {_first_line(exc)}.") from None
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        found = state.get("format") if isinstance(state, dict) else type(state).__name__
+        raise CheckpointError(
+            f"{path} is not a zfctl checkpoint of format {CHECKPOINT_FORMAT} (found "
+            f"{found!r}); it was written by another program or an older zfctl. Resume it "
+            "with the zfctl that wrote it, or start a new run."
+        )
     return state
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return (text[0] if text else type(exc).__name__).rstrip(".")
+
+
+def load_newest(torch, candidates: list[Path]) -> tuple[dict, Path, list[str]]:
+    """The newest readable checkpoint of ``candidates`` (newest first): (state, its path,
+    notes about the unreadable ones skipped). An unsafe file is refused outright (no
+    fallback past it); when none is readable, CheckpointError names every file."""
+    notes: list[str] = []
+    failures: list[str] = []
+    for path in candidates:
+        try:
+            state = read_checkpoint(torch, path)
+        except UnsafeCheckpointError:
+            raise
+        except CheckpointError as exc:
+            failures.append(str(exc))
+            continue
+        if failures:
+            notes.append(
+                f"{'; '.join(failures)} Resumed from the newest readable checkpoint, {path}, "
+                "instead."
+            )
+        return state, path, notes
+    raise CheckpointError(
+        "No readable checkpoint to resume from: " + " ".join(failures) + " Start a new run "
+        "(--overwrite on this run dir, or another --run-dir)."
+    )

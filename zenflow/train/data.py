@@ -154,7 +154,33 @@ def _parse_label(task: GlueTask, raw: str, path: Path, line: int) -> int | float
 
 
 def read_tsv(task: GlueTask, path: Path) -> list[Example]:
-    """Read one GLUE TSV file; DataError naming the file and line for bad rows."""
+    """Read one GLUE TSV file; DataError naming the file and line for bad rows (and for
+    bytes that are not UTF-8)."""
+    try:
+        return _read_tsv(task, path)
+    except UnicodeDecodeError as exc:
+        line = _line_of_byte(path, exc.start)
+        raise DataError(
+            f"{path}, line {line}: not UTF-8 text ({exc.reason}); GLUE files are UTF-8. "
+            "Re-encode the file (e.g. iconv -f latin1 -t utf-8) or restore the original."
+        ) from None
+
+
+def _line_of_byte(path: Path, offset: int) -> str:
+    """The 1-based line of the file's first byte that is not UTF-8. The decoder's own
+    ``offset`` counts within its read chunk, so the whole file is decoded again."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return "?"
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return str(data.count(b"\n", 0, exc.start) + 1)
+    return "?"
+
+
+def _read_tsv(task: GlueTask, path: Path) -> list[Example]:
     rows: list[Example] = []
     try:
         f = open(path, encoding="utf-8", newline="")

@@ -41,16 +41,35 @@ class RunFinished:
     summary: dict
 
 
-class RunInterrupted(Exception):  # noqa: N818 - also the event's name
-    """The run was interrupted (Ctrl-C). Emitted as an event, then raised.
+@dataclass(frozen=True)
+class RunAlreadyFinished:
+    """A resumed run had already finished everything asked of it: nothing was done."""
 
-    ``checkpoint`` is the saved checkpoint to resume from (None if none could be saved) and
-    ``resume_command`` the command line that continues the run.
+    summary: dict  # its summary.json
+
+
+class RunInterrupted(Exception):  # noqa: N818 - also the event's name
+    """The run was interrupted (Ctrl-C or SIGTERM). Emitted as an event, then raised.
+
+    ``checkpoint`` is the saved checkpoint to resume from (None if none could be saved),
+    ``resume_command`` the command line that continues the run, ``signal`` what stopped it
+    ("SIGINT" or "SIGTERM") and ``exit_code`` the matching process status (130 or 143).
     """
 
-    def __init__(self, step: int, checkpoint: Path | None, resume_command: str | None):
+    def __init__(
+        self,
+        step: int,
+        checkpoint: Path | None,
+        resume_command: str | None,
+        signal: str = "SIGINT",
+        exit_code: int = 130,
+    ):
         self.step = step
         self.checkpoint = checkpoint
         self.resume_command = resume_command
+        self.signal = signal
+        self.exit_code = exit_code
         where = f"checkpoint {checkpoint}" if checkpoint else "no checkpoint"
-        super().__init__(f"Interrupted after step {step}; {where}. Resume: {resume_command}")
+        super().__init__(
+            f"Interrupted ({signal}) after step {step}; {where}. Resume: {resume_command}"
+        )

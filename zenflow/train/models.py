@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from zenflow.errors import ModelSourceError
+from zenflow.errors import ModelSourceError, StorageError, os_error_message
 
 # Shapes of the GPT-2 family, for building the architecture when no config is cached.
 # (n_layer, n_embd, n_head); all use vocab 50257 and 1024 positions.
@@ -89,6 +89,67 @@ class ResolvedModel:
     model: Any  # a transformers *ForSequenceClassification model
     tokenizer: Any
     sources: dict[str, str] = field(default_factory=dict)  # keys: model, tokenizer, config
+
+
+def _load_errors() -> tuple[type[BaseException], ...]:
+    """What loading weights from files raises when the files are bad, not the code:
+    missing/unreadable (OSError), malformed config or arguments (ValueError), truncated or
+    corrupt safetensors (SafetensorError), shapes that do not fit the config
+    (RuntimeError "size mismatch" / "ignore_mismatched_sizes"), a broken pickle (.bin)."""
+    import pickle
+
+    errors: list[type[BaseException]] = [OSError, ValueError, RuntimeError, EOFError]
+    errors.append(pickle.UnpicklingError)
+    try:
+        from safetensors import SafetensorError
+
+        errors.append(SafetensorError)
+    except ImportError:  # pragma: no cover - safetensors is a transformers dependency
+        pass
+    return tuple(errors)
+
+
+def _load_reason(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    if "ignore_mismatched_sizes" in text or "size mismatch" in text:
+        return (
+            "the saved weights' shapes do not match the model's config.json (weights and "
+            "config come from different models; the report above lists the tensors)"
+        )
+    return text.rstrip(".")
+
+
+def max_positions(model) -> int | None:
+    """The longest sequence the model's position embeddings cover (GPT-2: n_positions,
+    most others: max_position_embeddings); None when its config says neither."""
+    cfg = getattr(model, "config", None)
+    for attr in ("n_positions", "max_position_embeddings"):
+        value = getattr(cfg, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def save_model(model, tokenizer, out: Path) -> None:
+    """save_pretrained the model (and tokenizer) into ``out``; a write failure (disk full,
+    read-only) raises StorageError naming ``out`` and the free space. safetensors reports
+    I/O errors as SafetensorError("... (os error 28)"), so the errno is read from its text."""
+    import errno
+    import re
+
+    try:
+        model.save_pretrained(out)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out)
+    except OSError as exc:
+        raise StorageError(os_error_message(exc, out, "cannot save the model to")) from exc
+    except Exception as exc:
+        m = re.search(r"os error (\d+)", str(exc))
+        if m is None or int(m.group(1)) not in errno.errorcode:
+            raise  # not an I/O failure: a bug, reported as one
+        code = int(m.group(1))
+        err = OSError(code, os.strerror(code))
+        raise StorageError(os_error_message(err, out, "cannot save the model to")) from exc
 
 
 def count_params(model, trainable_only: bool = False) -> int:
@@ -455,11 +516,12 @@ def resolve_model(
                 model = AutoModelForSequenceClassification.from_pretrained(
                     local, **_labels_kwargs(config, task_num_labels)
                 )
-            except (OSError, ValueError) as exc:
+            except _load_errors() as exc:
                 raise ModelSourceError(
-                    f"Could not load weights from the local directory {local}: {exc}. "
-                    "Pass a directory with model weights, or `--init random` to train the "
-                    "architecture from random weights on purpose."
+                    f"Could not load weights from the local directory {local}: "
+                    f"{_load_reason(exc)}. Pass a directory whose weights are complete and "
+                    "match its config.json (as save_pretrained writes it), or `--init random` "
+                    "to train the architecture from random weights on purpose."
                 ) from exc
             sources["model"] = f"local directory: {local}"
         else:
@@ -526,10 +588,10 @@ def _resolve_hub(name_or_path: str, *, task_num_labels: int, init: str, seed: in
             model = AutoModelForSequenceClassification.from_pretrained(
                 name_or_path, **_labels_kwargs(config, task_num_labels)
             )
-        except (OSError, ValueError) as exc:
+        except _load_errors() as exc:
             raise ModelSourceError(
-                f"The config of {name_or_path!r} was found but its weights are not in {where}: "
-                f"{exc}. " + _fix_hint(name_or_path)
+                f"The config of {name_or_path!r} was found but its weights could not be "
+                f"loaded from {where}: {_load_reason(exc)}. " + _fix_hint(name_or_path)
             ) from exc
         sources["model"] = _hub_source(name_or_path, model)
     else:

@@ -8,19 +8,27 @@ Layout of one run (written by ``zenflow.train.trainer``)::
         metrics.jsonl   one JSON object per line: {"type": "step", ...} or {"type": "eval", ...}
         summary.json    written when the run finishes
         checkpoints/step-0000012.pt   latest (and one previous) resumable checkpoint
+        model/          the fine-tuned model (Hugging Face format), written at the end
+        .zfctl.lock     flock held by the process running it (see ``RunDirLock``)
+        zfctl-error.log the traceback of an internal error (a bug), when one happened
+
+``OUR_ENTRIES`` are the names zfctl writes; ``clear_run`` (``--overwrite``) removes those
+and nothing else.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import re
+import shutil
 import tempfile
 import time
 from pathlib import Path
 
-from zenflow.errors import UserInputError
+from zenflow.errors import StorageError, UserInputError, storage_error
 
 CONFIG_FILE = "config.json"
 SUMMARY_FILE = "summary.json"
@@ -28,6 +36,11 @@ METRICS_FILE = "metrics.jsonl"
 HW_FILE = "hw.json"
 CHECKPOINT_DIR = "checkpoints"
 MODEL_DIR = "model"  # the fine-tuned model, Hugging Face format
+LOCK_FILE = ".zfctl.lock"
+ERROR_LOG = "zfctl-error.log"
+# A directory holding any of these holds a run (hw.json or a log alone do not make one).
+RUN_MARKERS = (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, CHECKPOINT_DIR, MODEL_DIR)
+OUR_ENTRIES = (*RUN_MARKERS, HW_FILE, ERROR_LOG)
 _CKPT_RE = re.compile(r"^step-(\d+)\.pt$")
 
 
@@ -85,33 +98,96 @@ def _json_default(obj):
     return repr(obj)
 
 
+@contextlib.contextmanager
+def writing(path: str | Path, what: str = "cannot write"):
+    """Turn an OSError raised inside into a StorageError naming ``path``, the reason and
+    the free space there (full disk, read-only file system, no permission)."""
+    try:
+        yield
+    except StorageError:
+        raise
+    except OSError as exc:
+        raise storage_error(exc, path, what) from exc
+
+
+def trim_metrics(path: str | Path, keep_lines: int, *, drop_eval_at: int | None = None) -> list:
+    """Cut metrics.jsonl back to its first ``keep_lines`` lines (those a checkpoint
+    counted; later lines belong to steps that run again), and also drop a last eval line
+    of step ``drop_eval_at`` (an evaluation that runs again). Returns the kept records."""
+    path = Path(path)
+    lines = path.read_bytes().splitlines(True) if path.exists() else []
+    keep = lines[:keep_lines]
+    if keep and drop_eval_at is not None:
+        try:
+            last = json.loads(keep[-1].decode("utf-8"))
+        except ValueError:
+            last = None
+        if (
+            isinstance(last, dict)
+            and last.get("type") == "eval"
+            and last.get("step") == drop_eval_at
+        ):
+            keep.pop()
+    with writing(path):
+        path.write_bytes(b"".join(keep))
+    records = []
+    for line in keep:
+        with contextlib.suppress(ValueError):
+            rec = json.loads(line.decode("utf-8"))
+            if isinstance(rec, dict):
+                records.append(rec)
+    return records
+
+
 def read_json(path: str | Path) -> dict | None:
-    """The JSON object in ``path``, or None when the file does not exist."""
+    """The JSON object in ``path``, or None when the file does not exist. UserInputError
+    naming the file when it is not UTF-8 JSON."""
     try:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
     except FileNotFoundError:
         return None
+    except UnicodeDecodeError as exc:
+        raise UserInputError(
+            f"{path} is not UTF-8 text (byte {exc.start}: {exc.reason}); restore it from a "
+            "copy, or delete it if zfctl can write it again."
+        ) from exc
     except json.JSONDecodeError as exc:
         raise UserInputError(f"{path} is not valid JSON: {exc}.") from exc
 
 
-def read_metrics(path: str | Path) -> list[dict]:
-    """Every complete line of a metrics.jsonl (a torn last line from a crash is skipped)."""
+def read_metrics(path: str | Path, problems: list[str] | None = None) -> list[dict]:
+    """Every JSON-object line of a metrics.jsonl. A line that is not UTF-8, not JSON or not
+    an object is skipped and reading goes on; each such line is described in ``problems``
+    (when given). A torn last line (a crash mid-write) is described as such."""
     out: list[dict] = []
     try:
-        f = open(path, encoding="utf-8")
+        with open(path, "rb") as f:
+            raw_lines = f.read().split(b"\n")
     except FileNotFoundError:
         return out
-    with f:
-        for line in f:
-            line = line.strip()
-            if not line:
+    last = max((i for i, b in enumerate(raw_lines) if b.strip()), default=-1)
+    for i, raw in enumerate(raw_lines):
+        if not raw.strip():
+            continue
+        where = f"{path} line {i + 1}"
+        try:
+            record = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            problem = f"{where} is not UTF-8 text; skipped it"
+        except ValueError:
+            if i == last and i == len(raw_lines) - 1:  # no newline after it: cut mid-write
+                problem = f"{where} (the last) is incomplete, as a crash mid-write leaves it"
+                problem += "; skipped it"
+            else:
+                problem = f"{where} is not valid JSON; skipped it"
+        else:
+            if isinstance(record, dict):
+                out.append(record)
                 continue
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                break  # only a crash mid-write leaves a bad line, and only as the last one
+            problem = f"{where} is not a JSON object; skipped it"
+        if problems is not None:
+            problems.append(problem)
     return out
 
 
@@ -140,7 +216,7 @@ def _run_info(run_dir: Path) -> dict:
     return cfg.get("run") or {}
 
 
-def _same_model(a: str | None, b: str) -> bool:
+def same_model(a: str | None, b: str) -> bool:
     if a is None:
         return False
     if a == b:
@@ -170,7 +246,7 @@ def latest_run(
     that hold a checkpoint; None when there is none."""
     for d in reversed(list_runs(runs_root)):
         info = _run_info(d)
-        if model is not None and not _same_model(info.get("model"), model):
+        if model is not None and not same_model(info.get("model"), model):
             continue
         if task is not None and info.get("task") != task:
             continue
@@ -192,9 +268,11 @@ def read_run(run_dir: str | Path) -> dict:
             f"{d} is not a zfctl run directory (no {CONFIG_FILE}). Pass a directory under "
             "runs/ written by `zfctl finetune`."
         )
-    lines = read_metrics(d / METRICS_FILE)
+    problems: list[str] = []
+    lines = read_metrics(d / METRICS_FILE, problems)
     return {
         "run_dir": str(d),
+        "warnings": problems,
         "config": read_json(d / CONFIG_FILE),
         "summary": read_json(d / SUMMARY_FILE),
         "metrics": [m for m in lines if m.get("type", "step") == "step"],
@@ -202,3 +280,75 @@ def read_run(run_dir: str | Path) -> dict:
         "hw": read_json(d / HW_FILE),
         "checkpoint": str(latest_checkpoint(d) or "") or None,
     }
+
+
+# ---------------------------------------------------------------------------- ownership
+
+
+def holds_run(run_dir: str | Path) -> bool:
+    """Whether ``run_dir`` holds (part of) a run: any of ``RUN_MARKERS``."""
+    d = Path(run_dir)
+    return any(os.path.lexists(d / name) for name in RUN_MARKERS)
+
+
+def clear_run(run_dir: str | Path) -> list[str]:
+    """Remove the run files zfctl writes (``OUR_ENTRIES``) from ``run_dir`` and nothing
+    else (a link is removed, never followed); returns the names removed."""
+    d = Path(run_dir)
+    removed = []
+    for name in OUR_ENTRIES:
+        p = d / name
+        try:
+            if p.is_symlink() or p.is_file():
+                p.unlink()
+            elif p.is_dir():
+                shutil.rmtree(p)
+            else:
+                continue
+        except OSError as exc:
+            raise storage_error(exc, p, "cannot remove the old run's") from exc
+        removed.append(name)
+    return removed
+
+
+class RunDirLock:
+    """An exclusive ``flock`` on ``<run_dir>/.zfctl.lock``, held while a run uses the
+    directory. The kernel drops it when the holder exits, however it dies (kill -9
+    included), so a lock file left behind never blocks anyone; the file holds the
+    holder's PID for the message. The file itself stays (unlinking a lock file races with
+    a process that has just opened it)."""
+
+    def __init__(self, run_dir: str | Path):
+        self.path = Path(run_dir) / LOCK_FILE
+        self._fd: int | None = None
+
+    def acquire(self) -> RunDirLock:
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise storage_error(exc, self.path, "cannot create the run lock") from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+            os.close(fd)
+            raise UserInputError(
+                f"run dir {self.path.parent} in use by PID {holder} (another `zfctl finetune` "
+                "holds its lock); wait for it to finish or stop it, or choose another "
+                "--run-dir."
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)  # closing the last descriptor drops the flock
+
+    def __enter__(self) -> RunDirLock:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()

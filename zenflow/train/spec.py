@@ -1,13 +1,17 @@
 """What a fine-tuning run is: ``RunSpec``, the config it trains with, and resuming one.
 
-``resolve_resume`` finds the run directory and checkpoint of ``--resume``;
-``merge_resumed_spec`` takes the trajectory-defining fields from the saved run (and refuses
-conflicting ones); ``resume_command`` is the command line that continues a run.
+``check_paths`` refuses run locations that cannot work before anything is loaded;
+``read_hw_json`` reads the hardware probe a run keeps; ``resolve_resume`` finds the run
+directory and checkpoints of ``--resume``; ``merge_resumed_spec`` takes the
+trajectory-defining fields from the saved run (and refuses conflicting ones);
+``resume_command`` is the command line that continues a run.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +46,7 @@ class RunSpec:
     max_eval_samples: int | None = None  # evaluate on the first N validation rows only
     hw_json: Path | None = None  # copied into the run dir (default: ./hw.json if present)
     checkpoint_every: int | None = None  # also checkpoint every N steps (always at eval/end)
+    overwrite: bool = False  # run_dir holds a run: remove its files and start clean
 
 
 # Fields that define the trajectory: a resumed run takes them from the saved run.
@@ -71,8 +76,63 @@ def effective_config(spec: RunSpec):
     return dataclasses.replace(new, source=config.source)
 
 
-def resolve_resume(spec: RunSpec) -> tuple[Path, Path]:
-    """(run_dir, checkpoint file) for ``spec.resume``; UserInputError when there is none."""
+def check_paths(spec: RunSpec) -> None:
+    """Refuse run locations that cannot work, before any model or data is loaded."""
+    if spec.overwrite and spec.resume:
+        raise UserInputError(
+            "--overwrite and --resume contradict each other: --resume continues the run in "
+            "its directory, --overwrite deletes it. Pass one of them."
+        )
+    if spec.overwrite and spec.run_dir is None:
+        raise UserInputError(
+            "--overwrite needs --run-dir: it names the run directory to start clean (new "
+            "runs under --runs-root always get a new directory)."
+        )
+    for flag, path in (("--runs-root", spec.runs_root), ("--run-dir", spec.run_dir)):
+        if path is None:
+            continue
+        p = Path(path)
+        for part in (p, *p.parents):
+            if part.exists() and not part.is_dir():
+                what = "is a file" if part == p else f"is inside {part}, which is a file"
+                raise UserInputError(
+                    f"{flag} {p} {what}, not a directory; pass a directory (it is created "
+                    "when missing)."
+                )
+
+
+def read_hw_json(spec: RunSpec) -> dict | None:
+    """The hardware probe to keep with the run: ``spec.hw_json`` (must exist and be a JSON
+    object), else ./hw.json when present (optional, but refused when broken)."""
+    explicit = spec.hw_json is not None
+    path = Path(spec.hw_json) if explicit else Path(runs.HW_FILE)
+    if not path.exists():
+        if explicit:
+            raise UserInputError(
+                f"--hw-json {path}: no such file. Write it with `zfctl tune-hw --output "
+                f"{path}`, or omit --hw-json."
+            )
+        return None
+    flag = f"--hw-json {path}" if explicit else f"{path} (read by default from the current folder)"
+    try:
+        data = runs.read_json(path)
+    except UserInputError as exc:
+        raise UserInputError(
+            f"{flag} cannot be used: {exc} Write it again with `zfctl tune-hw`, or "
+            + ("pass another file." if explicit else "remove it, or pass --hw-json FILE.")
+        ) from None
+    except OSError as exc:
+        raise UserInputError(f"{flag} cannot be read: {exc.strerror or exc}.") from None
+    if not isinstance(data, dict):
+        raise UserInputError(
+            f"{flag} holds a JSON {type(data).__name__}, not the object `zfctl tune-hw` writes."
+        )
+    return data
+
+
+def resolve_resume(spec: RunSpec) -> tuple[Path, list[Path], bool]:
+    """(run_dir, checkpoints to try newest first, whether one file was named) for
+    ``spec.resume``; UserInputError when there is none."""
     if spec.resume == "auto":
         run_dir = runs.latest_run(spec.runs_root, spec.model, spec.task, with_checkpoint=True)
         if run_dir is None:
@@ -81,18 +141,18 @@ def resolve_resume(spec: RunSpec) -> tuple[Path, Path]:
                 f"under {spec.runs_root}. Start a new run (omit --resume) or pass --resume "
                 "RUN_DIR."
             )
-        return run_dir, runs.latest_checkpoint(run_dir)
+        return run_dir, runs.checkpoints(run_dir)[::-1], False
     p = Path(spec.resume).expanduser()
     if p.is_file():
-        return p.parent.parent, p
+        return p.parent.parent, [p], True
     if p.is_dir():
-        ckpt = runs.latest_checkpoint(p)
-        if ckpt is None:
+        ckpts = runs.checkpoints(p)[::-1]
+        if not ckpts:
             raise UserInputError(
                 f"--resume {p}: the run directory has no checkpoint in {p / 'checkpoints'}. "
                 "Start a new run, or pass --resume auto to pick the latest resumable run."
             )
-        return p, ckpt
+        return p, ckpts, False
     raise UserInputError(
         f"--resume {spec.resume}: no such run directory or checkpoint file. Pass a directory "
         "under runs/ or --resume auto."
@@ -109,7 +169,7 @@ def merge_resumed_spec(spec: RunSpec, run_dir: Path) -> RunSpec:
     conflicts = []
     for name in _TRAJECTORY_FIELDS:
         mine, theirs = getattr(spec, name), saved.get(name)
-        if name == "model" and runs._same_model(theirs, mine):
+        if name == "model" and runs.same_model(theirs, mine):
             continue
         if mine != theirs and mine != _DEFAULTS[name]:
             conflicts.append(f"{name}: run has {theirs!r}, given {mine!r}")
@@ -161,11 +221,18 @@ def resume_command(spec: RunSpec, run_dir: Path) -> str:
     return shlex.join(args)
 
 
+def config_digest(record: dict) -> str:
+    """SHA-256 of a spec record's config input (canonical JSON): what a checkpoint keeps
+    of the config to prove, at resume, that config.json still describes its run."""
+    text = json.dumps(record.get("config_input"), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
 def spec_record(spec: RunSpec) -> dict:
     """The spec as JSON (config by its input dict and source)."""
     out = {}
     for f in dataclasses.fields(RunSpec):
-        if f.name in ("config", "resume"):
+        if f.name in ("config", "resume", "overwrite"):
             continue
         v = getattr(spec, f.name)
         out[f.name] = str(v) if isinstance(v, Path) else v

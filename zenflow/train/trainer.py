@@ -6,14 +6,22 @@
 
 Exact resume: a checkpoint is taken at an optimizer-step boundary and holds the model, the
 engine (optimizer/ZenFlow state), the data position (epoch, index into that epoch's
-order), the RNG states (torch, python; cuda when used) and the number of metrics lines
-written. The epoch order is a function of (seed, epoch) only, so a resumed run sees the
-same batches, the same dropout masks and the same optimizer state as an uninterrupted one.
+order), the RNG states (per device type) and the number of metrics lines written. The
+epoch order is a function of (seed, epoch) only, so a resumed run sees the same batches,
+the same dropout masks and the same optimizer state as an uninterrupted one.
 
-Ctrl-C: the first SIGINT is deferred to the next step boundary (the step finishes, the
-in-flight host work is drained by the checkpoint), a checkpoint is saved, ``RunInterrupted``
-is emitted and raised; a second SIGINT interrupts at once. A ``KeyboardInterrupt`` raised
-by ``on_event`` (or anywhere in the loop) is handled the same way.
+The run directory: one process at a time (``runs.RunDirLock``); a directory that holds a
+run is never reused without ``resume`` or ``overwrite``. Resuming a run that finished
+emits ``RunAlreadyFinished``; one interrupted after its last step (during the final save
+or summary) gets its final evaluation, model and summary done again.
+
+Ctrl-C and SIGTERM (``zenflow.train.signals``): deferred to the next step boundary (the
+step finishes, the in-flight host work is drained by the checkpoint), a checkpoint is
+saved, ``RunInterrupted`` is emitted and raised; a second Ctrl-C, or SIGTERM's grace
+period running out, interrupts at once. A ``KeyboardInterrupt`` raised by ``on_event`` (or
+anywhere in the loop) is handled the same way. A write that fails (disk full, read-only)
+raises ``StorageError`` naming the path, the free space, the last good checkpoint and the
+command that continues from it.
 """
 
 from __future__ import annotations
@@ -21,19 +29,21 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-import shutil
-import signal
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from zenflow.engine.stats import TIMING_FIELDS
-from zenflow.errors import UserInputError
+from zenflow.errors import (
+    CheckpointError,
+    StorageError,
+    UserInputError,
+    attach_log_dir,
+)
 from zenflow.train import runs
 from zenflow.train.checkpointing import (
     CHECKPOINT_FORMAT,
-    read_checkpoint,
+    UnsafeCheckpointError,
+    load_newest,
     rng_state,
     set_rng_state,
     write_checkpoint,
@@ -44,55 +54,34 @@ from zenflow.train.data import steps_per_epoch as data_steps_per_epoch
 from zenflow.train.events import (
     CheckpointSaved,
     EvalEvent,
+    RunAlreadyFinished,
     RunFinished,
     RunInterrupted,
     RunStarted,
     StepEvent,
 )
 from zenflow.train.monitors import MonitorSink
+from zenflow.train.rundir import RunDirectory
+from zenflow.train.signals import StopRequests
 from zenflow.train.spec import (
     ENGINE_MODES,
     RunSpec,
+    check_paths,
+    config_digest,
     effective_config,
     merge_resumed_spec,
+    read_hw_json,
     resolve_resume,
     resume_command,
     spec_record,
 )
+from zenflow.train.summary import run_header, run_summary, step_counts, zenflow_settings
 
 __all__ = ["RunInterrupted", "RunSpec", "resume_command", "run_finetune"]
 
 
 def _noop(_event) -> None:
     pass
-
-
-class _SigintDeferral:
-    """First SIGINT sets ``requested`` (handled at the next step boundary); the second one
-    raises KeyboardInterrupt at once. Only installable in the main thread."""
-
-    def __init__(self):
-        self.requested = False
-        self._old = None
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            self._old = signal.signal(signal.SIGINT, self._handler)
-        return self
-
-    def _handler(self, signum, frame):
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-
-    def __exit__(self, *exc):
-        if self._old is not None:
-            signal.signal(signal.SIGINT, self._old)
-
-
-def _finite_mean(values) -> float | None:
-    vals = [float(v) for v in values if v is not None and math.isfinite(float(v))]
-    return sum(vals) / len(vals) if vals else None
 
 
 # ---------------------------------------------------------------------------- the run
@@ -104,14 +93,22 @@ class _Run:
     def __init__(self, spec: RunSpec, on_event: Callable[[object], None]):
         self.t_session = time.perf_counter()
         self.on_event = on_event
-        self.resumed_from: Path | None = None
+        self.resumed_from: Path | None = None  # the checkpoint loaded, once loaded
+        self.candidates: list[Path] = []  # checkpoints to resume from, newest first
+        self.explicit_checkpoint = False  # --resume named one file
+        self.run_dir: Path | None = None
+        self.dir: RunDirectory | None = None
+        self.notes: list[str] = []  # said in the header (RunStarted)
         if spec.engine_mode not in ENGINE_MODES:
             raise UserInputError(
                 f"engine mode {spec.engine_mode!r} is not allowed; use one of "
                 f"{', '.join(ENGINE_MODES)} (--engine)."
             )
+        check_paths(spec)
+        # A resumed run keeps its hw.json unless another one is named.
+        self.hw = read_hw_json(spec) if not spec.resume or spec.hw_json else None
         if spec.resume:
-            run_dir, self.resumed_from = resolve_resume(spec)
+            run_dir, self.candidates, self.explicit_checkpoint = resolve_resume(spec)
             spec = merge_resumed_spec(spec, run_dir)
         for name in ("max_steps", "micro_batch", "eval_every", "max_eval_samples", "seq_len"):
             v = getattr(spec, name)
@@ -121,11 +118,21 @@ class _Run:
             raise UserInputError(f"epochs must be positive, got {spec.epochs}.")
         self.spec = spec
 
+    # -- the run directory (zenflow.train.rundir): locked for the whole run
+    def claim_run_dir(self) -> None:
+        self.dir = RunDirectory(self.spec)
+        self.dir.claim()
+        self.run_dir = self.dir.path
+
+    def release(self) -> None:
+        if self.dir is not None:
+            self.dir.release()
+
     # -- setup
     def setup(self) -> None:
         import torch
 
-        from zenflow.train.models import count_params, resolve_model
+        from zenflow.train.models import count_params, max_positions, resolve_model
 
         spec = self.spec
         self.torch = torch
@@ -143,6 +150,13 @@ class _Run:
         resolved = resolve_model(
             spec.model, task_num_labels=self.task.num_labels, init=spec.init, seed=spec.seed
         )
+        limit = max_positions(resolved.model)
+        if limit is not None and spec.seq_len > limit:
+            raise UserInputError(
+                f"--seq-len {spec.seq_len} is longer than the {limit} positions of model "
+                f"{spec.model} (n_positions / max_position_embeddings in its config); pass "
+                f"--seq-len {limit} or less."
+            )
         self.sources = {**resolved.sources, "data": self.task_data.source}
         self.tokenizer = resolved.tokenizer
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -161,11 +175,14 @@ class _Run:
 
     # -- checkpoint
     def checkpoint_state(self, step, epoch, index, rng, wall_s, *, snapshot=False) -> dict:
-        """Everything a resumed run needs; ``snapshot`` clones the model weights so the
-        state stays valid while the model keeps changing (the final flush)."""
+        """Everything a resumed run needs, as tensors and plain types (loadable with
+        weights_only=True). ``snapshot`` copies the model weights to the host, so the
+        state stays valid while the model keeps changing (the final flush) without a
+        second copy of the model in device memory. The config is in config.json; the
+        checkpoint keeps its digest to prove at resume that it is still the same."""
         model_state = self.model.state_dict()
         if snapshot:
-            model_state = {k: v.detach().clone() for k, v in model_state.items()}
+            model_state = {k: v.detach().to("cpu", copy=True) for k, v in model_state.items()}
         return {
             "format": CHECKPOINT_FORMAT,
             "step": step,
@@ -175,11 +192,11 @@ class _Run:
             "rng": rng,
             "metrics_lines": self.metrics_lines,
             "wall_s": wall_s,
-            "run": spec_record(self.spec),
+            "config_sha256": config_digest(spec_record(self.spec)),
         }
 
     def save_checkpoint(self, step, epoch, index, rng, wall_s, *, state=None) -> Path:
-        """Write a checkpoint atomically (temp file + rename); keep the newest few."""
+        """Write a checkpoint atomically (temp file, fsync, rename); keep the newest few."""
         if state is None:
             state = self.checkpoint_state(step, epoch, index, rng, wall_s)
         state["metrics_lines"] = self.metrics_lines
@@ -188,18 +205,46 @@ class _Run:
         self.on_event(CheckpointSaved(step, path))
         return path
 
-    def load_checkpoint(self, path: Path) -> dict:
-        state = read_checkpoint(self.torch, path, self.device)
-        self.model.load_state_dict(state["model"])
+    def load_resume_state(self) -> dict:
+        """Load the newest readable checkpoint of ``candidates`` (onto the CPU; the model
+        and engine copy each piece to its device) and say which one, and why, when it is
+        not the newest."""
+        try:
+            state, path, notes = load_newest(self.torch, self.candidates)
+        except UnsafeCheckpointError:
+            raise
+        except CheckpointError as exc:
+            others = [p for p in runs.checkpoints(self.run_dir)[::-1] if p != self.candidates[0]]
+            if self.explicit_checkpoint and others:
+                raise CheckpointError(
+                    f"{exc} Resume from the run's other checkpoint with --resume {others[0]}, "
+                    f"or with --resume {self.run_dir} (the newest readable one)."
+                ) from None
+            raise
+        if state.get("config_sha256") != config_digest(spec_record(self.spec)):
+            raise CheckpointError(
+                f"{path} was written with a different config than {self.run_dir}'s "
+                f"{runs.CONFIG_FILE} holds now (it was edited, or the checkpoint comes from "
+                "another run). Restore the config.json, or start a new run."
+            )
+        try:
+            self.model.load_state_dict(state["model"])
+        except (RuntimeError, KeyError) as exc:
+            raise CheckpointError(
+                f"{path} does not fit model {self.spec.model}: "
+                f"{' '.join(str(exc).split())[:300]}. Resume it with the model it was "
+                "trained from, or start a new run."
+            ) from None
         self.engine.load_state_dict(state["engine"])
+        self.resumed_from = path
+        self.notes += notes
         return state
 
     def save_final_model(self) -> None:
         """Save the fine-tuned model (and tokenizer) in Hugging Face format under model/."""
-        out = self.run_dir / runs.MODEL_DIR
-        self.model.save_pretrained(out)
-        if self.tokenizer is not None:
-            self.tokenizer.save_pretrained(out)
+        from zenflow.train.models import save_model
+
+        save_model(self.model, self.tokenizer, self.run_dir / runs.MODEL_DIR)
 
     # -- eval
     def evaluate(self, step: int) -> dict:
@@ -238,125 +283,21 @@ class _Run:
     def write_metrics(self, record: dict) -> None:
         import json
 
-        self.metrics_file.write(json.dumps(record, default=str) + "\n")
-        self.metrics_file.flush()
+        with runs.writing(self.run_dir / runs.METRICS_FILE):
+            self.metrics_file.write(json.dumps(record, default=str) + "\n")
+            self.metrics_file.flush()
         self.metrics_lines += 1
 
-    # -- header / summary
-    def header(self, start_step: int) -> dict:
-        cfg = self.config
-        zf = dataclasses.asdict(cfg.zenflow) if cfg.zenflow is not None else None
-        if zf is not None:
-            zf.update({k: v for k, v in self.engine.resolved.items() if k in zf})
-        return {
-            "run_dir": str(self.run_dir),
-            "model": self.spec.model,
-            "task": self.task.name,
-            "init": self.spec.init,
-            "engine_mode": self.spec.engine_mode,
-            "sources": self.sources,
-            "params": self.params,
-            "model_bytes": self.engine.model_bytes,
-            "device": str(self.device),
-            "train_examples": len(self.task_data.train),
-            "dev_examples": len(self.task_data.dev),
-            "eval_examples": min(
-                len(self.task_data.dev), self.spec.max_eval_samples or len(self.task_data.dev)
-            ),
-            "micro_batch": self.micro_batch,
-            "gradient_accumulation_steps": self.gas,
-            "seq_len": self.spec.seq_len,
-            "steps_per_epoch": self.spe,
-            "total_steps": self.total_steps,
-            "start_step": start_step,
-            "resumed_from": str(self.resumed_from) if self.resumed_from else None,
-            "lr": cfg.optimizer.lr,
-            "scheduler": cfg.scheduler.type,
-            "bf16": cfg.bf16,
-            "gradient_clipping": cfg.gradient_clipping,
-            "zenflow": zf,
-            "engine_resolved": dict(self.engine.resolved),
-            "config_source": cfg.source,
-            "config_ignored": list(cfg.ignored),
-            "metrics": list(self.task.metrics),
-            "seed": self.spec.seed,
-        }
+    # -- header / summary (zenflow.train.summary)
+    def zenflow_settings(self) -> dict | None:
+        return zenflow_settings(self.config, self.spec.engine_mode, self.engine.resolved)
+
+    def header(self, start_step: int, start_counts: dict | None = None) -> dict:
+        return run_header(self, start_step, start_counts)
 
     def summary(self, wall_s: float, status: str) -> dict:
         lines = runs.read_metrics(self.run_dir / runs.METRICS_FILE)
-        steps = [m for m in lines if m.get("type") == "step"]
-        evals = [m for m in lines if m.get("type") == "eval"]
-        n = len(steps)
-        model_bytes = self.engine.model_bytes
-        d2h = sum(int(m.get("d2h_bytes", 0)) for m in steps)
-        h2d = sum(int(m.get("h2d_bytes", 0)) for m in steps)
-        samples = n * self.micro_batch * self.gas
-        tokens = samples * self.spec.seq_len
-        train_s = sum(float(m.get("wall_ms", 0.0)) for m in steps) / 1e3
-        losses = [m.get("loss") for m in steps]
-        timing = {f: _finite_mean(m.get(f) for m in steps) for f in TIMING_FIELDS}
-        windows = [m["window_len"] for m in steps if m.get("window_len")]
-        last_eval = {k: v for k, v in evals[-1].items() if k != "type"} if evals else None
-        cfg = self.config
-        return {
-            "status": status,
-            "run_dir": str(self.run_dir),
-            "model": self.spec.model,
-            "task": self.task.name,
-            "engine_mode": self.spec.engine_mode,
-            "steps": n,
-            "total_steps": self.total_steps,
-            "epochs": n / self.spe,
-            "final_loss": losses[-1] if losses else None,
-            "final_loss_mean_last_10": _finite_mean(losses[-10:]),
-            "eval": last_eval,
-            "validation": {k: last_eval[k] for k in self.task.metrics} if last_eval else None,
-            "validation_accuracy": (last_eval or {}).get("accuracy"),
-            "non_finite_steps": sum(
-                1
-                for m in steps
-                if m.get("skipped") or m.get("loss") is None or not math.isfinite(m["loss"])
-            ),
-            "timing_ms_mean": timing,
-            "stall_fraction": (
-                timing["stall_ms"] / timing["wall_ms"]
-                if timing["stall_ms"] is not None and timing["wall_ms"]
-                else None
-            ),
-            "d2h_bytes_total": d2h,
-            "h2d_bytes_total": h2d,
-            "bytes_per_step": (d2h + h2d) / n if n else None,
-            "bytes_per_step_x_model": (d2h + h2d) / n / model_bytes if n else None,
-            "d2h_per_step_x_model": d2h / n / model_bytes if n else None,
-            "h2d_per_step_x_model": h2d / n / model_bytes if n else None,
-            "host_updates": sum(1 for m in steps if m.get("host_update")),
-            "mean_window_len": sum(windows) / len(windows) if windows else None,
-            "selection_changes": sum(int(m.get("selection_changed", 0)) for m in steps),
-            "samples": samples,
-            "tokens": tokens,
-            "train_s": train_s,
-            "samples_per_s": samples / train_s if train_s > 0 else None,
-            "tokens_per_s": tokens / train_s if train_s > 0 else None,
-            "wall_s": wall_s,
-            "model_bytes": model_bytes,
-            "params": self.params,
-            "sources": self.sources,
-            "config": {
-                "source": cfg.source,
-                "lr": cfg.optimizer.lr,
-                "optimizer": cfg.optimizer.type,
-                "weight_decay": cfg.optimizer.weight_decay,
-                "scheduler": cfg.scheduler.type,
-                "micro_batch": self.micro_batch,
-                "gradient_accumulation_steps": self.gas,
-                "seq_len": self.spec.seq_len,
-                "gradient_clipping": cfg.gradient_clipping,
-                "bf16": cfg.bf16,
-                "zenflow": self.header(0)["zenflow"],
-                "engine_resolved": dict(self.engine.resolved),
-            },
-            "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
-        }
+        return run_summary(self, lines, wall_s, status)
 
     # -- the loop
     def run(self) -> dict:
@@ -364,41 +305,59 @@ class _Run:
         from zenflow.engine import ZenFlowEngine
 
         spec = self.spec
+        done = self.dir.finished_summary(self.total_steps)
+        if done is not None:
+            self.on_event(RunAlreadyFinished(done))
+            return done
         self.engine = ZenFlowEngine(
             self.model, self.config, mode=spec.engine_mode, steps_per_epoch=self.spe
         )
+        if spec.engine_mode == "zenflow" and self.config.zenflow is None:
+            zf = self.zenflow_settings() or {}
+            self.notes.append(
+                f"no zenflow block in {self.config.source}: ZenFlow runs with defaults "
+                f"(topk_ratio {zf.get('topk_ratio')}, update_interval "
+                f"{zf.get('update_interval')}, select_interval {zf.get('select_interval')}); "
+                "write one with `zfctl init` or set zero_optimization.zenflow."
+            )
         self.last_checkpoint: Path | None = None
         self.last_eval: dict | None = None
         try:
             return self._run_with_engine(torch)
+        except StorageError as exc:
+            raise StorageError(f"{exc} {self._recovery_hint()}") from exc
         finally:
             self.engine.close()
             self.monitor.close()
 
+    def _recovery_hint(self) -> str:
+        if self.last_checkpoint is not None:
+            return (
+                f"The last good checkpoint, {self.last_checkpoint}, is kept; once that is "
+                f"fixed, continue with: {resume_command(self.spec, self.run_dir)}"
+            )
+        return "No checkpoint was written yet; start the run again once that is fixed."
+
     def _prepare_run_dir(self) -> tuple[int, int, int, float]:
         """Create or reopen the run dir; returns (start step, epoch, index, prior wall s)."""
         spec, torch = self.spec, self.torch
-        if self.resumed_from is not None:
+        if spec.resume:
             self.run_dir = Path(spec.run_dir)
-            state = self.load_checkpoint(self.resumed_from)
-            # Lines written after the checkpoint belong to steps that run again.
-            mpath = self.run_dir / runs.METRICS_FILE
-            lines = mpath.read_text(encoding="utf-8").splitlines(True) if mpath.exists() else []
-            keep = lines[: state["metrics_lines"]]
-            mpath.write_text("".join(keep), encoding="utf-8")
-            self.metrics_lines = len(keep)
+            state = self.load_resume_state()
+            step = state["step"]
+            kept = self.dir.reopen(state["metrics_lines"], step, self.total_steps)
+            self.metrics_lines = len(kept)
+            self.start_counts = step_counts(kept)
             set_rng_state(torch, self.device, state["rng"])
             pos = state["position"]
             self.last_checkpoint = self.resumed_from
-            start = (state["step"], pos["epoch"], pos["index"], float(state.get("wall_s", 0.0)))
+            start = (step, pos["epoch"], pos["index"], float(state.get("wall_s", 0.0)))
         else:
-            if spec.run_dir is not None:
-                self.run_dir = Path(spec.run_dir)
-                self.run_dir.mkdir(parents=True, exist_ok=True)
-            else:
-                self.run_dir = runs.create_run_dir(spec.runs_root, spec.model, self.task.name)
-            (self.run_dir / runs.METRICS_FILE).write_text("", encoding="utf-8")
+            self.run_dir = self.dir.create(self.task.name)
+            with runs.writing(self.run_dir / runs.METRICS_FILE):
+                (self.run_dir / runs.METRICS_FILE).write_text("", encoding="utf-8")
             self.metrics_lines = 0
+            self.start_counts = {}
             torch.manual_seed(spec.seed)
             random.seed(spec.seed)
             start = (0, 0, 0, 0.0)
@@ -407,16 +366,17 @@ class _Run:
         cfg_json["sources"] = self.sources
         cfg_json["engine_resolved"] = dict(self.engine.resolved)
         cfg_json["config_ignored"] = list(self.config.ignored)
-        runs.write_json_atomic(self.run_dir / runs.CONFIG_FILE, cfg_json)
-        hw = spec.hw_json if spec.hw_json is not None else Path("hw.json")
-        if Path(hw).is_file():
-            shutil.copyfile(hw, self.run_dir / runs.HW_FILE)
+        with runs.writing(self.run_dir / runs.CONFIG_FILE):
+            runs.write_json_atomic(self.run_dir / runs.CONFIG_FILE, cfg_json)
+            if self.hw is not None:
+                runs.write_json_atomic(self.run_dir / runs.HW_FILE, self.hw)
         return start
 
     def _run_with_engine(self, torch) -> dict:
         spec = self.spec
         step, epoch, index, wall_before = self._prepare_run_dir()
-        self.metrics_file = open(self.run_dir / runs.METRICS_FILE, "a", encoding="utf-8")
+        with runs.writing(self.run_dir / runs.METRICS_FILE, "cannot open"):
+            self.metrics_file = open(self.run_dir / runs.METRICS_FILE, "a", encoding="utf-8")
         cuda = self.device.type == "cuda"
 
         def sync():
@@ -433,9 +393,12 @@ class _Run:
         it = None
         step_times: list[float] = []
         per_step_samples = self.micro_batch * self.gas
+        stops = StopRequests()
         try:
-            with self.metrics_file, _SigintDeferral() as sigint:
-                self.on_event(RunStarted(self.header(step)))
+            with self.metrics_file, stops:
+                self.on_event(RunStarted(self.header(step, self.start_counts)))
+                if stops.requested:
+                    raise KeyboardInterrupt
                 while step < self.total_steps:
                     t_step = time.perf_counter()
                     fwd_ms = bwd_ms = 0.0
@@ -463,9 +426,9 @@ class _Run:
                         bwd_ms += (t2 - t1) * 1e3
                         losses.append(loss.detach())
                     mean_loss = torch.stack(losses).mean()
-                    in_engine_step = True
+                    in_engine_step = stops.critical = True
                     stats = self.engine.step(mean_loss)
-                    in_engine_step = False
+                    in_engine_step = stops.critical = False
                     self.engine.zero_grad()
                     step += 1
                     wall_ms = (time.perf_counter() - t_step) * 1e3
@@ -504,7 +467,7 @@ class _Run:
                             total_steps=self.total_steps,
                         )
                     )
-                    if sigint.requested:
+                    if stops.requested:
                         raise KeyboardInterrupt
                     evaluated = False
                     if spec.eval_every and step % spec.eval_every == 0 and step < self.total_steps:
@@ -512,7 +475,7 @@ class _Run:
                         evaluated = True
                     if evaluated or (spec.checkpoint_every and step % spec.checkpoint_every == 0):
                         self.save_checkpoint(step, epoch, index, boundary["rng"], session_wall())
-                    if sigint.requested:
+                    if stops.requested:
                         raise KeyboardInterrupt
                 # The final checkpoint holds the engine exactly as an uninterrupted longer run
                 # would have it (host work possibly in flight), so `--resume` with more steps
@@ -527,13 +490,14 @@ class _Run:
                 self.save_checkpoint(step, epoch, index, None, 0.0, state=final_state)
                 self.save_final_model()
         except KeyboardInterrupt:
-            return self._interrupted(boundary, in_engine_step, session_wall())
+            return self._interrupted(boundary, in_engine_step, session_wall(), stops)
         summary = self.summary(session_wall(), "finished")
-        runs.write_json_atomic(self.run_dir / runs.SUMMARY_FILE, summary)
+        with runs.writing(self.run_dir / runs.SUMMARY_FILE):
+            runs.write_json_atomic(self.run_dir / runs.SUMMARY_FILE, summary)
         self.on_event(RunFinished(summary))
         return summary
 
-    def _interrupted(self, boundary: dict, in_engine_step: bool, wall_s: float):
+    def _interrupted(self, boundary: dict, in_engine_step: bool, wall_s: float, stops):
         """Save a checkpoint at the last step boundary, emit and raise RunInterrupted."""
         ckpt = self.last_checkpoint
         step = boundary["step"]
@@ -543,15 +507,17 @@ class _Run:
             self.engine.zero_grad()
             if not self.metrics_file.closed:
                 self.metrics_file.flush()
-            if ckpt is None or not ckpt.name.endswith(f"{step:07d}.pt"):
+            if ckpt is None or runs.checkpoint_step(ckpt) != step:
                 ckpt = self.save_checkpoint(
                     step, boundary["epoch"], boundary["index"], boundary["rng"], wall_s
                 )
         # else: the engine was interrupted inside its step; its state may be half-updated, so
         # the last checkpoint on disk (if any) is the one to resume from.
         cmd = resume_command(self.spec, self.run_dir) if ckpt is not None else None
-        ckpt_step = int(ckpt.stem.split("-")[1]) if ckpt is not None else 0
-        event = RunInterrupted(ckpt_step, ckpt, cmd)
+        ckpt_step = runs.checkpoint_step(ckpt) or 0
+        event = RunInterrupted(
+            ckpt_step, ckpt, cmd, signal=stops.requested or "SIGINT", exit_code=stops.exit_code
+        )
         self.on_event(event)
         raise event
 
@@ -560,8 +526,19 @@ def run_finetune(spec: RunSpec, on_event: Callable[[object], None] = _noop) -> d
     """Fine-tune ``spec.model`` on ``spec.task``; returns the summary (also summary.json).
 
     Emits RunStarted, then StepEvent per optimizer step, EvalEvent, CheckpointSaved, and
-    finally RunFinished, or RunInterrupted (then raised) on Ctrl-C.
+    finally RunFinished, or RunInterrupted (then raised) on Ctrl-C or SIGTERM; a resumed
+    run that had already finished emits only RunAlreadyFinished. The run directory is
+    locked for the whole call. An unexpected error (a bug) carries the run directory
+    (``zenflow.errors.attach_log_dir``) so the caller can write its traceback there.
     """
     run = _Run(spec, on_event)
-    run.setup()
-    return run.run()
+    try:
+        run.claim_run_dir()
+        run.setup()
+        return run.run()
+    except Exception as exc:
+        if not isinstance(exc, (UserInputError, RunInterrupted)) and run.run_dir is not None:
+            attach_log_dir(exc, run.run_dir)
+        raise
+    finally:
+        run.release()

@@ -1,0 +1,98 @@
+"""`zfctl finetune` and its run directory through the CLI (issue 10 items 1-3 and 8): an
+existing run needs --resume or --overwrite, two processes never share a run dir, resuming
+a finished run says so and exits 0, a config without a zenflow block is announced."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+from clihelp import assert_user_error
+
+from zenflow.train import runs
+
+SHORT = ["--micro-batch", "2", "--seq-len", "16", "--max-eval-samples", "4"]
+
+
+@pytest.fixture
+def args(tiny_gpt2_dir, tmp_path):
+    from zenflow.train.data import write_sst2_sample
+
+    data = write_sst2_sample(tmp_path / "data", n=40, n_dev=8)
+    return ["finetune", str(tiny_gpt2_dir), "--task", "sst2", "--data-dir", str(data), *SHORT]
+
+
+def test_existing_run_needs_resume_or_overwrite(cli, args, tmp_path):
+    run_dir = tmp_path / "r1"
+    assert cli(*args, "--max-steps", "2", "--run-dir", run_dir).exit_code == 0
+    before = (run_dir / runs.METRICS_FILE).read_bytes()
+    r = cli(*args, "--max-steps", "3", "--run-dir", run_dir)
+    assert_user_error(r, f"--run-dir {run_dir} already holds a run", f"--resume {run_dir}",
+                      "--overwrite")  # fmt: skip
+    assert (run_dir / runs.METRICS_FILE).read_bytes() == before
+    r = cli(*args, "--max-steps", "3", "--run-dir", run_dir, "--overwrite")
+    assert r.exit_code == 0, r.output
+    run = runs.read_run(run_dir)
+    assert [m["step"] for m in run["metrics"]] == [1, 2, 3] and run["summary"]["steps"] == 3
+    assert [p.name for p in runs.checkpoints(run_dir)] == ["step-0000003.pt"]
+
+
+def test_second_process_on_the_same_run_dir_exits_2(cli, args, tmp_path):
+    run_dir = tmp_path / "r1"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    first = subprocess.Popen(
+        [sys.executable, "-m", "zfctl", *args, "--max-steps", "400", "--run-dir", str(run_dir),
+         "--checkpoint-every", "1", "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    try:
+        for line in first.stdout:  # the first process is training and has a checkpoint
+            if json.loads(line).get("event") == "CheckpointSaved":
+                break
+        r = cli(*args, "--max-steps", "400", "--run-dir", run_dir)
+        assert_user_error(r, f"run dir {run_dir} in use by PID {first.pid}")
+        r = cli(*args, "--resume", run_dir)
+        assert_user_error(r, f"in use by PID {first.pid}")
+        first.send_signal(signal.SIGINT)
+        _, err = first.communicate(timeout=300)
+    finally:
+        first.kill()
+    assert first.returncode == 130, err
+    steps = [m["step"] for m in runs.read_run(run_dir)["metrics"]]
+    assert steps == list(range(1, len(steps) + 1))  # one writer: no interleaved rows
+
+
+def test_resume_auto_of_a_finished_run_exits_0(cli, args, tmp_path):
+    root = tmp_path / "runs"
+    assert cli(*args, "--max-steps", "2", "--runs-root", root).exit_code == 0
+    run_dir = runs.latest_run(root)
+    before = (run_dir / runs.METRICS_FILE).read_bytes()
+    r = cli(*args, "--resume", "auto", "--runs-root", root)
+    assert r.exit_code == 0, r.output
+    assert f"run {run_dir} already finished (2 steps); nothing to do." in " ".join(r.stdout.split())
+    r = cli(*args, "--resume", "auto", "--runs-root", root, "--json")
+    assert r.exit_code == 0, r.output
+    (event,) = [json.loads(line) for line in r.stdout.splitlines()]
+    assert event["event"] == "RunAlreadyFinished" and event["summary"]["steps"] == 2
+    assert (run_dir / runs.METRICS_FILE).read_bytes() == before
+
+
+def test_config_without_zenflow_block_is_announced(cli, args, tmp_path):
+    from zfctl.init_cmd import template_path
+
+    offload = template_path("offload")  # no zenflow block
+    r = cli(*args, "--max-steps", "1", "--config", offload, "--runs-root", tmp_path / "runs")
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.stdout.split())
+    assert (
+        f"note: no zenflow block in {offload}: ZenFlow runs with defaults (topk_ratio 0.1, "
+        "update_interval"
+    ) in text
+    assert "zenflow: topk_ratio=0.1" in text  # the defaults are shown, not hidden
+    r = cli(*args, "--max-steps", "1", "--config", offload, "--engine", "offload",
+            "--runs-root", tmp_path / "runs")  # fmt: skip
+    assert r.exit_code == 0 and "no zenflow block" not in r.stdout

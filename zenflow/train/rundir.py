@@ -1,0 +1,106 @@
+"""One run's hold on its directory: locked for the whole run, never reused by accident.
+
+``RunDirectory(spec)`` (the spec after ``merge_resumed_spec`` when resuming):
+
+- ``claim()``, before the slow setup: an existing directory (``resume``, or a ``run_dir``
+  that exists) is locked for this process (``runs.RunDirLock``), and one that already
+  holds a run is refused unless resuming or ``overwrite`` -- so a second process, or a
+  typo in ``--run-dir``, fails at once and touches nothing.
+- ``create(task)``, after setup: a new directory (under ``runs_root``, or a ``run_dir``
+  that did not exist) is made and locked only now, so a setup error (model, data,
+  ``--seq-len``) leaves no empty run directory behind; ``overwrite`` removes the old run's
+  files there (``runs.clear_run``: ours only).
+- ``reopen(metrics_lines, step, total_steps)`` for a resumed run: metrics.jsonl cut back
+  to the lines its checkpoint counted, summary.json removed (no longer true).
+- ``finished_summary(total_steps)``: the summary of a resumed run with nothing left to do.
+- ``release()``: drop the lock (the kernel also drops it when the process dies).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from zenflow.errors import UserInputError
+from zenflow.train import runs
+
+
+class RunDirectory:
+    def __init__(self, spec):
+        self.spec = spec
+        self.path: Path | None = None
+        self._lock: runs.RunDirLock | None = None
+
+    def claim(self) -> None:
+        spec = self.spec
+        if spec.resume:
+            self.path = Path(spec.run_dir)
+            self._take(self.path)
+        elif spec.run_dir is not None and Path(spec.run_dir).is_dir():
+            self.path = Path(spec.run_dir)
+            self._take(self.path)
+            self._refuse_existing_run()
+
+    def create(self, task: str) -> Path:
+        spec = self.spec
+        if spec.run_dir is None:
+            root = Path(spec.runs_root)
+            with runs.writing(root, "cannot create a run directory under"):
+                self.path = runs.create_run_dir(root, spec.model, task)
+            self._take(self.path)
+            return self.path
+        self.path = Path(spec.run_dir)
+        if self._lock is None:  # it did not exist at claim time
+            with runs.writing(self.path, "cannot create the run directory"):
+                self.path.mkdir(parents=True, exist_ok=True)
+            self._take(self.path)
+            self._refuse_existing_run()
+        if spec.overwrite:
+            runs.clear_run(self.path)
+        return self.path
+
+    def reopen(self, metrics_lines: int, step: int, total_steps: int) -> list[dict]:
+        """Lines written after the checkpoint belong to steps that run again, and so does
+        the final evaluation of a run stopped during its final save (``step`` reached
+        ``total_steps``). Returns the metrics records kept."""
+        kept = runs.trim_metrics(
+            self.path / runs.METRICS_FILE,
+            metrics_lines,
+            drop_eval_at=step if step >= total_steps else None,
+        )
+        summary = self.path / runs.SUMMARY_FILE
+        with runs.writing(summary, "cannot remove"):
+            summary.unlink(missing_ok=True)
+        return kept
+
+    def finished_summary(self, total_steps: int) -> dict | None:
+        """The summary of a resumed run that already did everything asked of it (finished,
+        its final checkpoint, model and summary written), else None."""
+        if not self.spec.resume:
+            return None
+        summary = runs.read_json(self.path / runs.SUMMARY_FILE)
+        final = runs.checkpoint_step(runs.latest_checkpoint(self.path))
+        if (
+            isinstance(summary, dict)
+            and summary.get("status") == "finished"
+            and summary.get("steps") == total_steps == final
+            and (self.path / runs.MODEL_DIR).is_dir()
+        ):
+            return summary
+        return None
+
+    def release(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def _take(self, path: Path) -> None:
+        self._lock = runs.RunDirLock(path).acquire()
+
+    def _refuse_existing_run(self) -> None:
+        if not self.spec.overwrite and runs.holds_run(self.path):
+            raise UserInputError(
+                f"--run-dir {self.path} already holds a run. Continue it with --resume "
+                f"{self.path}, or pass --overwrite to delete its files "
+                f"({', '.join(runs.OUR_ENTRIES)}) and start a new run there, or choose "
+                "another --run-dir."
+            )

@@ -1,0 +1,163 @@
+"""What a run says about itself: the header of ``RunStarted`` and summary.json.
+
+``run`` is the trainer's session (``zenflow.train.trainer._Run``): its spec, config, task,
+engine and counts. ``zenflow_settings`` names the zenflow block the engine runs with, the
+defaults included when the config has none; ``step_counts`` is what the dashboard counts
+over the steps a resumed run already did.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from zenflow.engine.stats import TIMING_FIELDS
+
+
+def finite_mean(values) -> float | None:
+    vals = [float(v) for v in values if v is not None and math.isfinite(float(v))]
+    return sum(vals) / len(vals) if vals else None
+
+
+def zenflow_settings(config, engine_mode: str, resolved: dict) -> dict | None:
+    """The zenflow block the engine runs with (the defaults when the config has none and
+    the engine is zenflow), its "auto" values resolved; None when not used."""
+    from zenflow.config import ZenFlowConfig
+
+    zf_cfg = config.zenflow
+    if zf_cfg is None and engine_mode == "zenflow":
+        zf_cfg = ZenFlowConfig()
+    if zf_cfg is None:
+        return None
+    zf = dataclasses.asdict(zf_cfg)
+    zf.update({k: v for k, v in resolved.items() if k in zf})
+    return zf
+
+
+def step_counts(records: list[dict]) -> dict:
+    """What the dashboard counts over a run, from its metrics lines (a resumed run's start)."""
+    steps = [r for r in records if r.get("type") == "step"]
+    return {
+        "host_updates": sum(1 for r in steps if r.get("host_update")),
+        "selection_changes": sum(int(r.get("selection_changed") or 0) for r in steps),
+        "skipped": sum(1 for r in steps if r.get("skipped")),
+    }
+
+
+def run_header(run, start_step: int, start_counts: dict | None = None) -> dict:
+    """What RunStarted carries: everything worth showing before the first step."""
+    cfg = run.config
+    zf = zenflow_settings(run.config, run.spec.engine_mode, run.engine.resolved)
+    return {
+        "run_dir": str(run.run_dir),
+        "model": run.spec.model,
+        "task": run.task.name,
+        "init": run.spec.init,
+        "engine_mode": run.spec.engine_mode,
+        "sources": run.sources,
+        "params": run.params,
+        "model_bytes": run.engine.model_bytes,
+        "device": str(run.device),
+        "train_examples": len(run.task_data.train),
+        "dev_examples": len(run.task_data.dev),
+        "eval_examples": min(
+            len(run.task_data.dev), run.spec.max_eval_samples or len(run.task_data.dev)
+        ),
+        "micro_batch": run.micro_batch,
+        "gradient_accumulation_steps": run.gas,
+        "seq_len": run.spec.seq_len,
+        "steps_per_epoch": run.spe,
+        "total_steps": run.total_steps,
+        "start_step": start_step,
+        "resumed_from": str(run.resumed_from) if run.resumed_from else None,
+        "lr": cfg.optimizer.lr,
+        "scheduler": cfg.scheduler.type,
+        "bf16": cfg.bf16,
+        "gradient_clipping": cfg.gradient_clipping,
+        "zenflow": zf,
+        "engine_resolved": dict(run.engine.resolved),
+        "config_source": cfg.source,
+        "config_ignored": list(cfg.ignored),
+        "metrics": list(run.task.metrics),
+        "seed": run.spec.seed,
+        # Counts of the steps before start_step (a resumed run's dashboard goes on).
+        "start_counts": start_counts or {},
+        "notes": list(run.notes),
+    }
+
+
+def run_summary(run, lines: list[dict], wall_s: float, status: str) -> dict:
+    """summary.json: the run's numbers computed from its metrics ``lines``."""
+    steps = [m for m in lines if m.get("type") == "step"]
+    evals = [m for m in lines if m.get("type") == "eval"]
+    n = len(steps)
+    model_bytes = run.engine.model_bytes
+    d2h = sum(int(m.get("d2h_bytes", 0)) for m in steps)
+    h2d = sum(int(m.get("h2d_bytes", 0)) for m in steps)
+    samples = n * run.micro_batch * run.gas
+    tokens = samples * run.spec.seq_len
+    train_s = sum(float(m.get("wall_ms", 0.0)) for m in steps) / 1e3
+    losses = [m.get("loss") for m in steps]
+    timing = {f: finite_mean(m.get(f) for m in steps) for f in TIMING_FIELDS}
+    windows = [m["window_len"] for m in steps if m.get("window_len")]
+    last_eval = {k: v for k, v in evals[-1].items() if k != "type"} if evals else None
+    cfg = run.config
+    return {
+        "status": status,
+        "run_dir": str(run.run_dir),
+        "model": run.spec.model,
+        "task": run.task.name,
+        "engine_mode": run.spec.engine_mode,
+        "steps": n,
+        "total_steps": run.total_steps,
+        "epochs": n / run.spe,
+        "final_loss": losses[-1] if losses else None,
+        "final_loss_mean_last_10": finite_mean(losses[-10:]),
+        "eval": last_eval,
+        "validation": {k: last_eval[k] for k in run.task.metrics} if last_eval else None,
+        "validation_accuracy": (last_eval or {}).get("accuracy"),
+        "non_finite_steps": sum(
+            1
+            for m in steps
+            if m.get("skipped") or m.get("loss") is None or not math.isfinite(m["loss"])
+        ),
+        "timing_ms_mean": timing,
+        "stall_fraction": (
+            timing["stall_ms"] / timing["wall_ms"]
+            if timing["stall_ms"] is not None and timing["wall_ms"]
+            else None
+        ),
+        "d2h_bytes_total": d2h,
+        "h2d_bytes_total": h2d,
+        "bytes_per_step": (d2h + h2d) / n if n else None,
+        "bytes_per_step_x_model": (d2h + h2d) / n / model_bytes if n else None,
+        "d2h_per_step_x_model": d2h / n / model_bytes if n else None,
+        "h2d_per_step_x_model": h2d / n / model_bytes if n else None,
+        "host_updates": sum(1 for m in steps if m.get("host_update")),
+        "mean_window_len": sum(windows) / len(windows) if windows else None,
+        "selection_changes": sum(int(m.get("selection_changed", 0)) for m in steps),
+        "samples": samples,
+        "tokens": tokens,
+        "train_s": train_s,
+        "samples_per_s": samples / train_s if train_s > 0 else None,
+        "tokens_per_s": tokens / train_s if train_s > 0 else None,
+        "wall_s": wall_s,
+        "model_bytes": model_bytes,
+        "params": run.params,
+        "sources": run.sources,
+        "config": {
+            "source": cfg.source,
+            "lr": cfg.optimizer.lr,
+            "optimizer": cfg.optimizer.type,
+            "weight_decay": cfg.optimizer.weight_decay,
+            "scheduler": cfg.scheduler.type,
+            "micro_batch": run.micro_batch,
+            "gradient_accumulation_steps": run.gas,
+            "seq_len": run.spec.seq_len,
+            "gradient_clipping": cfg.gradient_clipping,
+            "bf16": cfg.bf16,
+            "zenflow": zenflow_settings(cfg, run.spec.engine_mode, run.engine.resolved),
+            "engine_resolved": dict(run.engine.resolved),
+        },
+        "checkpoint": str(run.last_checkpoint) if run.last_checkpoint else None,
+    }
