@@ -86,7 +86,7 @@ def test_step_and_eval_scalars_are_the_events_values():
     assert csv_filename("Train/Steps/loss") == "Train_Steps_loss.csv"
 
 
-def test_run_logs_equal_metrics_jsonl(tiny_gpt2_dir, sample_dir, tmp_path):
+def test_run_logs_equal_metrics_jsonl(tiny_gpt2_dir, sample_dir, tmp_path, monkeypatch):
     cfg = load_config(
         {
             **BASE,
@@ -103,8 +103,8 @@ def test_run_logs_equal_metrics_jsonl(tiny_gpt2_dir, sample_dir, tmp_path):
     spec = RunSpec(
         model=str(tiny_gpt2_dir), task="sst2", config=cfg, data_dir=str(sample_dir), seq_len=16,
         runs_root=tmp_path / "runs", max_steps=6, eval_every=3, max_eval_samples=8,
-        hw_json=tmp_path / "no-hw.json",
     )  # fmt: skip
+    monkeypatch.chdir(tmp_path)  # no ./hw.json to pick up
     summary = run_finetune(spec)
     run_dir = tmp_path / "runs" / next(p.name for p in (tmp_path / "runs").iterdir())
     assert summary["run_dir"] == str(run_dir)
