@@ -359,9 +359,16 @@ class _Run:
         from zenflow.engine import ZenFlowEngine
 
         spec = self.spec
-        self.engine = ZenFlowEngine(
-            self.model, self.config, mode=spec.engine_mode, steps_per_epoch=self.spe
-        )
+        if spec.engine_mode == "deepspeed":  # DeepSpeed's own engine (deepspeed_engine.py)
+            from zenflow.train.deepspeed_engine import DeepSpeedAdapter
+
+            self.engine = DeepSpeedAdapter(self.model, self.config, steps_per_epoch=self.spe)
+        else:
+            self.engine = ZenFlowEngine(
+                self.model, self.config, mode=spec.engine_mode, steps_per_epoch=self.spe
+            )
+        # The training forward goes through DeepSpeed's engine (its backward hooks need it).
+        self.train_module = getattr(self.engine, "train_module", self.model)
         self.last_checkpoint: Path | None = None
         self.last_eval: dict | None = None
         try:
@@ -446,7 +453,7 @@ class _Run:
                         sync()
                         t0 = time.perf_counter()
                         with self.engine.autocast():
-                            out = self.model(**batch)
+                            out = self.train_module(**batch)
                         loss = out.loss.float()
                         sync()
                         t1 = time.perf_counter()

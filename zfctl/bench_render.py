@@ -1,0 +1,117 @@
+"""Pure rendering of ``zfctl bench`` results: the plain dict of ``run_bench`` in, Rich out."""
+
+from __future__ import annotations
+
+from rich.console import Group
+from rich.markup import escape
+from rich.table import Table
+from rich.text import Text
+
+COLUMNS = (
+    ("engine", "left"),
+    ("mean ms", "right"),
+    ("median ms", "right"),
+    ("stall ms", "right"),
+    ("dev B/param", "right"),
+    ("traffic x model", "right"),
+    ("vs ds-offload", "right"),
+    ("x floor", "right"),
+)
+
+
+def _num(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _times(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def engine_label(name: str, entry: dict) -> str:
+    """The row name: deepspeed-zenflow says which overlap setting it is reported in."""
+    variant = entry.get("variant")
+    if not variant:
+        return name
+    return f"{name} ({'overlap' if variant == 'overlap_step=true' else 'sync'})"
+
+
+def table_rows(result: dict) -> list[list[str]]:
+    """The table's cells, one row per engine, in ENGINES order."""
+    rows = []
+    for name, e in result["engines"].items():
+        rows.append(
+            [
+                engine_label(name, e),
+                _num(e["step_ms"], ".1f"),
+                _num(e["step_ms_median"], ".1f"),
+                _num(e["stall_ms"], ".1f"),
+                _num(e["device_bytes_per_param"], ".2f"),
+                _num(e["bytes_per_step_over_model"], ".2f"),
+                _times(e.get("speedup_vs_deepspeed_offload")),
+                _times(e.get("ratio_to_floor")),
+            ]
+        )
+    return rows
+
+
+def render_table(result: dict) -> Table:
+    cfg = result["config"]
+    title = (
+        f"zfctl bench: {cfg['model']} ({result['params'] / 1e6:.1f}M params), micro-batch "
+        f"{cfg['micro_batch']}, seq {cfg['seq_len']}, on {result['device']}; {cfg['rounds']} "
+        f"rounds x {cfg['steps']} steps per engine (after {cfg['warmup_steps']} warm-up)"
+    )
+    t = Table(title=escape(title), title_justify="left")
+    for name, justify in COLUMNS:
+        t.add_column(name, justify=justify, no_wrap=True)
+    for row in table_rows(result):
+        t.add_row(*(escape(c) for c in row))
+    return t
+
+
+def footnotes(result: dict) -> list[str]:
+    """What the numbers mean, and what was skipped or adapted."""
+    cfg = result["config"]
+    zf = cfg["zenflow"]
+    lines = [
+        f"model: {cfg['model_source']}",
+        "step ms: forward + backward + the engine's step, wall time; means cover whole "
+        f"windows of update_interval {zf['update_interval']} (topk_ratio {zf['topk_ratio']}); "
+        "speed-ups compare means",
+        "traffic x model: bytes copied per step (d2h + h2d) / model bytes; dev B/param: "
+        "device bytes per parameter; '-': not reported by that engine (DeepSpeed reports no "
+        "stall and no copy traffic)",
+    ]
+    ds = result["engines"].get("deepspeed-zenflow")
+    if ds and ds.get("variants"):
+        other = ", ".join(
+            f"{k}: mean {v['step_ms']:.1f} ms, median {v['step_ms_median']:.1f} ms"
+            for k, v in ds["variants"].items()
+        )
+        lines.append(
+            f"deepspeed-zenflow measured in both settings ({other}); the better one "
+            f"({ds['variant']}) is shown"
+        )
+    lines += list(result.get("notes") or [])
+    return lines
+
+
+def render_result(result: dict) -> Group:
+    parts: list = [render_table(result)]
+    parts += [Text(line, style="dim") for line in footnotes(result)]
+    return Group(*parts)
+
+
+def progress_line(event: dict, rounds: int) -> str | None:
+    """A plain progress line for a progress event (None: nothing to say)."""
+    kind = event.get("event")
+    if kind == "run":
+        if "round" in event and not event["contender"].startswith("preparing"):
+            return f"round {event['round'] + 1}/{rounds}: {event['contender']}"
+        return event["contender"]
+    if kind == "done" and event.get("mean_ms") is not None:
+        where = f"round {event['round'] + 1}/{rounds}: {event['contender']}"
+        return f"{where} mean {event['mean_ms']:.1f} ms"
+    if kind == "note":
+        return f"note: {event['text']}"
+    return None
