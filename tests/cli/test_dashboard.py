@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 
 from rich.console import Console
 
@@ -101,3 +102,20 @@ def test_event_json_round_trip():
     assert obj["tokens_per_s"] == 768.0
     done = json.loads(event_to_json(RunFinished({"steps": 3, "final_loss": float("nan")})))
     assert done["summary"]["final_loss"] is None  # NaN is not JSON
+
+
+def test_header_names_the_fields_an_engine_does_not_report():
+    from zfctl.dashboard import format_plain_header
+
+    resolved = {"engine": "deepspeed", "mode": "deepspeed-offload",
+                "unavailable_fields": ["stall_ms", "d2h_bytes"]}  # fmt: skip
+    header = {**HEADER, "engine_mode": "deepspeed", "zenflow": None, "engine_resolved": resolved}
+    state = DashboardState()
+    state.apply(RunStarted(header))
+    buf = io.StringIO()
+    Console(file=buf, width=160, color_system=None).print(render_dashboard(state))
+    expected = "stall_ms, d2h_bytes (the deepspeed engine does not report them; shown as 0)"
+    assert re.search(r"not reported +" + re.escape(expected), buf.getvalue())
+    assert f"not reported: {expected}" in format_plain_header(header)
+    # our engine reports everything: no such line
+    assert not any("not reported" in line for line in format_plain_header(HEADER))

@@ -183,3 +183,17 @@ def test_bad_inputs_fail_before_any_child():
     with pytest.raises(UserInputError, match="multiple of 64"):
         bench.run_bench(bench.BenchSpec(model="3x99"), runner=_fake_runner(calls))
     assert calls == []
+
+
+def test_a_child_past_its_deadline_is_stopped_and_named(tmp_path):
+    """The child's faulthandler ends it at its deadline with every thread's stack in its log;
+    the parent reports which engine and round, and where the log is, instead of waiting."""
+    spec = bench.BenchSpec(model="2x64", micro_batch=1, seq_len=4)
+    log = tmp_path / "r0-floor.log"
+    job = {"model": spec.model, "micro_batch": 1, "seq_len": 4, "device": "cpu", "seed": 0,
+           "deadline_s": 1.0, "warmup": 10**9, "measured": 1, "engine": "floor", "round": 0,
+           "ds_config": bench.ds_config(spec, "floor"), "log": str(log)}  # fmt: skip
+    with pytest.raises(bench.BenchError) as info:
+        bench.run_child(job)
+    assert "floor (round 1)" in str(info.value) and str(log) in str(info.value)
+    assert "Timeout" in log.read_text()  # faulthandler's stack dump
