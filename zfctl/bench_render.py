@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
+from rich import box
 from rich.console import Group
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-COLUMNS = (
-    ("engine", "left"),
-    ("mean ms", "right"),
-    ("median ms", "right"),
-    ("stall ms", "right"),
-    ("dev B/param", "right"),
-    ("traffic x model", "right"),
-    ("vs ds-offload", "right"),
-    ("x floor", "right"),
-)
+# Two-line headers of at most 7 characters: the table fits 80 columns, numbers never cut.
+COLUMNS = ("mean\nms", "median\nms", "stall\nms", "device\nB/param", "traffic\nx model",
+           "vs ds-\noffload", "x\nfloor")  # fmt: skip
 
 
 def _num(x: float | None, spec: str) -> str:
@@ -61,9 +55,11 @@ def render_table(result: dict) -> Table:
         f"{cfg['micro_batch']}, seq {cfg['seq_len']}, on {result['device']}; {cfg['rounds']} "
         f"rounds x {cfg['steps']} steps per engine (after {cfg['warmup_steps']} warm-up)"
     )
-    t = Table(title=escape(title), title_justify="left")
-    for name, justify in COLUMNS:
-        t.add_column(name, justify=justify, no_wrap=True)
+    t = Table(title=escape(title), title_justify="left", box=box.SIMPLE_HEAD,
+              collapse_padding=True, pad_edge=False)  # fmt: skip
+    t.add_column("engine", overflow="fold", min_width=17)  # "deepspeed-offload"
+    for name in COLUMNS:
+        t.add_column(name, justify="right", no_wrap=True)
     for row in table_rows(result):
         t.add_row(*(escape(c) for c in row))
     return t
@@ -78,7 +74,7 @@ def footnotes(result: dict) -> list[str]:
         "step ms: forward + backward + the engine's step, wall time; means cover whole "
         f"windows of update_interval {zf['update_interval']} (topk_ratio {zf['topk_ratio']}); "
         "speed-ups compare means",
-        "traffic x model: bytes copied per step (d2h + h2d) / model bytes; dev B/param: "
+        "traffic x model: bytes copied per step (d2h + h2d) / model bytes; device B/param: "
         "device bytes per parameter; '-': not reported by that engine (DeepSpeed reports no "
         "stall and no copy traffic)",
     ]

@@ -290,9 +290,12 @@ def run_child(job: dict) -> dict:
 
 
 def _kill_group(proc) -> None:
-    """SIGKILL the child's process group (it called setsid: its pid is the group id)."""
+    """SIGKILL the child's process group (it called setsid: its pid is the group id), and the
+    child itself should it not have got that far."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
+    if proc.is_alive():
+        proc.kill()
     proc.join(30)
 
 

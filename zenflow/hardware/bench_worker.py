@@ -153,6 +153,7 @@ def run_contender(job: dict) -> dict:
     n_params = sum(p.numel() for p in params)
     model_bytes = sum(p.numel() * p.element_size() for p in params)
     engine = _make_engine(job, model)
+    threads = torch.get_num_threads()  # the training thread's share (close() restores it)
     forward = getattr(engine, "train_module", model)
     cuda = device.type == "cuda"
     records = []
@@ -187,7 +188,7 @@ def run_contender(job: dict) -> dict:
         "params": n_params,
         "model_bytes": model_bytes,
         "model_source": source,
-        "threads": torch.get_num_threads(),
+        "threads": threads,
         "resolved": {k: v for k, v in resolved.items() if _plain(v)},
     }
 
