@@ -39,7 +39,7 @@ def _root(
 
 
 def _register() -> None:
-    from zfctl import env_cmd, estimate_cmd, finetune, init_cmd, report, tune_hw
+    from zfctl import bench_cmd, env_cmd, estimate_cmd, finetune, init_cmd, report, tune_hw
 
     app.command("init")(handle_user_errors(init_cmd.init))
     app.command("tune-hw")(handle_user_errors(tune_hw.tune_hw))
@@ -47,6 +47,7 @@ def _register() -> None:
     app.command("finetune")(handle_user_errors(finetune.finetune))
     app.command("report")(handle_user_errors(report.report))
     app.command("env")(handle_user_errors(env_cmd.env))
+    app.command("bench")(handle_user_errors(bench_cmd.bench))
 
 
 _register()

@@ -119,6 +119,13 @@ class DashboardState:
         return None if d2h is None or h2d is None else d2h + h2d
 
 
+def unavailable_note(resolved: dict) -> str:
+    """The StepStats fields an engine cannot observe (shown as 0), in words."""
+    fields = ", ".join(resolved.get("unavailable_fields") or [])
+    engine = resolved.get("engine", "engine")
+    return f"{fields} (the {engine} engine does not report them; shown as 0)"
+
+
 def _metric_text(metrics: dict, names: list[str]) -> str:
     shown = [f"{k} {metrics[k]:.4f}" for k in names if isinstance(metrics.get(k), (int, float))]
     return ", ".join(shown) or "-"
@@ -153,8 +160,10 @@ def render_header(header: dict) -> Panel:
             f"host kernel {resolved.get('host_kernel', '-')}"
         ),
     )
+    if resolved.get("unavailable_fields"):  # e.g. --engine deepspeed: no stall, no traffic
+        t.add_row("not reported", escape(unavailable_note(resolved)))
     zf = header.get("zenflow")
-    if zf and header.get("engine_mode") == "zenflow":
+    if zf and (header.get("engine_mode") == "zenflow" or resolved.get("zenflow")):
         t.add_row(
             "zenflow",
             escape(
@@ -270,6 +279,8 @@ def format_plain_header(header: dict) -> list[str]:
     lines += [f"{k} source: {v}" for k, v in (header.get("sources") or {}).items()]
     if zf and header.get("engine_mode") == "zenflow":
         lines.append("zenflow: " + ", ".join(f"{k}={v}" for k, v in zf.items()))
+    if (header.get("engine_resolved") or {}).get("unavailable_fields"):
+        lines.append("not reported: " + unavailable_note(header["engine_resolved"]))
     lines.append(f"run dir: {header.get('run_dir')}")
     if header.get("resumed_from"):
         lines.append(f"resumed from: {header['resumed_from']}")

@@ -24,7 +24,7 @@ from zfctl.dashboard import (
 )
 from zfctl.errors import err_console, user_error
 
-ENGINES = ("zenflow", "offload", "device")
+ENGINES = ("zenflow", "offload", "device", "deepspeed")
 INITS = ("pretrained", "random")
 
 
@@ -98,9 +98,13 @@ def finetune(
     checkpoint_every: Annotated[
         int | None, typer.Option(min=1, help="Also checkpoint every N steps.")
     ] = None,
-    engine: Annotated[str, typer.Option(help="zenflow, offload (ZeRO-Offload) or device.")] = (
-        "zenflow"
-    ),
+    engine: Annotated[
+        str,
+        typer.Option(
+            help="zenflow, offload (ZeRO-Offload), device, or deepspeed (DeepSpeed 0.19.6's "
+            "own ZeRO-Offload or ZenFlow, by the config)."
+        ),
+    ] = "zenflow",
     set_: Annotated[
         list[str] | None,
         typer.Option("--set", help="Override a config key: dotted.json.path=value."),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 
 from rich.console import Console
 
@@ -130,3 +131,20 @@ def test_counts_go_on_after_a_resume(tiny_gpt2_dir, tmp_path, monkeypatch):
     assert 0 < first.host_updates < straight.host_updates
     assert (second.step, second.host_updates) == (6, straight.host_updates)
     assert second.selection_changed == straight.selection_changed > first.selection_changed
+
+
+def test_header_names_the_fields_an_engine_does_not_report():
+    from zfctl.dashboard import format_plain_header
+
+    resolved = {"engine": "deepspeed", "mode": "deepspeed-offload",
+                "unavailable_fields": ["stall_ms", "d2h_bytes"]}  # fmt: skip
+    header = {**HEADER, "engine_mode": "deepspeed", "zenflow": None, "engine_resolved": resolved}
+    state = DashboardState()
+    state.apply(RunStarted(header))
+    buf = io.StringIO()
+    Console(file=buf, width=160, color_system=None).print(render_dashboard(state))
+    expected = "stall_ms, d2h_bytes (the deepspeed engine does not report them; shown as 0)"
+    assert re.search(r"not reported +" + re.escape(expected), buf.getvalue())
+    assert f"not reported: {expected}" in format_plain_header(header)
+    # our engine reports everything: no such line
+    assert not any("not reported" in line for line in format_plain_header(HEADER))

@@ -20,7 +20,7 @@ from typing import Any
 from zenflow.errors import UserInputError
 from zenflow.train import runs
 
-ENGINE_MODES = ("zenflow", "offload", "device")
+ENGINE_MODES = ("zenflow", "offload", "device", "deepspeed")
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class RunSpec:
     config: Any  # zenflow.config.Config
     init: str = "pretrained"  # pretrained | random
     data_dir: str | None = None  # GLUE root holding <task>/train.tsv; None: the hub
-    engine_mode: str = "zenflow"  # zenflow | offload | device
+    engine_mode: str = "zenflow"  # zenflow | offload | device | deepspeed
     max_steps: int | None = None  # stop after this many optimizer steps
     epochs: float | None = None  # or after this many epochs; neither: 1 epoch; both: first hit
     micro_batch: int | None = None  # None: config.train_micro_batch_size_per_gpu, else 8

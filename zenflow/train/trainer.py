@@ -309,9 +309,16 @@ class _Run:
         if done is not None:
             self.on_event(RunAlreadyFinished(done))
             return done
-        self.engine = ZenFlowEngine(
-            self.model, self.config, mode=spec.engine_mode, steps_per_epoch=self.spe
-        )
+        if spec.engine_mode == "deepspeed":  # DeepSpeed's own engine (deepspeed_engine.py)
+            from zenflow.train.deepspeed_engine import DeepSpeedAdapter
+
+            self.engine = DeepSpeedAdapter(self.model, self.config, steps_per_epoch=self.spe)
+        else:
+            self.engine = ZenFlowEngine(
+                self.model, self.config, mode=spec.engine_mode, steps_per_epoch=self.spe
+            )
+        # The training forward goes through DeepSpeed's engine (its backward hooks need it).
+        self.train_module = getattr(self.engine, "train_module", self.model)
         if spec.engine_mode == "zenflow" and self.config.zenflow is None:
             zf = self.zenflow_settings() or {}
             self.notes.append(
@@ -415,7 +422,7 @@ class _Run:
                         sync()
                         t0 = time.perf_counter()
                         with self.engine.autocast():
-                            out = self.model(**batch)
+                            out = self.train_module(**batch)
                         loss = out.loss.float()
                         sync()
                         t1 = time.perf_counter()
