@@ -45,7 +45,7 @@ _STATS_FIELDS = (
     "loss", "lr", "step_ms", "forward_ms", "backward_ms", "device_opt_ms", "stall_ms",
     "transfer_ms", "d2h_bytes", "h2d_bytes", "host_update", "selection_changed",
 )  # fmt: skip
-# Logged only when the engine reports them (None otherwise; device_bytes is a newer field).
+# Logged only when the engine reports them (None otherwise).
 _OPTIONAL_STATS_FIELDS = ("grad_norm", "device_bytes")
 
 
