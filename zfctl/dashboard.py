@@ -158,6 +158,11 @@ def render_header(header: dict) -> Panel:
         escape(
             f"{header.get('engine_mode')} on {header.get('device')}, "
             f"host kernel {resolved.get('host_kernel', '-')}"
+            + (
+                f", {header['world_size']} data-parallel ranks (shown: the global batch)"
+                if (header.get("world_size") or 1) > 1
+                else ""
+            )
         ),
     )
     if resolved.get("unavailable_fields"):  # e.g. --engine deepspeed: no stall, no traffic
@@ -220,6 +225,13 @@ def render_step(state: DashboardState) -> Table:
         f"{fmt_bytes(state.mean('d2h_bytes'))}, h2d "
         f"{fmt_bytes(state.mean('h2d_bytes'))})",
     )
+    dev = state.mean("device_bytes")
+    params = state.header.get("params") or 0
+    t.add_row(
+        "device memory",
+        f"{fmt_bytes(dev)} ({fmt_num(dev / params if dev and params else None, '.2f')} "
+        "B/param: weights, grads, optimizer state; activations excluded)",
+    )
     t.add_row(
         "windows",
         f"last length {state.last_window or '-'}, host updates "
@@ -265,6 +277,7 @@ def format_plain_line(state: DashboardState) -> str:
         f"stall {fmt_num(stall, '.1f')}) stall {fmt_num(stall_pct, '.1f')}% "
         f"samples/s {fmt_num(state.mean('samples_per_s'), '.1f')} "
         f"bytes/step {fmt_bytes(state.bytes_per_step())} "
+        f"device {fmt_bytes(state.mean('device_bytes'))} "
         f"host_updates {state.host_updates} ETA {fmt_duration(state.eta_s)}"
     )
 
@@ -304,6 +317,7 @@ def render_summary(summary: dict) -> Table:
         f"{fmt_bytes(summary.get('bytes_per_step'))} "
         f"({fmt_num(summary.get('bytes_per_step_x_model'), '.2f')}x model)",
     )
+    t.add_row("device B/param", fmt_num(summary.get("device_bytes_per_param"), ".2f"))
     t.add_row("samples/s", fmt_num(summary.get("samples_per_s"), ".1f"))
     t.add_row("wall time", fmt_duration(summary.get("wall_s")))
     t.add_row("run dir", escape(str(summary.get("run_dir"))))

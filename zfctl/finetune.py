@@ -6,6 +6,7 @@ every ``steps_per_print`` steps otherwise, one JSON object per event with ``--js
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -25,6 +26,7 @@ from zfctl.dashboard import (
 from zfctl.errors import err_console, user_error
 
 ENGINES = ("zenflow", "offload", "device", "deepspeed")
+DEVICES = ("cpu", "cuda", "sim")
 INITS = ("pretrained", "random")
 
 
@@ -131,6 +133,21 @@ def finetune(
     force: Annotated[
         bool, typer.Option("--force", help="Skip the preflight memory check (zfctl estimate).")
     ] = False,
+    device: Annotated[
+        str | None,
+        typer.Option(
+            help="cpu, cuda, or sim (a simulated separate accelerator on the CPU, to rehearse "
+            "a GPU box); default cuda when present, else cpu."
+        ),
+    ] = None,
+    nproc: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Data-parallel processes on this machine (starts torch.distributed.run; "
+            "one per GPU with --device cuda). Multi-node: run torchrun yourself.",
+        ),
+    ] = 1,
 ) -> None:
     """Fine-tune MODEL on a GLUE task with the ZenFlow engine (or a comparison engine)."""
     from zenflow.config import load_config, parse_set_args
@@ -139,6 +156,16 @@ def finetune(
 
     _choice("--engine", engine, ENGINES)
     _choice("--init", init, INITS)
+    if device is not None:
+        _choice("--device", device, DEVICES)
+    if nproc > 1 and "WORLD_SIZE" not in os.environ:  # start the ranks; each runs this again
+        from zfctl.launch import launch
+
+        if engine == "deepspeed":
+            raise user_error("--nproc with --engine deepspeed is not supported; use torchrun "
+                             "with DeepSpeed's own launcher, or --engine zenflow.")  # fmt: skip
+        raise typer.Exit(launch(nproc, sys.argv[1:]))
+    rank = int(os.environ.get("RANK", "0") or 0)
     _positive("--epochs", epochs)
     _positive("--lr", lr)
     if config is not None and not config.is_file():
@@ -175,9 +202,11 @@ def finetune(
         max_steps=max_steps, epochs=epochs, micro_batch=micro_batch, seq_len=seq_len, lr=lr,
         seed=seed, run_dir=run_dir, runs_root=runs_root, resume=resume, eval_every=eval_every,
         max_eval_samples=max_eval_samples, hw_json=hw_json, checkpoint_every=checkpoint_every,
-        overwrite=overwrite,
+        overwrite=overwrite, device=device,
     )  # fmt: skip
-    if json_output:
+    if rank != 0:  # data parallel: rank 0 reports; the others say only their own error
+        renderer = _SilentRenderer()
+    elif json_output:
         renderer = _JsonRenderer()
     elif out.is_terminal and not no_dashboard:
         renderer = _LiveRenderer(out)
@@ -187,6 +216,8 @@ def finetune(
         with renderer:
             summary = run_finetune(spec, renderer)
     except RunInterrupted as exc:
+        if rank != 0:
+            raise typer.Exit(exc.exit_code) from None
         console = err_console()
         why = "stopped by SIGTERM" if exc.signal == "SIGTERM" else "interrupted"
         console.print(f"[yellow]{why} after step {exc.step}[/]")
@@ -194,6 +225,8 @@ def finetune(
             console.print(f"checkpoint: {escape(str(exc.checkpoint))}")
             console.print(f"resume with: [bold]{escape(exc.resume_command)}[/]")
         raise typer.Exit(exc.exit_code) from None
+    if rank != 0:
+        return
     if not json_output:
         if renderer.already_finished:
             out.print(
@@ -203,6 +236,21 @@ def finetune(
         else:
             out.print(render_summary(summary))
         out.print(f"report: zfctl report {escape(str(summary['run_dir']))}")
+
+
+class _SilentRenderer:
+    """Ranks other than 0 of a data-parallel run: nothing to show."""
+
+    already_finished = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def __call__(self, event) -> None:
+        return None
 
 
 class _JsonRenderer:

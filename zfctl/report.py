@@ -41,7 +41,7 @@ SUMMARY_KEYS = (
     "timing_ms_mean", "stall_fraction", "d2h_bytes_total", "h2d_bytes_total", "bytes_per_step",
     "bytes_per_step_x_model", "host_updates", "mean_window_len", "selection_changes",
     "samples", "tokens", "train_s", "samples_per_s", "tokens_per_s", "wall_s", "model_bytes",
-    "params", "sources",
+    "params", "sources", "device_bytes_per_param", "device", "world_size",
 )  # fmt: skip
 
 
@@ -241,6 +241,7 @@ def compare(reports: list[dict]) -> list[dict]:
                 "stall_fraction": r.get("stall_fraction"),
                 "bytes_per_step": r.get("bytes_per_step"),
                 "bytes_per_step_x_model": r.get("bytes_per_step_x_model"),
+                "device_bytes_per_param": r.get("device_bytes_per_param"),
                 "samples_per_s": r.get("samples_per_s"),
                 "tokens_per_s": r.get("tokens_per_s"),
                 "final_loss": r.get("final_loss"),

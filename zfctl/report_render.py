@@ -172,6 +172,8 @@ def render_run(r: dict) -> Table:
         + (f"{x_model:.2f}x model; " if x_model is not None else "")
         + f"d2h {fmt_bytes(d2h)}, h2d {fmt_bytes(h2d)})",
     )
+    row("device memory", f"{fmt_num(_finite(r.get('device_bytes_per_param')), '.2f')} B/param "
+        "(weights, grads, optimizer state)")  # fmt: skip
     row(
         "throughput",
         f"{fmt_num(_finite(r.get('samples_per_s')), '.1f')} samples/s, "
@@ -246,6 +248,7 @@ COMPARISON_ROWS = (
     ("stall %", lambda c: _pct(c.get("stall_fraction"))),
     ("bytes / step", lambda c: fmt_bytes(_finite(c.get("bytes_per_step")))),
     ("x model / step", lambda c: fmt_num(_finite(c.get("bytes_per_step_x_model")), ".2f")),
+    ("device B/param", lambda c: fmt_num(_finite(c.get("device_bytes_per_param")), ".2f")),
     ("samples/s", lambda c: fmt_num(_finite(c.get("samples_per_s")), ".1f")),
     ("tokens/s", lambda c: fmt_num(_finite(c.get("tokens_per_s")), ".0f")),
     ("final loss", lambda c: fmt_num(_finite(c.get("final_loss")), ".4f")),

@@ -518,6 +518,8 @@ def preflight(
         return None
     s = settings_from_config(config, micro_batch=micro_batch, seq_len=seq_len)
     result = estimate(census, s, detect_budget(dev, hst))
+    if mode == "deepspeed":  # DeepSpeed's own ZenFlow or ZeRO-Offload: the same layouts
+        mode = "zenflow" if config is not None and config.zenflow is not None else "offload"
     if not result.engines[mode].fits:
         raise WillNotFitError(refusal_message(result, mode))
     return result

@@ -92,15 +92,12 @@ def _write_failure(exc: BaseException, tmp: Path) -> OSError | None:
     return OSError(code, f"{os.strerror(code)} (torch.save: {reason})")
 
 
-def write_checkpoint(torch, run_dir: Path, step: int, state: dict) -> Path:
-    """Write ``state`` as checkpoints/step-NNNNNNN.pt atomically (temp file, fsync, rename)
-    and keep the newest ``KEEP_CHECKPOINTS``. On failure the temp file is removed, older
-    checkpoints stay, and a write failure raises StorageError (path and free space)."""
-    d = run_dir / runs.CHECKPOINT_DIR
-    path = d / f"step-{step:07d}.pt"
-    tmp = d / f".{path.name}.tmp"
+def _atomic_save(torch, path: Path, state: dict) -> None:
+    """``torch.save`` to a temp file beside ``path``, fsync, rename. On failure the temp file
+    is removed and a write failure raises StorageError (path and free space)."""
+    tmp = path.parent / f".{path.name}.tmp"
     try:
-        d.mkdir(exist_ok=True)
+        path.parent.mkdir(exist_ok=True)
         with open(tmp, "wb") as f:
             torch.save(state, f)
             f.flush()
@@ -113,8 +110,33 @@ def write_checkpoint(torch, run_dir: Path, step: int, state: dict) -> Path:
         if failure is not None:  # the message's free space is counted without the temp file
             raise StorageError(os_error_message(failure, path, "cannot write checkpoint")) from exc
         raise
+
+
+def write_checkpoint(torch, run_dir: Path, step: int, state: dict) -> Path:
+    """Write ``state`` as checkpoints/step-NNNNNNN.pt atomically and keep the newest
+    ``KEEP_CHECKPOINTS`` (with their data-parallel shards). On failure older checkpoints
+    stay."""
+    path = run_dir / runs.CHECKPOINT_DIR / f"step-{step:07d}.pt"
+    _atomic_save(torch, path, state)
     for old in runs.checkpoints(run_dir)[:-KEEP_CHECKPOINTS]:
         old.unlink(missing_ok=True)
+        for shard in old.parent.glob(f"{old.stem}.rank-*.pt"):
+            shard.unlink(missing_ok=True)
+    return path
+
+
+def shard_path(checkpoint: Path, rank: int) -> Path:
+    """Where rank ``rank`` (>= 1) of a data-parallel run keeps its part of ``checkpoint``
+    (``step-0000012.pt`` -> ``step-0000012.rank-1.pt``); rank 0's is in the checkpoint."""
+    return checkpoint.with_name(f"{checkpoint.stem}.rank-{rank}.pt")
+
+
+def write_shard(torch, run_dir: Path, step: int, rank: int, state: dict) -> Path:
+    """Rank ``rank``'s engine state and RNG for step ``step``. Written before rank 0 writes
+    the checkpoint itself, which is what makes a data-parallel checkpoint complete (a
+    checkpoint file implies its shards)."""
+    path = shard_path(run_dir / runs.CHECKPOINT_DIR / f"step-{step:07d}.pt", rank)
+    _atomic_save(torch, path, {"format": CHECKPOINT_FORMAT, **state})
     return path
 
 

@@ -47,6 +47,8 @@ class RunSpec:
     hw_json: Path | None = None  # copied into the run dir (default: ./hw.json if present)
     checkpoint_every: int | None = None  # also checkpoint every N steps (always at eval/end)
     overwrite: bool = False  # run_dir holds a run: remove its files and start clean
+    device: str | None = None  # cpu | cuda | sim (a simulated GPU); None: cuda if present
+    nproc: int = 1  # data-parallel ranks (torchrun's WORLD_SIZE): recorded for the resume
 
 
 # Fields that define the trajectory: a resumed run takes them from the saved run.
@@ -207,6 +209,10 @@ def resume_command(spec: RunSpec, run_dir: Path) -> str:
         args += ["--config", str(spec.config.source)]
     if spec.engine_mode != "zenflow":
         args += ["--engine", spec.engine_mode]
+    if spec.device is not None:
+        args += ["--device", spec.device]
+    if spec.nproc > 1:
+        args += ["--nproc", str(spec.nproc)]
     for flag, name in (
         ("--max-steps", "max_steps"), ("--epochs", "epochs"), ("--micro-batch", "micro_batch"),
         ("--lr", "lr"), ("--eval-every", "eval_every"),

@@ -57,7 +57,8 @@ def run_header(run, start_step: int, start_counts: dict | None = None) -> dict:
         "sources": run.sources,
         "params": run.params,
         "model_bytes": run.engine.model_bytes,
-        "device": str(run.device),
+        "device": run.engine.resolved.get("device_description", str(run.device)),
+        "world_size": run.par.world,
         "train_examples": len(run.task_data.train),
         "dev_examples": len(run.task_data.dev),
         "eval_examples": min(
@@ -86,6 +87,11 @@ def run_header(run, start_step: int, start_counts: dict | None = None) -> dict:
     }
 
 
+def _device_bytes_per_param(steps: list[dict], params: int) -> float | None:
+    seen = [int(m["device_bytes"]) for m in steps if m.get("device_bytes")]
+    return max(seen) / params if seen and params else None
+
+
 def run_summary(run, lines: list[dict], wall_s: float, status: str) -> dict:
     """summary.json: the run's numbers computed from its metrics ``lines``."""
     steps = [m for m in lines if m.get("type") == "step"]
@@ -94,7 +100,7 @@ def run_summary(run, lines: list[dict], wall_s: float, status: str) -> dict:
     model_bytes = run.engine.model_bytes
     d2h = sum(int(m.get("d2h_bytes", 0)) for m in steps)
     h2d = sum(int(m.get("h2d_bytes", 0)) for m in steps)
-    samples = n * run.micro_batch * run.gas
+    samples = n * run.global_micro * run.gas  # every rank's samples (data parallel)
     tokens = samples * run.spec.seq_len
     train_s = sum(float(m.get("wall_ms", 0.0)) for m in steps) / 1e3
     losses = [m.get("loss") for m in steps]
@@ -144,6 +150,11 @@ def run_summary(run, lines: list[dict], wall_s: float, status: str) -> dict:
         "wall_s": wall_s,
         "model_bytes": model_bytes,
         "params": run.params,
+        # device memory of weights, grads and engine state (activations excluded), the
+        # largest seen at a step, per parameter (rank 0's device)
+        "device_bytes_per_param": _device_bytes_per_param(steps, run.params),
+        "world_size": run.par.world,
+        "device": run.engine.resolved.get("device_description", str(run.device)),
         "sources": run.sources,
         "config": {
             "source": cfg.source,

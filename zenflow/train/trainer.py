@@ -22,12 +22,19 @@ period running out, interrupts at once. A ``KeyboardInterrupt`` raised by ``on_e
 anywhere in the loop) is handled the same way. A write that fails (disk full, read-only)
 raises ``StorageError`` naming the path, the free space, the last good checkpoint and the
 command that continues from it.
+
+Data parallel (``zenflow.train.parallel``; started by torchrun or ``--nproc``): every rank
+runs this loop on its slice of each global micro-batch (micro_batch x world samples, in the
+same epoch order as one process would use), the engine averages the gradients; rank 0
+alone writes the run directory and reports events, every rank writes its checkpoint shard,
+and a stop request is agreed so all ranks stop at the same step boundary.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import random
 import time
 from collections.abc import Callable
@@ -44,9 +51,12 @@ from zenflow.train.checkpointing import (
     CHECKPOINT_FORMAT,
     UnsafeCheckpointError,
     load_newest,
+    read_checkpoint,
     rng_state,
     set_rng_state,
+    shard_path,
     write_checkpoint,
+    write_shard,
 )
 from zenflow.train.data import batches as data_batches
 from zenflow.train.data import compute_metrics, encode, eval_batches, get_task, load_task
@@ -61,6 +71,16 @@ from zenflow.train.events import (
     StepEvent,
 )
 from zenflow.train.monitors import MonitorSink
+from zenflow.train.parallel import (
+    Parallel,
+    any_rank,
+    barrier,
+    broadcast_object,
+    device_for,
+    init_parallel,
+    mean_over_ranks,
+    shutdown,
+)
 from zenflow.train.rundir import RunDirectory
 from zenflow.train.signals import StopRequests
 from zenflow.train.spec import (
@@ -98,6 +118,8 @@ class _Run:
         self.explicit_checkpoint = False  # --resume named one file
         self.run_dir: Path | None = None
         self.dir: RunDirectory | None = None
+        self.par = Parallel()
+        self.monitor: MonitorSink | None = None
         self.notes: list[str] = []  # said in the header (RunStarted)
         if spec.engine_mode not in ENGINE_MODES:
             raise UserInputError(
@@ -118,8 +140,31 @@ class _Run:
             raise UserInputError(f"epochs must be positive, got {spec.epochs}.")
         self.spec = spec
 
+    # -- data parallel: join torchrun's process group (a no-op for one process)
+    def start_parallel(self) -> None:
+        import torch
+
+        from zenflow.engine.accelerator import KINDS, default_kind
+
+        kind = self.spec.device or default_kind()
+        if kind not in KINDS:
+            raise UserInputError(
+                f"--device {kind!r} is not allowed; use one of {', '.join(KINDS)} (sim: a "
+                "simulated separate accelerator, to rehearse a GPU box)."
+            )
+        if kind == "cuda" and not torch.cuda.is_available():
+            raise UserInputError(
+                "--device cuda: torch sees no CUDA device. Use --device cpu, or --device sim "
+                "to rehearse a GPU box on this machine."
+            )
+        self.device_kind = kind
+        self.par = init_parallel(kind)
+        self.spec = dataclasses.replace(self.spec, nproc=self.par.world)
+
     # -- the run directory (zenflow.train.rundir): locked for the whole run
     def claim_run_dir(self) -> None:
+        if not self.par.main:  # rank 0 owns the run directory
+            return
         self.dir = RunDirectory(self.spec)
         self.dir.claim()
         self.run_dir = self.dir.path
@@ -138,9 +183,12 @@ class _Run:
         self.torch = torch
         self.config = effective_config(spec)
         # Monitors (tensorboard/csv_monitor/wandb blocks) see every event; checked here,
-        # before anything is loaded.
-        self.monitor = MonitorSink(self.config.monitor, self.config.source)
-        self.on_event = self.monitor.tee(self.on_event)
+        # before anything is loaded. Only rank 0 reports.
+        if self.par.main:
+            self.monitor = MonitorSink(self.config.monitor, self.config.source)
+            self.on_event = self.monitor.tee(self.on_event)
+        else:
+            self.on_event = _noop
         self.micro_batch = spec.micro_batch or self.config.train_micro_batch_size_per_gpu or 8
         # Record the effective value: a resumed run compares against it.
         self.spec = spec = dataclasses.replace(spec, micro_batch=self.micro_batch)
@@ -159,12 +207,15 @@ class _Run:
             )
         self.sources = {**resolved.sources, "data": self.task_data.source}
         self.tokenizer = resolved.tokenizer
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = device_for(self.device_kind, self.par)
         self.model = resolved.model.to(self.device)
         self.params = count_params(self.model)
         self.encoded = encode(self.task_data, resolved.tokenizer, spec.seq_len)
-        self.spe = data_steps_per_epoch(len(self.task_data.train), self.micro_batch, self.gas)
-        self.epoch_samples = self.spe * self.gas * self.micro_batch
+        # Data parallel: each step reads micro_batch x world samples of the epoch order and
+        # every rank takes its micro_batch of them (the same order one process would use).
+        self.global_micro = self.micro_batch * self.par.world
+        self.spe = data_steps_per_epoch(len(self.task_data.train), self.global_micro, self.gas)
+        self.epoch_samples = self.spe * self.gas * self.global_micro
         if spec.max_steps is not None and spec.epochs is not None:
             self.total_steps = min(spec.max_steps, math.ceil(spec.epochs * self.spe))
         elif spec.max_steps is not None:
@@ -193,6 +244,7 @@ class _Run:
             "metrics_lines": self.metrics_lines,
             "wall_s": wall_s,
             "config_sha256": config_digest(spec_record(self.spec)),
+            "world_size": self.par.world,
         }
 
     def save_checkpoint(self, step, epoch, index, rng, wall_s, *, state=None) -> Path:
@@ -200,6 +252,19 @@ class _Run:
         if state is None:
             state = self.checkpoint_state(step, epoch, index, rng, wall_s)
         state["metrics_lines"] = self.metrics_lines
+        if self.par.enabled:  # shards first; rank 0's file after them completes the set
+            if not self.par.main:
+                write_shard(
+                    self.torch,
+                    self.run_dir,
+                    step,
+                    self.par.rank,
+                    {"step": step, "engine": state["engine"], "rng": state["rng"]},
+                )
+            barrier(self.par)  # fmt: skip
+            if not self.par.main:
+                self.last_checkpoint = self.run_dir / runs.CHECKPOINT_DIR / f"step-{step:07d}.pt"
+                return self.last_checkpoint
         path = write_checkpoint(self.torch, self.run_dir, step, state)
         self.last_checkpoint = path
         self.on_event(CheckpointSaved(step, path))
@@ -209,6 +274,8 @@ class _Run:
         """Load the newest readable checkpoint of ``candidates`` (onto the CPU; the model
         and engine copy each piece to its device) and say which one, and why, when it is
         not the newest."""
+        if not self.par.main:
+            return self._load_shard()
         try:
             state, path, notes = load_newest(self.torch, self.candidates)
         except UnsafeCheckpointError:
@@ -221,6 +288,14 @@ class _Run:
                     f"or with --resume {self.run_dir} (the newest readable one)."
                 ) from None
             raise
+        if self.par.enabled:  # the other ranks load the same checkpoint's shards
+            broadcast_object(str(path), self.par)
+        if state.get("world_size", 1) != self.par.world:
+            raise CheckpointError(
+                f"{path} was written by {state.get('world_size', 1)} data-parallel rank(s) "
+                f"but this run has {self.par.world}: resume with --nproc "
+                f"{state.get('world_size', 1)} (the engine state is partitioned by rank)."
+            )
         if state.get("config_sha256") != config_digest(spec_record(self.spec)):
             raise CheckpointError(
                 f"{path} was written with a different config than {self.run_dir}'s "
@@ -240,6 +315,17 @@ class _Run:
         self.notes += notes
         return state
 
+    def _load_shard(self) -> dict:
+        """Rank > 0: the checkpoint rank 0 chose, with this rank's engine state and RNG."""
+        path = Path(broadcast_object(None, self.par))
+        state = read_checkpoint(self.torch, path)
+        shard = read_checkpoint(self.torch, shard_path(path, self.par.rank))
+        state["engine"], state["rng"] = shard["engine"], shard["rng"]
+        self.model.load_state_dict(state["model"])
+        self.engine.load_state_dict(state["engine"])
+        self.resumed_from = path
+        return state
+
     def save_final_model(self) -> None:
         """Save the fine-tuned model (and tokenizer) in Hugging Face format under model/."""
         from zenflow.train.models import save_model
@@ -247,7 +333,16 @@ class _Run:
         save_model(self.model, self.tokenizer, self.run_dir / runs.MODEL_DIR)
 
     # -- eval
-    def evaluate(self, step: int) -> dict:
+    def evaluate(self, step: int) -> dict | None:
+        """Evaluate on the dev set (rank 0; the other ranks wait for it)."""
+        if not self.par.main:
+            barrier(self.par)
+            return None
+        metrics = self._evaluate(step)
+        barrier(self.par)
+        return metrics
+
+    def _evaluate(self, step: int) -> dict:
         torch = self.torch
         model = self.model
         was_training = model.training
@@ -283,6 +378,9 @@ class _Run:
     def write_metrics(self, record: dict) -> None:
         import json
 
+        if not self.par.main:  # counted on every rank: checkpoints record the count
+            self.metrics_lines += 1
+            return
         with runs.writing(self.run_dir / runs.METRICS_FILE):
             self.metrics_file.write(json.dumps(record, default=str) + "\n")
             self.metrics_file.flush()
@@ -305,7 +403,8 @@ class _Run:
         from zenflow.engine import ZenFlowEngine
 
         spec = self.spec
-        done = self.dir.finished_summary(self.total_steps)
+        done = self.dir.finished_summary(self.total_steps) if self.par.main else None
+        done = broadcast_object(done, self.par)
         if done is not None:
             self.on_event(RunAlreadyFinished(done))
             return done
@@ -315,8 +414,9 @@ class _Run:
             self.engine = DeepSpeedAdapter(self.model, self.config, steps_per_epoch=self.spe)
         else:
             self.engine = ZenFlowEngine(
-                self.model, self.config, mode=spec.engine_mode, steps_per_epoch=self.spe
-            )
+                self.model, self.config, mode=spec.engine_mode, steps_per_epoch=self.spe,
+                accelerator=self.device_kind, ranks_per_node=self.par.local_world,
+            )  # fmt: skip
         # The training forward goes through DeepSpeed's engine (its backward hooks need it).
         self.train_module = getattr(self.engine, "train_module", self.model)
         if spec.engine_mode == "zenflow" and self.config.zenflow is None:
@@ -335,7 +435,8 @@ class _Run:
             raise StorageError(f"{exc} {self._recovery_hint()}") from exc
         finally:
             self.engine.close()
-            self.monitor.close()
+            if self.monitor is not None:
+                self.monitor.close()
 
     def _recovery_hint(self) -> str:
         if self.last_checkpoint is not None:
@@ -352,22 +453,30 @@ class _Run:
             self.run_dir = Path(spec.run_dir)
             state = self.load_resume_state()
             step = state["step"]
-            kept = self.dir.reopen(state["metrics_lines"], step, self.total_steps)
-            self.metrics_lines = len(kept)
-            self.start_counts = step_counts(kept)
+            if self.par.main:
+                kept = self.dir.reopen(state["metrics_lines"], step, self.total_steps)
+                self.metrics_lines = len(kept)
+                self.start_counts = step_counts(kept)
+            else:
+                self.metrics_lines = int(state["metrics_lines"])
+                self.start_counts = {}
             set_rng_state(torch, self.device, state["rng"])
             pos = state["position"]
             self.last_checkpoint = self.resumed_from
             start = (step, pos["epoch"], pos["index"], float(state.get("wall_s", 0.0)))
         else:
-            self.run_dir = self.dir.create(self.task.name)
-            with runs.writing(self.run_dir / runs.METRICS_FILE):
-                (self.run_dir / runs.METRICS_FILE).write_text("", encoding="utf-8")
+            if self.par.main:
+                self.run_dir = self.dir.create(self.task.name)
+                with runs.writing(self.run_dir / runs.METRICS_FILE):
+                    (self.run_dir / runs.METRICS_FILE).write_text("", encoding="utf-8")
+            self.run_dir = Path(broadcast_object(str(self.run_dir), self.par))
             self.metrics_lines = 0
             self.start_counts = {}
             torch.manual_seed(spec.seed)
             random.seed(spec.seed)
             start = (0, 0, 0, 0.0)
+        if not self.par.main:
+            return start
         cfg_json = self.config.to_json_dict(self.engine.resolved)
         cfg_json["run"] = spec_record(spec)
         cfg_json["sources"] = self.sources
@@ -382,8 +491,11 @@ class _Run:
     def _run_with_engine(self, torch) -> dict:
         spec = self.spec
         step, epoch, index, wall_before = self._prepare_run_dir()
-        with runs.writing(self.run_dir / runs.METRICS_FILE, "cannot open"):
-            self.metrics_file = open(self.run_dir / runs.METRICS_FILE, "a", encoding="utf-8")
+        if self.par.main:
+            with runs.writing(self.run_dir / runs.METRICS_FILE, "cannot open"):
+                self.metrics_file = open(self.run_dir / runs.METRICS_FILE, "a", encoding="utf-8")
+        else:  # rank > 0 writes no metrics
+            self.metrics_file = open(os.devnull, "w", encoding="utf-8")
         cuda = self.device.type == "cuda"
 
         def sync():
@@ -399,12 +511,18 @@ class _Run:
         in_engine_step = False
         it = None
         step_times: list[float] = []
-        per_step_samples = self.micro_batch * self.gas
+        per_step_samples = self.global_micro * self.gas
+        rows = slice(self.par.rank * self.micro_batch, (self.par.rank + 1) * self.micro_batch)
         stops = StopRequests()
+
+        def stop_now() -> bool:
+            """A stop request, agreed: every rank stops at the same step boundary."""
+            return any_rank(bool(stops.requested), self.par)
+
         try:
             with self.metrics_file, stops:
                 self.on_event(RunStarted(self.header(step, self.start_counts)))
-                if stops.requested:
+                if stop_now():
                     raise KeyboardInterrupt
                 while step < self.total_steps:
                     t_step = time.perf_counter()
@@ -415,10 +533,11 @@ class _Run:
                             epoch, index, it = epoch + 1, 0, None
                         if it is None:
                             it = data_batches(
-                                self.encoded.train, self.micro_batch, spec.seed, epoch, index
+                                self.encoded.train, self.global_micro, spec.seed, epoch, index
                             )
                         index, batch = next(it)
-                        batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+                        batch = {k: v[rows].to(self.device, non_blocking=True)
+                                 for k, v in batch.items()}  # fmt: skip
                         sync()
                         t0 = time.perf_counter()
                         with self.engine.autocast():
@@ -426,7 +545,7 @@ class _Run:
                         loss = out.loss.float()
                         sync()
                         t1 = time.perf_counter()
-                        (loss / self.gas).backward()
+                        self.engine.backward(loss / self.gas)
                         sync()
                         t2 = time.perf_counter()
                         fwd_ms += (t1 - t0) * 1e3
@@ -445,7 +564,7 @@ class _Run:
                         step=step,
                         forward_ms=fwd_ms,
                         backward_ms=bwd_ms,
-                        loss=float(mean_loss),
+                        loss=mean_over_ranks(float(mean_loss), self.par),
                     )
                     sps = per_step_samples / (wall_ms / 1e3)
                     ep = epoch + index / self.epoch_samples
@@ -474,7 +593,7 @@ class _Run:
                             total_steps=self.total_steps,
                         )
                     )
-                    if stops.requested:
+                    if stop_now():
                         raise KeyboardInterrupt
                     evaluated = False
                     if spec.eval_every and step % spec.eval_every == 0 and step < self.total_steps:
@@ -482,7 +601,7 @@ class _Run:
                         evaluated = True
                     if evaluated or (spec.checkpoint_every and step % spec.checkpoint_every == 0):
                         self.save_checkpoint(step, epoch, index, boundary["rng"], session_wall())
-                    if stops.requested:
+                    if stop_now():
                         raise KeyboardInterrupt
                 # The final checkpoint holds the engine exactly as an uninterrupted longer run
                 # would have it (host work possibly in flight), so `--resume` with more steps
@@ -495,12 +614,17 @@ class _Run:
                 self.engine.flush()
                 self.evaluate(step)
                 self.save_checkpoint(step, epoch, index, None, 0.0, state=final_state)
-                self.save_final_model()
+                if self.par.main:
+                    self.save_final_model()
         except KeyboardInterrupt:
             return self._interrupted(boundary, in_engine_step, session_wall(), stops)
+        if not self.par.main:
+            barrier(self.par)  # rank 0 writes the summary
+            return {"status": "finished", "rank": self.par.rank, "run_dir": str(self.run_dir)}
         summary = self.summary(session_wall(), "finished")
         with runs.writing(self.run_dir / runs.SUMMARY_FILE):
             runs.write_json_atomic(self.run_dir / runs.SUMMARY_FILE, summary)
+        barrier(self.par)
         self.on_event(RunFinished(summary))
         return summary
 
@@ -540,6 +664,7 @@ def run_finetune(spec: RunSpec, on_event: Callable[[object], None] = _noop) -> d
     """
     run = _Run(spec, on_event)
     try:
+        run.start_parallel()
         run.claim_run_dir()
         run.setup()
         return run.run()
@@ -549,3 +674,4 @@ def run_finetune(spec: RunSpec, on_event: Callable[[object], None] = _noop) -> d
         raise
     finally:
         run.release()
+        shutdown(run.par)
