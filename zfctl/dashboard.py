@@ -287,7 +287,12 @@ def format_plain_header(header: dict) -> list[str]:
     lines = [
         f"model {header.get('model')} ({header.get('params', 0) / 1e6:.1f}M params, "
         f"init {header.get('init')}), task {header.get('task')}, "
-        f"engine {header.get('engine_mode')} on {header.get('device')}",
+        f"engine {header.get('engine_mode')} on {header.get('device')}"
+        + (
+            f", {header['world_size']} data-parallel ranks"
+            if (header.get("world_size") or 1) > 1
+            else ""
+        ),
     ]
     lines += [f"{k} source: {v}" for k, v in (header.get("sources") or {}).items()]
     if zf and header.get("engine_mode") == "zenflow":

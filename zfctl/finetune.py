@@ -202,7 +202,7 @@ def finetune(
         max_steps=max_steps, epochs=epochs, micro_batch=micro_batch, seq_len=seq_len, lr=lr,
         seed=seed, run_dir=run_dir, runs_root=runs_root, resume=resume, eval_every=eval_every,
         max_eval_samples=max_eval_samples, hw_json=hw_json, checkpoint_every=checkpoint_every,
-        overwrite=overwrite, device=device,
+        overwrite=overwrite, device=device, config_given=config is not None or bool(set_),
     )  # fmt: skip
     if rank != 0:  # data parallel: rank 0 reports; the others say only their own error
         renderer = _SilentRenderer()

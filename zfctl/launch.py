@@ -29,8 +29,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def without_nproc(args: list[str]) -> list[str]:
+    """``args`` minus ``--nproc N`` / ``--nproc=N``: the ranks know their number from
+    torchrun, and torchrun itself would take ``--nproc`` for its own ``--nproc-per-node``."""
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out
+
+
 def torchrun_command(nproc: int, args: list[str], port: int) -> list[str]:
     """The torchrun command line running ``zfctl <args>`` on ``nproc`` ranks here."""
+    args = without_nproc(args)
     return [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
         "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "zfctl", *args,

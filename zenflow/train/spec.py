@@ -49,6 +49,7 @@ class RunSpec:
     overwrite: bool = False  # run_dir holds a run: remove its files and start clean
     device: str | None = None  # cpu | cuda | sim (a simulated GPU); None: cuda if present
     nproc: int = 1  # data-parallel ranks (torchrun's WORLD_SIZE): recorded for the resume
+    config_given: bool = True  # False: no --config/--set (a resume then takes the run's)
 
 
 # Fields that define the trajectory: a resumed run takes them from the saved run.
@@ -176,7 +177,11 @@ def merge_resumed_spec(spec: RunSpec, run_dir: Path) -> RunSpec:
         if mine != theirs and mine != _DEFAULTS[name]:
             conflicts.append(f"{name}: run has {theirs!r}, given {mine!r}")
         changes[name] = theirs
-    if saved.get("config_input") is not None and dict(spec.config.raw) != saved["config_input"]:
+    if (
+        spec.config_given
+        and saved.get("config_input") is not None
+        and dict(spec.config.raw) != saved["config_input"]
+    ):
         conflicts.append("config: the given DeepSpeed config differs from the run's")
     if conflicts:
         raise UserInputError(
@@ -238,7 +243,7 @@ def spec_record(spec: RunSpec) -> dict:
     """The spec as JSON (config by its input dict and source)."""
     out = {}
     for f in dataclasses.fields(RunSpec):
-        if f.name in ("config", "resume", "overwrite"):
+        if f.name in ("config", "resume", "overwrite", "config_given"):
             continue
         v = getattr(spec, f.name)
         out[f.name] = str(v) if isinstance(v, Path) else v
