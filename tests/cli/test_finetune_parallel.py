@@ -87,6 +87,8 @@ def test_two_ranks_train_what_one_process_trains(tiny_gpt2_dir, data, tmp_path):
     s1 = json.loads((tmp_path / "one" / "summary.json").read_text())
     s2 = json.loads((tmp_path / "two" / "summary.json").read_text())
     assert s2["world_size"] == 2 and s2["samples"] == s1["samples"] == 4 * 8
+    dp = s2["data_parallel"]  # re-selection's score all-reduce, next to the gradients
+    assert 0 < 10 * dp["selection_score_floats"] < dp["selection_gradient_floats_instead"]
     assert abs(s2["final_loss"] - s1["final_loss"]) < 1e-4
     shards = sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir())
     assert "step-0000004.pt" in shards and "step-0000004.rank-1.pt" in shards

@@ -20,6 +20,7 @@ import contextlib
 import hashlib
 import os
 import platform
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -191,7 +192,10 @@ def load_deepspeed_op(builder_name: str) -> Any:
         raise NativeBuildError(
             f"DeepSpeed's {get_accelerator().device_name()} accelerator has no {builder_name}."
         )
-    root = build_root() / "deepspeed"
+    # One folder per Python environment: DeepSpeed's sources live in its site-packages, so
+    # two virtualenvs sharing a folder would rebuild over each other every time.
+    env_key = hashlib.sha256(sys.prefix.encode()).hexdigest()[:10]
+    root = build_root() / "deepspeed" / env_key
     previous = os.environ.get("TORCH_EXTENSIONS_DIR")
     os.environ["TORCH_EXTENSIONS_DIR"] = str(root)  # DeepSpeed's jit_load takes no folder
     try:

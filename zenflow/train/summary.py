@@ -87,6 +87,19 @@ def run_header(run, start_step: int, start_counts: dict | None = None) -> dict:
     }
 
 
+def _dp_costs(run) -> dict | None:
+    """Rank 0's collective traffic, and what re-selection's score all-reduce cost next to
+    all-reducing the gradients it scores (one float per column instead of the matrix)."""
+    dp = getattr(run.engine, "dp", None)
+    if dp is None or not dp.enabled:
+        return None
+    return {
+        "collective_bytes_sent": dp.bytes_sent,
+        "selection_score_floats": dp.score_floats,
+        "selection_gradient_floats_instead": dp.score_grad_equivalent,
+    }
+
+
 def _device_bytes_per_param(steps: list[dict], params: int) -> float | None:
     seen = [int(m["device_bytes"]) for m in steps if m.get("device_bytes")]
     return max(seen) / params if seen and params else None
@@ -155,6 +168,7 @@ def run_summary(run, lines: list[dict], wall_s: float, status: str) -> dict:
         "device_bytes_per_param": _device_bytes_per_param(steps, run.params),
         "world_size": run.par.world,
         "device": run.engine.resolved.get("device_description", str(run.device)),
+        "data_parallel": _dp_costs(run),
         "sources": run.sources,
         "config": {
             "source": cfg.source,
