@@ -47,7 +47,8 @@ def test_bf16_zenflow_device_bytes_within_goal():
     # selected columns' fp32 master slice + moments (12 bytes x ~0.1) + the always-important
     # params' fp32 state + int64 counts per selected column
     assert 1.15 < per_param["optimizer"] < 1.4, per_param
-    assert per_param["staging"] < 0.1, per_param  # two copy buckets
+    # two copy buckets of at most 1/32 of the offloaded elements each, in bf16
+    assert per_param["staging"] <= 2 * 2 / 32, per_param
     assert st.device_bytes / params <= 5.5, st.device_bytes / params  # the issue's goal
 
 

@@ -24,16 +24,22 @@ import torch
 from zenflow.engine.accelerator import DONE, Accelerator
 
 DEFAULT_BUCKET_ELEMS = 1 << 22  # 4M elements: 8 MiB of bf16 per device bucket
-HOST_STAGING_BUFFERS = 4  # pinned d2h staging buffers in flight to the accumulator
 
 
 @dataclass(frozen=True)
 class Piece:
-    """Non-selected positions ``c0:c1`` of one weight (columns along ``cd``)."""
+    """A block of one weight's non-selected columns, moved as one copy.
 
-    c0: int
-    c1: int
-    shape: tuple[int, ...]  # the gathered piece's shape: the weight's with c1-c0 columns
+    A weight whose columns are its last dim (nn.Linear [out, in], an embedding) is cut by
+    ROWS: rows ``lo:hi`` with all their non-selected columns, so each piece reads and writes
+    whole contiguous rows once. A weight whose columns are dim 0 (Conv1D [in, out]: each
+    column is a contiguous row of storage) is cut by non-selected positions ``lo:hi``.
+    """
+
+    lo: int
+    hi: int
+    by_rows: bool
+    shape: tuple[int, ...]  # the gathered piece's shape
 
     @property
     def numel(self) -> int:
@@ -42,35 +48,42 @@ class Piece:
             n *= s
         return n
 
+    def select(self, t: torch.Tensor, nonsel: torch.Tensor):
+        """(view of ``t``, dim, index): ``view.index_select(dim, index)`` is this piece of a
+        full-shape tensor ``t`` (gradient, weight, master, window sum); ``index_add_`` /
+        ``index_copy_`` on the view write it back in place."""
+        if self.by_rows:
+            return t[self.lo : self.hi], 1, nonsel
+        return t, 0, nonsel[self.lo : self.hi]
+
 
 def plan_pieces(shape: tuple[int, ...], cd: int, n_nonsel: int, bucket_elems: int) -> list[Piece]:
-    """Split ``n_nonsel`` non-selected columns of a weight of ``shape`` into pieces of at
-    most ``bucket_elems`` elements (at least one column per piece)."""
-    rows = 1
-    for i, s in enumerate(shape):
-        if i != cd:
-            rows *= s
-    per = max(1, bucket_elems // max(1, rows))
-    out = []
-    for c0 in range(0, n_nonsel, per):
-        c1 = min(n_nonsel, c0 + per)
-        s = list(shape)
-        s[cd] = c1 - c0
-        out.append(Piece(c0, c1, tuple(s)))
-    return out
+    """Cut a 2-D weight's ``n_nonsel`` non-selected columns (along ``cd``) into pieces of at
+    most ``bucket_elems`` elements (at least one row, or one column, per piece)."""
+    if n_nonsel == 0:
+        return []
+    if cd == len(shape) - 1:  # columns are the last dim: cut by rows
+        rows = shape[0]
+        per = max(1, bucket_elems // n_nonsel)
+        return [Piece(lo, min(rows, lo + per), True, (min(rows, lo + per) - lo, n_nonsel))
+                for lo in range(0, rows, per)]  # fmt: skip
+    other = shape[1]
+    per = max(1, bucket_elems // other)
+    return [Piece(lo, min(n_nonsel, lo + per), False, (min(n_nonsel, lo + per) - lo, other))
+            for lo in range(0, n_nonsel, per)]  # fmt: skip
 
 
-BUCKET_SHARE = 64  # two buckets hold at most 2/64 of the offloaded elements (~3%)
+BUCKET_SHARE = 32  # two buckets hold at most 2/32 of the offloaded elements (~6%)
 
 
-def bucket_elems_for(numels: list[int], rows: list[int], requested: int | None) -> int:
+def bucket_elems_for(numels: list[int], units: list[int], requested: int | None) -> int:
     """Elements per copy bucket: the requested size (``reduce_bucket_size``, default 4M),
-    capped at 1/64 of the offloaded elements so small models keep their device copy buffers
-    small (the device-bytes goal counts them), and never below one column of the tallest
-    weight (a piece holds at least one column)."""
+    capped at 1/32 of the offloaded elements so small models keep their device copy buffers
+    small (two bf16 buckets: at most 0.125 device bytes per parameter), and never below the
+    largest ``unit`` (the longest row or column: a piece holds at least one)."""
     total = sum(numels)
     want = min(requested or DEFAULT_BUCKET_ELEMS, max(1, total // BUCKET_SHARE), max(numels))
-    return max(want, max(rows, default=1), 1)
+    return max(want, max(units, default=1), 1)
 
 
 class DeviceBuckets:
@@ -103,29 +116,23 @@ class DeviceBuckets:
 
 
 class HostStaging:
-    """A small pool of pinned host buffers for device->host pieces.
+    """Pinned host buffers for device->host pieces: one per piece of a step, so the training
+    thread never waits for the accumulator within a step (the host sums a step's pieces
+    while the device runs the next forward/backward; it waits only when the host falls a
+    whole step behind, for that piece). The accumulator gives each buffer back after adding
+    it. Host bytes: one step's non-selected gradient in the training dtype."""
 
-    The training thread takes a buffer for each piece (blocking while all are with the
-    accumulator: counted as stall by the caller), the accumulator gives it back after adding
-    it into the fp32 sum.
-    """
+    def __init__(self, accel: Accelerator, dtype: torch.dtype, pin: bool, shapes: dict):
+        self._buf = {key: accel.host_empty(shape, dtype, pin) for key, shape in shapes.items()}
+        self._free = {key: threading.Event() for key in shapes}
+        for ev in self._free.values():
+            ev.set()
 
-    def __init__(self, accel: Accelerator, elems: int, dtype: torch.dtype, pin: bool, n: int):
-        self._free = [accel.host_empty((elems,), dtype, pin) for _ in range(n)]
-        self._cv = threading.Condition()
+    def take(self, key) -> torch.Tensor:
+        """The buffer of piece ``key``, once the accumulator is done with its last use."""
+        self._free[key].wait()
+        self._free[key].clear()
+        return self._buf[key]
 
-    def take(self, shape) -> torch.Tensor:
-        n = 1
-        for s in shape:
-            n *= s
-        with self._cv:
-            while not self._free:
-                self._cv.wait()
-            buf = self._free.pop()
-        return buf[:n].view(shape)
-
-    def give(self, view: torch.Tensor) -> None:
-        base = view._base if view._base is not None else view
-        with self._cv:
-            self._free.append(base)
-            self._cv.notify()
+    def give(self, key) -> None:
+        self._free[key].set()

@@ -232,8 +232,9 @@ class HostWorker:
 class Accumulator:
     """A thread adding device->host gradient pieces into fp32 window sums, in order.
 
-    ``add(event, staged, acc, cd, cols, release)``: wait for the piece's copy event, then
-    ``acc.index_add_(cd, cols, staged)`` in fp32, then ``release(staged)`` (back to the
+    ``add(event, staged, acc, dim, index, release)``: wait for the piece's copy event, then
+    ``acc.index_add_(dim, index, staged)`` in fp32 (``acc``: the piece's view of the window
+    sum, see ``zenflow.engine.copies.Piece``), then ``release()`` (the staging buffer back to the
     staging pool). ``fence()`` returns an event set once every piece queued before it has
     been added: the worker waits on it before the window's host step reads the sums.
     A failure is kept and re-raised by ``check()`` / ``fence().wait`` callers.
@@ -247,8 +248,8 @@ class Accumulator:
         self._thread = threading.Thread(target=self._run, name="zenflow-accum", daemon=True)
         self._thread.start()
 
-    def add(self, event, staged, acc, cd, cols, release) -> None:
-        self._q.put(("add", event, staged, acc, cd, cols, release))
+    def add(self, event, staged, acc, dim, index, release) -> None:
+        self._q.put(("add", event, staged, acc, dim, index, release))
 
     def fence(self) -> threading.Event:
         done = threading.Event()
@@ -264,15 +265,15 @@ class Accumulator:
             if item[0] == "fence":
                 item[1].set()
                 continue
-            _, event, staged, acc, cd, cols, release = item
+            _, event, staged, acc, dim, index, release = item
             try:
                 if self.error is None:
                     event.synchronize()
-                    acc.index_add_(cd, cols, staged.float())
+                    acc.index_add_(dim, index, staged.float())
             except BaseException as e:  # kept; the training thread re-raises it
                 self.error = e
             finally:
-                release(staged)
+                release()
 
     def check(self) -> None:
         if self.error is not None:

@@ -32,13 +32,13 @@ t and, per column, its host count + 1.
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
 
 from zenflow.engine.baselines import full_host_step
 from zenflow.engine.copies import (
-    HOST_STAGING_BUFFERS,
     DeviceBuckets,
     HostStaging,
     bucket_elems_for,
@@ -143,7 +143,8 @@ class ZfWeight:
         """Host: the non-selected columns of the master, cast to the training dtype, piece by
         piece (what the next apply copies to the device)."""
         for pc, img in zip(self.pieces, self.image, strict=True):
-            img.copy_(self.host.master.index_select(self.cd, self.nonsel_host[pc.c0 : pc.c1]))
+            src, dim, idx = pc.select(self.host.master, self.nonsel_host)
+            img.copy_(src.index_select(dim, idx))
 
 
 class ZenFlowMode:
@@ -163,10 +164,9 @@ class ZenFlowMode:
         self.zweights: list[ZfWeight] = []
         zspecs = [s for s in engine.specs if s.is_zenflow]
         self.bucket_elems = bucket_elems_for(
-            [s.param.numel() for s in zspecs],
-            [s.param.numel() // s.n_cols for s in zspecs],
+            [s.param.numel() for s in zspecs], [max(s.param.shape) for s in zspecs],
             engine.bucket_request,
-        )
+        )  # fmt: skip
         dp = engine.dp
         owners = dp.owners([s.param.numel() for s in zspecs]) if dp.enabled else [0] * len(zspecs)
         for s, owner in zip(zspecs, owners, strict=True):
@@ -182,8 +182,11 @@ class ZenFlowMode:
             max_piece = max(pc.numel for w in self.zweights for pc in w.pieces) if any(
                 w.pieces for w in self.zweights) else 1  # fmt: skip
             self.buckets = DeviceBuckets(accel, max_piece, engine.dtype)
-            self.staging = HostStaging(accel, max_piece, engine.dtype, engine.pin,
-                                       HOST_STAGING_BUFFERS)  # fmt: skip
+            self.staging = HostStaging(accel, engine.dtype, engine.pin, {
+                (wi, pi): pc.shape
+                for wi, w in enumerate(self.zweights) if w.owned
+                for pi, pc in enumerate(w.pieces)
+            })  # fmt: skip
             self.accumulator = Accumulator(1)
         else:
             self.buckets = self.staging = self.accumulator = None
@@ -269,19 +272,21 @@ class ZenFlowMode:
         e = self.e
         if self.stream:
             t0 = time.perf_counter()
-            for w in self.zweights:
+            for wi, w in enumerate(self.zweights):
                 if not w.owned:
                     continue
                 g = w.grad()
                 acc = w.acc[self.slot]
-                for pc in w.pieces:
+                for pi, pc in enumerate(w.pieces):
                     i, bucket = self.buckets.take(pc.shape)
-                    torch.index_select(g, w.cd, w.nonsel_dev[pc.c0 : pc.c1], out=bucket)
-                    staged = self.staging.take(pc.shape)
+                    src, dim, idx = pc.select(g, w.nonsel_dev)
+                    torch.index_select(src, dim, idx, out=bucket)
+                    staged = self.staging.take((wi, pi))
                     ev = e.accel.copy_d2h(staged, bucket)
                     self.buckets.mark(i, ev)
-                    self.accumulator.add(ev, staged, acc, w.cd, w.nonsel_host[pc.c0 : pc.c1],
-                                         self.staging.give)  # fmt: skip
+                    dst, dim, idx = pc.select(acc, w.nonsel_host)
+                    release = functools.partial(self.staging.give, (wi, pi))
+                    self.accumulator.add(ev, staged, dst, dim, idx, release)
             e.rec.transfer_s += time.perf_counter() - t0
         else:
             for w in self.zweights:
@@ -393,7 +398,8 @@ class ZenFlowMode:
                         e.accel.compute_wait(e.accel.copy_h2d(bucket, w.image[i_pc]))
                     if dp.enabled:  # the owner's result to every rank's device
                         dp.broadcast_(bucket, w.owner)
-                    p.index_copy_(w.cd, w.nonsel_dev[pc.c0 : pc.c1], bucket)
+                    dst, dim, idx = pc.select(p, w.nonsel_dev)
+                    dst.index_copy_(dim, idx, bucket)
                     self.buckets.mark(i, e.accel.record_compute())
             else:  # shared memory: the gather is the copy (counted at the weight's dtype)
                 if w.owned:

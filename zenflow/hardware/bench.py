@@ -316,15 +316,6 @@ def _check_device(spec: BenchSpec) -> None:
 
         if not torch.cuda.is_available():
             raise UserInputError("--device cuda: torch sees no CUDA device; use --device cpu.")
-    ours = [e for e in spec.engines if e not in DEEPSPEED_ENGINES and e != "floor"]
-    if spec.device == "sim" and ours:
-        from zenflow.hardware.bench_worker import engine_accepts_accelerator
-
-        if not engine_accepts_accelerator():
-            raise UserInputError(
-                "--device sim needs ZenFlowEngine's accelerator layer, which this version "
-                "does not have yet; use --device cpu."
-            )
 
 
 def run_bench(

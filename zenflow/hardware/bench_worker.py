@@ -15,12 +15,10 @@ sent back over a pipe.
 from __future__ import annotations
 
 import faulthandler
-import inspect
 import os
 import re
 import time
 import traceback
-from typing import Any
 
 from zenflow.errors import UserInputError
 
@@ -107,13 +105,6 @@ def make_batch(model, micro_batch: int, seq_len: int, seed: int, device) -> dict
     }
 
 
-def engine_accepts_accelerator() -> bool:
-    """Whether this ZenFlowEngine takes ``accelerator=`` (the accelerator layer)."""
-    from zenflow.engine.schedule import ZenFlowEngine
-
-    return "accelerator" in inspect.signature(ZenFlowEngine.__init__).parameters
-
-
 def _make_engine(job: dict, model):
     """The engine of ``job["engine"]`` (None for ``floor``)."""
     from zenflow.config import load_config
@@ -128,15 +119,7 @@ def _make_engine(job: dict, model):
         return DeepSpeedAdapter(model, config)
     from zenflow.engine.schedule import ZenFlowEngine
 
-    kwargs: dict[str, Any] = {}
-    if engine_accepts_accelerator():
-        kwargs["accelerator"] = job["device"]
-    elif job["device"] == "sim":
-        raise UserInputError(
-            "--device sim needs ZenFlowEngine's accelerator layer, which this version does "
-            "not have yet; use --device cpu."
-        )
-    return ZenFlowEngine(model, config, mode=ENGINE_MODES[name], **kwargs)
+    return ZenFlowEngine(model, config, mode=ENGINE_MODES[name], accelerator=job["device"])
 
 
 def run_contender(job: dict) -> dict:
@@ -153,6 +136,16 @@ def run_contender(job: dict) -> dict:
     n_params = sum(p.numel() for p in params)
     model_bytes = sum(p.numel() * p.element_size() for p in params)
     engine = _make_engine(job, model)
+    if engine is None and job["device"] == "sim":
+        # the floor's forward+backward runs where the engines' does: on the simulated
+        # device's reserved share of the cores
+        from zenflow.engine.accelerator import SimAccelerator
+
+        sim = SimAccelerator()
+        torch.set_num_threads(sim.compute_threads(0.5, False)[0])
+        sim.close()
+    if engine is not None:  # in the training dtype (bf16 weights are cast by the engine)
+        model_bytes = engine.model_bytes
     threads = torch.get_num_threads()  # the training thread's share (close() restores it)
     forward = getattr(engine, "train_module", model)
     cuda = device.type == "cuda"
@@ -168,10 +161,7 @@ def run_contender(job: dict) -> dict:
                 model.zero_grad(set_to_none=True)
                 stats = None
             else:
-                if hasattr(engine, "backward"):
-                    engine.backward(loss)
-                else:  # the engine's backward lands with the accelerator layer
-                    loss.backward()
+                engine.backward(loss)
                 stats = engine.step(loss)
                 engine.zero_grad()
             if cuda:

@@ -91,7 +91,7 @@ class ParamCensus:
     def bucket_elements(self) -> int:  # B: the engine's own rule (zenflow.engine.copies)
         return bucket_elems_for(
             [r * c for r, c in self.zenflow_weights] or [self.largest_numel],
-            [r for r, _ in self.zenflow_weights],
+            [max(r, c) for r, c in self.zenflow_weights],
             None,
         )
 

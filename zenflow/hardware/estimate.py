@@ -49,7 +49,6 @@ ENGINE_TITLES = {
 }
 DEVICE_CATEGORIES = ("weights", "grads", "optimizer", "staging", "activations")
 HOST_CATEGORIES = ("master_moments", "accumulators", "staging")
-D2H_POOL_BUCKETS = 4  # host staging pool the device->host copies land in
 DEVICE_BUCKETS = 2  # double-buffered device buckets: one copying while the next fills
 
 
@@ -210,8 +209,8 @@ def layout(census: ParamCensus, mode: str, s: Settings) -> list[Item]:
              Pz * 4 * slots, f"Pz*4*{slots}")  # fmt: skip
         # the host step's result, cast once, is what the host->device copy reads
         host("staging", f"{dn} image of the non-selected columns", N * dt, f"N*{dt}")
-        host("staging", f"device->host staging pool ({D2H_POOL_BUCKETS} buckets, {dn})",
-             D2H_POOL_BUCKETS * B * dt, f"{D2H_POOL_BUCKETS}*B*{dt}")  # fmt: skip
+        # one pinned staging buffer per piece of a step: a step's non-selected gradient
+        host("staging", f"device->host staging, one step's pieces ({dn})", N * dt, f"N*{dt}")
     act, formula = activation_bytes(census.arch, s)
     if act is not None:
         dev("activations", "activations (estimate)", act, formula)
