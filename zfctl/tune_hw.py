@@ -1,8 +1,8 @@
 """`zfctl tune-hw`: probe this machine, measure, and choose the zenflow block.
 
-Thin: parse flags, call ``zenflow.hardware.tuning.run_tune``, render its plain dict with Rich, write
-hw.json and (with ``--config``) the config's zenflow block. Torch and zenflow are imported
-inside the command so ``zfctl --help`` stays light.
+Thin: parse flags, call ``zenflow.hardware.tune_run.run_tune``, render its plain dict with
+Rich, write hw.json and (with ``--config``) the config's zenflow block. Torch and zenflow are
+imported inside the command so ``zfctl --help`` stays light.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from rich.markup import escape
 from rich.table import Table
 
 GIB = 2**30
+DEVICES = ("cpu", "sim", "cuda")
 
 
 def tune_hw(
@@ -36,9 +37,38 @@ def tune_hw(
         int | None,
         typer.Option("--seq-len", min=1, help="Sequence length (default 128; 32 with --quick)."),
     ] = None,
+    device: Annotated[
+        str | None,
+        typer.Option(
+            "--device",
+            help="The device to tune for: cuda (measured PCIe and GPU memory), sim (the "
+            "simulated accelerator: its modelled bandwidth and core split, to rehearse a GPU "
+            "box on a CPU) or cpu (the device is the CPU). Default: cuda if available, else cpu.",
+        ),
+    ] = None,
+    device_mem: Annotated[
+        str | None,
+        typer.Option(
+            "--device-mem",
+            help="Device memory for topk's memory bound, e.g. 24GiB, 80GB (sim and cuda). "
+            "Default: the GPU's memory; on sim the RAM its tensors live in.",
+        ),
+    ] = None,
+    bf16: Annotated[
+        bool | None,
+        typer.Option(
+            "--bf16/--no-bf16",
+            help="The run's training dtype (forward+backward, copies, memory). Default: "
+            "--config's, else bf16.",
+        ),
+    ] = None,
     topk: Annotated[
         float | None,
-        typer.Option("--topk", help="Fix topk_ratio (0 < x <= 1) instead of choosing it."),
+        typer.Option(
+            "--topk",
+            help="Fix topk_ratio (0 < x <= 1) instead of choosing it from the device's "
+            "memory and time bounds.",
+        ),
     ] = None,
     quick: Annotated[
         bool,
@@ -64,21 +94,33 @@ def tune_hw(
         raise typer.BadParameter("--write needs --config FILE to write into.", param_hint="--write")
     if topk is not None and not 0.0 < topk <= 1.0:
         raise typer.BadParameter(f"{topk} is not in 0 < x <= 1.", param_hint="--topk")
+    if device is not None and device not in DEVICES:
+        raise typer.BadParameter(
+            f"{device!r} is not one of {', '.join(DEVICES)}.", param_hint="--device"
+        )
 
-    from zenflow.hardware import measure, tuning
+    from zenflow.hardware import measure, tune_run, tuning
+    from zenflow.hardware.estimate import parse_size
     from zenflow.train import runs
 
+    dev_mem = parse_size(device_mem, "--device-mem") if device_mem is not None else None
+    device = tune_run.resolve_device(device, dev_mem)  # refused here, before measuring
     config_doc = tuning.read_config_document(config) if config is not None else None
+    if bf16 is None:
+        bf16 = config_bf16(config_doc) if config_doc is not None else True
     err = Console(stderr=True)
-    settings = tuning.TuneSettings(
+    settings = tune_run.TuneSettings(
         model=model or (measure.BUILTIN_SMALL if quick else "gpt2"),
         micro_batch=micro_batch or (4 if quick else 8),
         seq_len=seq_len or (32 if quick else 128),
         quick=quick,
         topk_ratio=topk,
+        device=device,
+        bf16=bf16,
+        device_mem=dev_mem,
         progress=lambda msg: err.print(f"[dim]tune-hw: {msg}…[/dim]", highlight=False),
     )
-    result = tuning.run_tune(settings)
+    result = tune_run.run_tune(settings)
     runs.write_json_atomic(output, result)
 
     update = None
@@ -94,10 +136,26 @@ def tune_hw(
         render_config_update(out, config, update, write)
 
 
+def config_bf16(doc: dict) -> bool:
+    """The config document's bf16.enabled, as zenflow's parser reads it."""
+    import copy
+
+    from zenflow.config import load_config
+
+    return bool(load_config(copy.deepcopy(doc)).bf16)
+
+
 def render(console: Console, result: dict) -> None:
     """Tables of the choices and probe figures, the memory check and the notes."""
     choices, reasons = result["choices"], result["reasons"]
-    table = Table(title="ZenFlow settings for this machine", title_justify="left")
+    notes = result["notes"]
+    cpu_only = result.get("cpu_only", False)
+    for note in notes:  # said first and plainly: nothing to win from offloading here
+        if note.startswith("CPU-only"):
+            console.print(f"[bold yellow]{escape(note)}[/bold yellow]", highlight=False)
+    device = result.get("device", "cpu")
+    title = f"ZenFlow settings for this machine ({device}" + (", CPU-only)" if cpu_only else ")")
+    table = Table(title=title, title_justify="left")
     table.add_column("setting", style="bold")
     table.add_column("value")
     table.add_column("measured reason", overflow="fold")
@@ -118,8 +176,9 @@ def render(console: Console, result: dict) -> None:
     colour = "green" if mem["ok"] and mem["pinned_ok"] is not False else "red"
     console.print(f"[{colour}]{escape(mem['verdict'])}[/{colour}]", highlight=False)
     console.print(f"method: {escape(result['method'])}", highlight=False)
-    for note in result["notes"]:
-        console.print(f"[yellow]note:[/yellow] {escape(note)}", highlight=False)
+    for note in notes:
+        if not note.startswith("CPU-only"):
+            console.print(f"[yellow]note:[/yellow] {escape(note)}", highlight=False)
 
 
 def probe_rows(result: dict) -> list[tuple[str, str]]:
@@ -139,10 +198,16 @@ def probe_rows(result: dict) -> list[tuple[str, str]]:
         ("memory bandwidth", f"copy {mem['copy_gbs']:.1f} GB/s, add {mem['add_gbs']:.1f} GB/s "
                              f"({mem['buffer_bytes'] // 2**20} MiB buffers, median)"),
         ("locked-memory limit", "unlimited" if lock is None else f"{lock / 2**20:.0f} MiB"),
-        ("accelerator", acc["name"] if acc["kind"] == "cpu"
+        ("accelerator", acc["name"] if acc["kind"] != "cuda"
          else f"{acc['name']}, {acc['memory_bytes'] / GIB:.1f} GiB"),
     ]  # fmt: skip
-    if acc["kind"] != "cpu":
+    if acc["kind"] == "sim":
+        rows.append((
+            "copy bandwidth",
+            f"modelled: {acc['d2h_pinned_gbs']:.1f} GB/s per direction (d2h and h2d at "
+            f"once), {acc['latency_us']:.0f} us per copy",
+        ))  # fmt: skip
+    elif acc["kind"] == "cuda":
         rows.append((
             "copy bandwidth",
             f"h2d {acc['h2d_pinned_gbs']:.1f} / d2h {acc['d2h_pinned_gbs']:.1f} GB/s pinned, "
@@ -161,7 +226,22 @@ def probe_rows(result: dict) -> list[tuple[str, str]]:
         f"({mdl['params_2d'] / 1e6:.1f}M in 2-D weights); {mdl['source']}",
     ))  # fmt: skip
     fb = ", ".join(f"{t} thread(s) {ms:.0f} ms" for t, ms in p["fwd_bwd_ms"].items())
-    rows.append((f"forward+backward (mb {mdl['micro_batch']}, seq {mdl['seq_len']})", fb))
+    dtype = mdl.get("dtype", "fp32")
+    rows.append((f"forward+backward (mb {mdl['micro_batch']}, seq {mdl['seq_len']}, {dtype})", fb))
+    if p.get("device_adam"):
+        dev = ", ".join(
+            f"{a['num_threads']} thread(s) {a['params_per_s'] / 1e6:.0f}M params/s"
+            if a["device"] == "cpu"
+            else f"{a['params_per_s'] / 1e6:.0f}M params/s"
+            for a in p["device_adam"].values()
+        )
+        first = next(iter(p["device_adam"].values()))
+        rows.append((f"device AdamW ({first['device']}, topk 1.0)", dev))
+    if p.get("link"):
+        rows.append(("host<->device bandwidth", p["link"]["source"]))
+    if p.get("device_memory"):
+        dm = p["device_memory"]
+        rows.append(("device memory", f"{dm['device_bytes'] / GIB:.1f} GiB ({dm['source']})"))
     for ov in p["overlap"]:
         rows.append((
             f"window S={ov['update_interval']}",

@@ -34,7 +34,7 @@ def tune_hw_result() -> dict:
         tuning.TuneInputs(
             cores=8, params_total=124_000_000, params_2d=85_000_000, fb_all_ms=120.0,
             fb_split_ms=200.0, train_threads=4, adam_rate_worker=2.0e8, adam_rate_all=4.0e8,
-            mem_available_bytes=64 * 2**30,
+            mem_available_bytes=64 * 2**30, topk_ratio=0.1,
         )
     )  # fmt: skip
     return {

@@ -28,6 +28,26 @@ def check_choices(choices: dict) -> None:
     assert choices["select_interval"] == "auto" and choices["select_strategy"] == "auto"
 
 
+def check_topk(data: dict) -> None:
+    """topk_ratio is min(memory bound, time bound) of the figures hw.json records."""
+    t = data["topk"]
+    assert t["fixed"] is False and t["chosen"] == data["choices"]["topk_ratio"]
+    assert t["chosen"] == min(t["memory_bound"], t["time_bound"])
+    assert round(t["chosen"] * 100) == pytest.approx(t["chosen"] * 100)  # on the 0.01 grid
+    time = t["time"]
+    if t["time_met"]:
+        assert time["total_ms"] <= time["budget_ms"]
+    dev = data["probes"]["device_adam"]
+    assert time["device_adam_rate"] in [a["params_per_s"] for a in dev.values()]
+    link = data["probes"]["link"]
+    assert (time["d2h_bytes_per_s"], time["h2d_bytes_per_s"]) == (
+        link["d2h_bytes_per_s"],
+        link["h2d_bytes_per_s"],
+    )
+    why = data["reasons"]["topk_ratio"]
+    assert "headroom" in why and "forward+backward" in why
+
+
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     """One `tune-hw --quick` run (the default quick model), shared by the checks below."""
@@ -53,6 +73,9 @@ def test_quick_writes_hw_json(quick_run):
         "micro_batch": 4,
         "seq_len": 32,
         "quick": True,
+        "device": data["device"],
+        "bf16": True,
+        "device_mem": None,
     }
     assert data["versions"]["torch"] and data["date"]
     probes = data["probes"]
@@ -75,6 +98,7 @@ def test_quick_writes_hw_json(quick_run):
     if probes["accelerator"]["kind"] == "cpu":
         assert any("device is the CPU" in note for note in data["notes"])
     assert data["memory_check"]["ok"] is True
+    check_topk(data)
     # The engine cross-check ran both ways, or a note says why not.
     engine = probes["engine"]
     if cores >= 2 and not any("Engine cross-check skipped" in n for n in data["notes"]):
@@ -91,7 +115,48 @@ def test_quick_prints_table_and_note(quick_run):
     assert f"wrote {out}" in text.replace("\n", "")
     data = json.loads(out.read_text())
     if data["probes"]["accelerator"]["kind"] == "cpu":
-        assert "device is the CPU" in text.replace("\n", " ")
+        flat = " ".join(text.split())
+        assert "device is the CPU" in flat
+        assert "Offloading has nothing to win here" in flat
+        assert "--engine device" in flat and "--device sim" in flat
+        assert "CPU-only" in flat and data["cpu_only"] is True
+        assert flat.index("nothing to win") < flat.index("topk_ratio")  # said first
+
+
+def test_sim_rehearses_a_gpu_box(tmp_path):
+    """--device sim: the sim's modelled bandwidth, its core split, the probe model and the
+    engine cross-check on the simulated device; --device-mem models the GPU's memory."""
+    from zenflow.engine.accelerator import SIM_BANDWIDTH
+
+    out = tmp_path / "hw.json"
+    result = invoke("--quick", *TOY, "--device", "sim", "--device-mem", "1GiB", "--no-bf16",
+                    "--output", str(out), "--json")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert data["device"] == "sim" and data["cpu_only"] is False
+    assert data["settings"]["device_mem"] == 2**30 and data["settings"]["bf16"] is False
+    check_choices(data["choices"])
+    check_topk(data)
+    assert data["probes"]["accelerator"]["kind"] == "sim"
+    assert data["probes"]["link"]["d2h_bytes_per_s"] == SIM_BANDWIDTH
+    assert data["probes"]["device_memory"] == {
+        "device_bytes": 2**30,
+        "host_bytes": data["probes"]["memory"]["available_bytes"],
+        "shared": False,
+        "source": "--device-mem",
+    }
+    assert data["probes"]["model"]["dtype"] == "fp32"
+    assert data["topk"]["time"]["dtype_bytes"] == 4  # --no-bf16: the copies carry fp32
+    assert any("Rehearsal on the simulated device" in n for n in data["notes"])
+    cores = data["probes"]["cpu"]["usable_cores"]
+    if cores >= 2:
+        # The device computes on its share: the time bound hides under that share's
+        # forward+backward, and the device AdamW was measured on the same threads.
+        train = round(data["choices"]["pt_reserved_cores_perc"] * cores)
+        assert str(train) in data["probes"]["device_adam"]
+        assert all(ov["off_split"] for ov in data["probes"]["overlap"])
+        if not any("Engine cross-check skipped" in n for n in data["notes"]):
+            assert {r["accelerator"] for r in data["probes"]["engine"]} == {"sim"}
 
 
 def test_config_write_updates_zenflow_block(tmp_path):
@@ -111,7 +176,9 @@ def test_config_write_updates_zenflow_block(tmp_path):
 
     written = invoke("--quick", *TOY, "--output", str(out), "--config", str(cfg), "--write")
     assert written.exit_code == 0, written.output
-    choices = json.loads(out.read_text())["choices"]
+    hw = json.loads(out.read_text())
+    choices = hw["choices"]
+    assert hw["settings"]["bf16"] is False  # the dtype the config trains in (bf16 disabled)
     check_choices(choices)
     after = json.loads(cfg.read_text())
     assert after["zero_optimization"]["zenflow"] == {
@@ -145,6 +212,9 @@ def test_json_prints_hw_json(tmp_path):
         (["--topk", "0"], "--topk"),
         (["--topk", "1.5"], "--topk"),
         (["--micro-batch", "0"], "--micro-batch"),
+        (["--device", "tpu"], "--device"),
+        (["--device", "cpu", "--device-mem", "1GiB"], "--device-mem"),
+        (["--device", "sim", "--device-mem", "lots"], "--device-mem"),
     ],
 )
 def test_bad_flags_exit_2(args, flag, tmp_path):
@@ -152,6 +222,19 @@ def test_bad_flags_exit_2(args, flag, tmp_path):
     assert result.exit_code == 2
     assert flag in result.output
     assert not (tmp_path / "hw.json").exists()
+
+
+def test_cuda_without_cuda_says_what_to_use(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    out = tmp_path / "hw.json"
+    result = invoke("--quick", "--device", "cuda", "--output", str(out))
+    assert result.exit_code == 2
+    flat = " ".join(result.output.split())
+    assert "sees no CUDA device" in flat and "--device sim" in flat
+    assert not out.exists()
 
 
 def test_unreadable_config_is_a_user_error(tmp_path):

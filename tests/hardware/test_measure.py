@@ -132,3 +132,70 @@ def test_measure_overlap_reraises_a_worker_failure(tiny_probe_model):
             adam=(broken_adam, "reference", "test"),
             repeats=1,
         )
+
+
+def test_measure_overlap_off_split_keeps_the_split(tiny_probe_model):
+    """A separate device keeps its reserved cores: the off window's host step runs on the
+    worker's threads, not on all of them."""
+    calls: list[int] = []
+
+    def counting_adam(param, grad, exp_avg, exp_avg_sq, *, num_threads, **_):
+        calls.append(num_threads)
+
+    ov = measure.measure_overlap(
+        tiny_probe_model,
+        update_interval=1,
+        train_threads=1,
+        worker_threads=1,
+        all_threads=2,
+        host_numel=100,
+        adam=(counting_adam, "reference", "test"),
+        repeats=1,
+        off_split=True,
+    )
+    assert ov.off_split is True
+    assert calls == [1] * 4  # on and off, each a warm-up window and one timed window
+
+
+def test_measure_device_adam_covers_the_model_and_leaves_it_alone(tiny_probe_model):
+    import torch
+
+    pm = tiny_probe_model
+    before = [p.detach().clone() for p in pm.model.parameters()]
+    threads = torch.get_num_threads()
+    whole = measure.measure_device_adam(pm, num_threads=1, repeats=1, max_numel=10**9)
+    assert whole.numel == pm.params_total  # every trainable param, updated once per pass
+    assert whole.params_per_s == pytest.approx(whole.numel / (whole.ms / 1e3))
+    assert (whole.device, whole.num_threads, whole.dtype) == ("cpu", 1, "float32")
+    assert torch.get_num_threads() == threads
+    assert all(torch.equal(a, b) for a, b in zip(before, pm.model.parameters(), strict=True))
+    # A cap cuts the pass: the first weight (the 50257 x 128 embedding, 128 columns of
+    # 50257 rows) keeps only the columns that fit, at least one.
+    cut = measure.measure_device_adam(pm, num_threads=1, repeats=1, max_numel=3 * 50257)
+    assert cut.numel == 3 * 50257
+    one = measure.measure_device_adam(pm, num_threads=1, repeats=1, max_numel=10)
+    assert one.numel == 50257
+
+
+def test_bf16_probe_model_runs_as_the_engine_would():
+    import torch
+
+    pm = measure.load_probe_model("builtin:gpt2-2x128", 2, 8, device="cpu", bf16=True)
+    assert pm.bf16 and pm.device == "cpu"
+    assert {p.dtype for p in pm.model.parameters()} == {torch.bfloat16}
+    assert measure.measure_fwd_bwd(pm, num_threads=1, repeats=1) > 0
+    probe = measure.measure_device_adam(pm, num_threads=1, repeats=1, max_numel=10**9)
+    assert probe.dtype == "bfloat16" and probe.numel == pm.params_total
+
+
+def test_measure_engine_on_the_simulated_device(tiny_probe_model):
+    block = {
+        "topk_ratio": 0.5,
+        "update_interval": 1,
+        "select_strategy": "auto",
+        "select_interval": "auto",
+        "overlap_step": True,
+        "pt_reserved_cores_perc": 0.5,
+    }
+    r = measure.measure_engine(tiny_probe_model, block, True, windows=1, accelerator="sim")
+    assert r["accelerator"] == "sim" and r["steps"] == 1 and r["ms_per_step"] > 0

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from zenflow.hardware import measure, tuning
+from zenflow.hardware import measure, topk, tune_run, tuning
 
 
 def inputs(**kw) -> tuning.TuneInputs:
@@ -125,14 +125,207 @@ def test_single_core_never_overlaps():
     assert c.update_interval == 3  # 50 ms host step on all cores, 20 ms forward+backward
 
 
-def test_topk_choice():
-    assert tuning.choose(inputs(topk_ratio=None)).topk_ratio == 0.1
-    assert tuning.choose(inputs(topk_ratio=None, params_2d=5 * 10**9)).topk_ratio == 0.05
-    assert tuning.choose(inputs(topk_ratio=None, params_2d=20 * 10**9)).topk_ratio == 0.01
+def test_fixed_topk():
     fixed = tuning.choose(inputs(topk_ratio=0.3))
     assert fixed.topk_ratio == 0.3 and "--topk" in fixed.reasons["topk_ratio"]
     # Less offloaded with a larger k: host step 1M x 0.7 / 9M/s = 77.8 ms -> S = 3.
     assert fixed.update_interval == 3
+
+
+# ---- topk from the measured figures (zenflow.hardware.topk), through choose
+
+
+def memory_rows(other: int = 500, host: int = 0) -> tuple[topk.TopkMemory, ...]:
+    """Selected state 10 bytes per percent of k (k=0.30 -> 300 bytes), the rest fixed."""
+    return tuple(topk.TopkMemory(k, round(k * 100) * 10, other, host) for k in topk.TOPK_GRID)
+
+
+def measured(**kw) -> tuning.TuneInputs:
+    """A simulated device (2 cores, 1+1 split), figures for both bounds. Forward+backward on
+    the device share: 30 ms. Device AdamW at 10M params/s: (10k + k x 1M) params take
+    1 + 100k ms. A 4 TB/s link makes the copies negligible (at most 2 us), so the time
+    bound is k <= 0.28. The device holds 500 bytes + 10 per percent of k in 10**6 bytes,
+    so memory allows every k."""
+    base = dict(
+        accelerator="sim",
+        topk_ratio=None,
+        memory_table=memory_rows(),
+        memory_budget=topk.MemoryBudget(10**6, 10**9, False, "test device"),
+        device_adam_rate=1e7,
+        dtype_bytes=4,
+        d2h_bytes_per_s=4e12,
+        h2d_bytes_per_s=4e12,
+        link="test link",
+    )
+    base.update(kw)
+    return inputs(**base)
+
+
+def test_topk_time_bound_binds_then_interval_hides_the_rest():
+    c = tuning.choose(measured())
+    assert c.topk_ratio == 0.28
+    assert c.topk["binds"] == "time" and c.topk["memory_bound"] == 1.0
+    assert c.topk["time_bound"] == 0.28 and c.topk["time"]["fb_ms"] == 30.0  # the split's
+    why = c.reasons["topk_ratio"]
+    assert why.startswith("0.28 = min(memory 1, time 0.28): the time bound binds")
+    assert "traffic + device update at k=0.28 takes 29.0 ms of the 30.0 ms forward+backward" in why
+    assert "device headroom" in why and "holds topk <= 1" in why
+    # Then S from the host step of the rest: 720k params at 9M/s = 80 ms over 30 ms -> 3.
+    assert c.update_interval == 3
+    assert c.windows["host_worker_ms"] == pytest.approx(80.0)
+    assert "720.0k offloaded params takes 80 ms" in c.reasons["update_interval"]
+    assert c.cpu_only is False
+
+
+def test_topk_memory_bound_binds():
+    # An 800-byte device: 500 + 10 per percent -> k <= 0.30; a fast device update.
+    c = tuning.choose(measured(memory_budget=topk.MemoryBudget(800, 10**9, False, "test device"),
+                               device_adam_rate=1e12))  # fmt: skip
+    assert c.topk_ratio == 0.3 and c.topk["binds"] == "memory"
+    assert c.topk["time_bound"] == 1.0
+    assert "the memory bound binds" in c.reasons["topk_ratio"]
+    assert "device headroom 0.00 GiB holds topk <= 0.3" in c.reasons["topk_ratio"]
+    # 700k params at 9M/s = 77.8 ms over 30 ms -> S = 3.
+    assert c.update_interval == 3
+
+
+def test_topk_clamped_when_nothing_fits():
+    c = tuning.choose(measured(memory_budget=topk.MemoryBudget(100, 10**9, False, "tiny")))
+    assert c.topk_ratio == 0.01 and c.topk["memory_bound"] is None
+    assert "does not fit the device at any topk" in c.reasons["topk_ratio"]
+    # 990k offloaded params at 9M/s = 110 ms over 30 ms -> S = 4.
+    assert c.update_interval == 4
+
+
+def test_topk_time_bound_sees_the_interval_of_each_k():
+    """Traffic depends on S, and S on k: with a slow link (4 GB/s: 1 ms per (1-k) share one
+    way) and a slow host step, small k pays the H2D share more often."""
+    slow = measured(d2h_bytes_per_s=4e9, h2d_bytes_per_s=4e9, adam_rate_worker=1e6)
+    c = tuning.choose(slow)
+    t = c.topk["time"]
+    k = c.topk_ratio
+    # The S used for the chosen k is the one the interval rule gives for it.
+    host_ms = 1_000_000 * (1 - k) / 1e6 * 1e3
+    assert t["update_interval"] == tuning.interval_to_hide(host_ms, 30.0)
+    assert t["d2h_ms"] == pytest.approx(1 - k)
+    assert t["h2d_ms"] == pytest.approx((1 - k) / t["update_interval"])
+    assert t["total_ms"] <= 30.0
+    # ... and the next grid step does not fit.
+    nxt = round(k + 0.01, 2)
+    host_next = 1_000_000 * (1 - nxt) / 1e6 * 1e3
+    s_next = tuning.interval_to_hide(host_next, 30.0)
+    assert 1 + 100 * nxt + (1 - nxt) * (1 + 1 / s_next) > 30.0
+
+
+def test_topk_on_cpu_uses_all_cores_and_is_marked_cpu_only():
+    # On the CPU the device's work has all cores: forward+backward 20 ms -> k <= 0.18.
+    c = tuning.choose(measured(accelerator="cpu"))
+    assert c.topk_ratio == 0.18
+    assert c.topk["time"]["fb_ms"] == 20.0
+    assert c.cpu_only is True
+    assert c.reasons["topk_ratio"].startswith("CPU-only (device = host): 0.18")
+
+
+def test_fixed_topk_is_checked_against_the_bounds():
+    small = topk.MemoryBudget(800, 10**9, False, "test device")
+    c = tuning.choose(measured(topk_ratio=0.5, memory_budget=small))
+    assert c.topk_ratio == 0.5
+    why = c.reasons["topk_ratio"]
+    assert why.startswith("fixed by --topk 0.5 (measured bounds: memory 0.3, time 0.28)")
+    assert "does NOT fit the device memory" in why
+    assert c.topk["fixed"] is True
+    ok = tuning.choose(measured(topk_ratio=0.2)).reasons["topk_ratio"]
+    assert "NOT fit" not in ok
+
+
+def test_choosing_topk_needs_the_figures():
+    with pytest.raises(ValueError, match="memory_table"):
+        tuning.choose(inputs(topk_ratio=None))
+    with pytest.raises(ValueError, match="device_adam_rate"):
+        tuning.choose(measured(device_adam_rate=None))
+
+
+def test_separate_device_keeps_its_split_when_overlap_is_off():
+    """sim/cuda: overlap off runs the host step after the steps on the same split, so
+    off = S x fb_split + host on the worker; on = max(S x fb_split, host)."""
+    c = tuning.choose(measured(topk_ratio=0.1))
+    assert c.overlap_step is True
+    assert c.windows["on_ms"] == pytest.approx(max(4 * 30.0, 100.0))
+    assert c.windows["off_ms"] == pytest.approx(4 * 30.0 + 100.0)
+    assert "a separate device keeps its reserved cores" in c.reasons["overlap_step"]
+    assert "kept whether or not overlap_step is on" in c.reasons["pt_reserved_cores_perc"]
+
+
+def test_sim_split_is_the_engines():
+    """run_tune measures a training share t as the sim's split for pt_reserved_cores_perc
+    = t / cores: t device threads and cores - t host threads."""
+    from zenflow.engine import accelerator
+
+    sim = accelerator.SimAccelerator()
+    try:
+        for n in range(2, 17):
+            for t in {max(1, n // 2), max(1, 3 * n // 4)} - {n}:
+                with pytest.MonkeyPatch.context() as mp:
+                    mp.setattr(accelerator, "cores", lambda n=n: n)
+                    assert sim.compute_threads(t / n, True) == (t, n - t)
+                    assert sim.compute_threads(t / n, False) == (t, n - t)
+    finally:
+        sim.close()
+
+
+def test_link_rates_per_device():
+    from zenflow.engine.accelerator import SIM_BANDWIDTH
+    from zenflow.hardware import probes
+
+    mem = probes.MemoryProbe(10**10, 10**10, copy_gbs=10.0, add_gbs=12.0, buffer_bytes=1,
+                             memlock_bytes=None)  # fmt: skip
+    cpu = probes.AcceleratorProbe(kind="cpu", name="CPU")
+    d2h, h2d, text = tune_run.link_rates(cpu, mem)
+    assert d2h == h2d == 5e9  # a copy reads and writes: half the read+write figure
+    assert "memory copy 5.0 GB/s" in text
+    sim = probes.probe_accelerator(kind="sim")
+    assert sim.kind == "sim" and sim.modelled is True
+    assert sim.d2h_pinned_gbs == sim.h2d_pinned_gbs == SIM_BANDWIDTH / 1e9
+    assert sim.latency_us == pytest.approx(10.0)
+    d2h, h2d, text = tune_run.link_rates(sim, mem)
+    assert d2h == h2d == SIM_BANDWIDTH and "modelled by the simulated device" in text
+    cuda = probes.AcceleratorProbe(kind="cuda", name="GPU", memory_bytes=80 * 2**30,
+                                   h2d_pinned_gbs=24.0, d2h_pinned_gbs=22.0)  # fmt: skip
+    d2h, h2d, text = tune_run.link_rates(cuda, mem)
+    assert (d2h, h2d) == (22e9, 24e9) and "PCIe measured, pinned" in text
+    assert probes.probe_accelerator(kind="cpu").kind == "cpu"
+
+
+def test_memory_budget_per_device():
+    from zenflow.hardware import probes
+
+    mem = probes.MemoryProbe(2 * 10**10, 10**10, 1.0, 1.0, 1, None)
+    cuda = probes.AcceleratorProbe(kind="cuda", name="GPU", memory_bytes=80 * 2**30)
+    b = tune_run.memory_budget("cuda", None, cuda, mem)
+    assert (b.device_bytes, b.host_bytes, b.shared) == (80 * 2**30, 10**10, False)
+    assert tune_run.memory_budget("cuda", 24 * 2**30, cuda, mem).device_bytes == 24 * 2**30
+    sim = tune_run.memory_budget("sim", None, None, mem)
+    assert (sim.device_bytes, sim.shared) == (10**10, True)  # its tensors live in RAM
+    given = tune_run.memory_budget("sim", 24 * 2**30, None, mem)
+    assert (given.device_bytes, given.shared, given.source) == (24 * 2**30, False, "--device-mem")
+    cpu = tune_run.memory_budget("cpu", None, None, mem)
+    assert cpu.shared and "the device is the CPU" in cpu.source
+
+
+def test_resolve_device_refuses_before_measuring():
+    import torch
+
+    from zenflow.errors import UserInputError
+
+    assert tune_run.resolve_device("sim") == "sim"
+    assert tune_run.resolve_device(None) == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(UserInputError, match="--device-mem applies to --device sim or cuda"):
+        tune_run.resolve_device("cpu", 2**30)
+    with pytest.raises(UserInputError, match="not one of cpu, sim, cuda"):
+        tune_run.resolve_device("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(UserInputError, match="--device sim"):
+            tune_run.resolve_device("cuda")
 
 
 def test_memory_check():

@@ -2,10 +2,12 @@
 
 ``measure_cpu_adam`` times the CPU Adam step (native or, with the reason, the reference) on
 a given number of threads; ``measure_fwd_bwd`` times forward+backward of a probe model
-(``load_probe_model``: a Hugging Face model or a built-in GPT-2 shape); ``measure_overlap``
-runs one update window with the host step on a worker thread beside the device work, and
-without; ``measure_engine`` times real ``ZenFlowEngine`` steps. Each returns plain data
-that ``zenflow.hardware.tuning`` decides from.
+(``load_probe_model``: a Hugging Face model or a built-in GPT-2 shape, on the device and in
+the dtype the engine would train it in); ``measure_device_adam`` times the engine's device
+update of every column (topk 1.0); ``measure_overlap`` runs one update window with the host
+step on a worker thread beside the device work, and without; ``measure_engine`` times real
+``ZenFlowEngine`` steps. Each returns plain data that ``zenflow.hardware.tuning`` decides
+from.
 """
 
 from __future__ import annotations
@@ -123,10 +125,24 @@ class ProbeModel:
     params_2d: int
     micro_batch: int
     seq_len: int
+    device: str = "cpu"  # "cpu" or "cuda" (the simulated accelerator computes on the CPU)
+    bf16: bool = False  # bf16 weights and bf16 autocast, as the engine trains with bf16
 
 
-def load_probe_model(name: str, micro_batch: int, seq_len: int, seed: int = 0) -> ProbeModel:
-    """Build the model (2 labels, like a GLUE task) and a random token batch for timing."""
+def load_probe_model(
+    name: str,
+    micro_batch: int,
+    seq_len: int,
+    seed: int = 0,
+    *,
+    device: str | None = None,
+    bf16: bool = False,
+) -> ProbeModel:
+    """Build the model (2 labels, like a GLUE task) and a random token batch for timing.
+
+    ``device``: "cuda" or "cpu" (None: cuda when available). ``bf16``: the weights cast to
+    bf16 and forward run under bf16 autocast, as ``ZenFlowEngine`` does with bf16 enabled.
+    """
     import torch
 
     torch.manual_seed(seed)
@@ -141,8 +157,10 @@ def load_probe_model(name: str, micro_batch: int, seq_len: int, seed: int = 0) -
         source = f"built-in GPT-2 shape ({layers} layers, width {width}), random init"
     else:
         model, source = _resolve_named_model(name, seed)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model.to(device).train()
+    if bf16:
+        model.to(dtype=torch.bfloat16)
     cfg = model.config
     if getattr(cfg, "pad_token_id", None) is None:
         cfg.pad_token_id = getattr(cfg, "eos_token_id", None) or 0
@@ -173,6 +191,8 @@ def load_probe_model(name: str, micro_batch: int, seq_len: int, seed: int = 0) -
         params_2d=sum(p.numel() for p in params if p.dim() == 2),
         micro_batch=micro_batch,
         seq_len=seq_len,
+        device=device.type,
+        bf16=bf16,
     )
 
 
@@ -194,7 +214,11 @@ def fwd_bwd_once(pm: ProbeModel) -> None:
     """One forward+backward; waits for the device so wall time covers its work."""
     import torch
 
-    out = pm.model(**pm.batch)
+    if pm.bf16:
+        with torch.autocast(device_type=pm.device, dtype=torch.bfloat16):
+            out = pm.model(**pm.batch)
+    else:
+        out = pm.model(**pm.batch)
     out.loss.backward()
     pm.model.zero_grad(set_to_none=True)
     if pm.batch["input_ids"].is_cuda:
@@ -209,6 +233,99 @@ def measure_fwd_bwd(pm: ProbeModel, num_threads: int, repeats: int = 5) -> float
 
 
 # --------------------------------------------------------------------------------------
+# The device's AdamW: the engine's selected-column update at topk 1.0
+
+
+@dataclass(frozen=True)
+class DeviceAdamProbe:
+    device: str  # "cpu" or "cuda"
+    num_threads: int  # torch threads while measuring (the device's compute share on a CPU)
+    dtype: str  # the weights' dtype ("bfloat16": fp32 master beside them, as the engine)
+    numel: int  # params updated by one timed pass
+    ms: float  # median time of one pass
+    params_per_s: float
+
+
+@dataclass
+class _UpdateBlock:
+    weight: object  # a copy of (part of) a trainable weight, in the model's dtype
+    grad: object
+    exp_avg: object
+    exp_avg_sq: object
+    master: object | None  # fp32 master when the weight is low precision
+    column_dim: int | None  # None: a dense param (updated whole, no column gather)
+    columns: object | None  # every column's index: the selection at topk 1.0
+
+
+def measure_device_adam(
+    pm: ProbeModel, num_threads: int, repeats: int = 3, max_numel: int = 16 * 2**20
+) -> DeviceAdamProbe:
+    """Median time of the engine's device update with every column selected (topk 1.0).
+
+    Per ZenFlow weight, as ``zenflow.engine.zenflow_mode`` does each step: the selected
+    columns of the gradient gathered in fp32, AdamW (``zenflow.engine.device_adam``) on the
+    fp32 master (the gathered weight itself in fp32 training), the result written back into
+    the weight's columns; dense params are updated whole. Runs on copies of the model's
+    trainable weights in order, up to ``max_numel`` elements (the last weight cut by columns
+    to fit): AdamW is memory bound, so time per element holds for the whole model. The probe
+    model is not changed.
+    """
+    import torch
+
+    from zenflow.engine.device_adam import AdamHyper, adamw_dense_
+    from zenflow.engine.selection import classify_params
+
+    blocks: list[_UpdateBlock] = []
+    left = max_numel
+    for spec in classify_params(pm.model):
+        if left <= 0:
+            break
+        p = spec.param.detach()
+        if spec.is_zenflow:
+            cd = spec.column_dim
+            rows = p.numel() // p.shape[cd]
+            take = min(p.shape[cd], max(1, left // rows))
+            w = p.narrow(cd, 0, take).clone()
+            columns = torch.arange(take, device=p.device)
+        else:
+            cd, columns = None, None
+            w = p.clone()
+        left -= w.numel()
+        master = w.float() if w.dtype != torch.float32 else None
+        blocks.append(_UpdateBlock(
+            w, torch.randn_like(w), torch.zeros(w.shape, device=w.device),
+            torch.zeros(w.shape, device=w.device), master, cd, columns,
+        ))  # fmt: skip
+    hp = AdamHyper(_ADAM_HP["lr"], _ADAM_HP["beta1"], _ADAM_HP["beta2"], _ADAM_HP["eps"],
+                   _ADAM_HP["weight_decay"])  # fmt: skip
+    step = [0]
+    cuda = pm.device == "cuda"
+
+    def one() -> None:
+        step[0] += 1
+        for b in blocks:
+            if b.column_dim is None:
+                x = b.weight if b.master is None else b.master
+                adamw_dense_(x, b.grad.float(), b.exp_avg, b.exp_avg_sq, step[0], hp)
+                if b.master is not None:
+                    b.weight.copy_(b.master)
+                continue
+            g = b.grad.index_select(b.column_dim, b.columns).float()
+            x = b.weight.index_select(b.column_dim, b.columns) if b.master is None else b.master
+            adamw_dense_(x, g, b.exp_avg, b.exp_avg_sq, step[0], hp)
+            b.weight.index_copy_(b.column_dim, b.columns, x.to(b.weight.dtype))
+        if cuda:
+            torch.cuda.synchronize()
+
+    numel = sum(b.weight.numel() for b in blocks)
+    with torch_threads(num_threads):
+        one()  # warm-up
+        seconds = median_seconds(one, repeats)
+    dtype = str(blocks[0].weight.dtype).replace("torch.", "") if blocks else "float32"
+    return DeviceAdamProbe(pm.device, num_threads, dtype, numel, seconds * 1e3, numel / seconds)
+
+
+# --------------------------------------------------------------------------------------
 # Overlap: host step on a background thread while forward+backward runs
 
 
@@ -218,7 +335,9 @@ class OverlapProbe:
 
     on: S forward+backward steps on ``train_threads`` while the host step runs concurrently
     on a worker thread with ``worker_threads``; the window ends when both are done.
-    off: S forward+backward steps on all threads, then the host step on all threads.
+    off: S forward+backward steps on all threads, then the host step on all threads; with
+    ``off_split`` (a separate device, which keeps its reserved cores either way) on
+    ``train_threads`` and then ``worker_threads``.
     """
 
     update_interval: int
@@ -234,6 +353,7 @@ class OverlapProbe:
     off_fb_ms: float  # median forward+backward on all threads
     off_host_ms: float  # median host step on all threads, after the window's steps
     repeats: int
+    off_split: bool = False  # the off window kept the on window's split (separate device)
 
 
 def measure_overlap(
@@ -247,6 +367,7 @@ def measure_overlap(
     adam: tuple[Callable, str, str | None],
     repeats: int = 3,
     chunk_numel: int = 16 * 2**20,
+    off_split: bool = False,
 ) -> OverlapProbe:
     """Measure one window each way (median of ``repeats`` after a warm-up).
 
@@ -311,7 +432,8 @@ def measure_overlap(
                 on_fbs.append(statistics.median(fbs))
                 on_hosts.append(host_s[0])
                 on_waits.append(t1 - t_join)
-    with torch_threads(all_threads):
+    off_train, off_host = (train_threads, worker_threads) if off_split else (all_threads,) * 2
+    with torch_threads(off_train):
         for r in range(repeats + 1):
             fbs = []
             t0 = time.perf_counter()
@@ -320,7 +442,7 @@ def measure_overlap(
                 fwd_bwd_once(pm)
                 fbs.append(time.perf_counter() - t)
             t_host = time.perf_counter()
-            host_step(all_threads)
+            host_step(off_host)
             t1 = time.perf_counter()
             if r:
                 off_windows.append(t1 - t0)
@@ -341,14 +463,23 @@ def measure_overlap(
         off_fb_ms=med(off_fbs) * 1e3,
         off_host_ms=med(off_hosts) * 1e3,
         repeats=repeats,
+        off_split=off_split,
     )
 
 
-def measure_engine(pm: ProbeModel, block: dict, overlap: bool, windows: int = 2) -> dict:
+def measure_engine(
+    pm: ProbeModel,
+    block: dict,
+    overlap: bool,
+    windows: int = 2,
+    accelerator: str | None = None,
+) -> dict:
     """Mean ms per step of real ZenFlowEngine steps with ``block`` and overlap on or off.
 
-    Runs on a copy of the model: one warm-up window (selection, first host step), then
-    ``windows`` whole windows timed, so each host step's cost is counted once per window.
+    Runs on a copy of the model, on ``accelerator`` (None: the engine's default for the
+    model's device) and in the probe model's dtype (bf16 enabled when it is bf16): one
+    warm-up window (selection, first host step), then ``windows`` whole windows timed, so
+    each host step's cost is counted once per window.
     """
     import torch
 
@@ -359,6 +490,7 @@ def measure_engine(pm: ProbeModel, block: dict, overlap: bool, windows: int = 2)
     raw = {
         "train_micro_batch_size_per_gpu": pm.micro_batch,
         "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": pm.bf16},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0.01}},
         "zero_optimization": {
             "stage": 2,
@@ -368,13 +500,15 @@ def measure_engine(pm: ProbeModel, block: dict, overlap: bool, windows: int = 2)
     }
     model = copy.deepcopy(pm.model)
     prev = torch.get_num_threads()
-    engine = ZenFlowEngine(model, load_config(raw), mode="zenflow", steps_per_epoch=10**6)
+    engine = ZenFlowEngine(
+        model, load_config(raw), mode="zenflow", steps_per_epoch=10**6, accelerator=accelerator
+    )
     try:
 
         def one() -> None:
             with engine.autocast():
                 loss = model(**pm.batch).loss
-            loss.backward()
+            engine.backward(loss)
             engine.step(loss)
             engine.zero_grad()
 
@@ -388,7 +522,8 @@ def measure_engine(pm: ProbeModel, block: dict, overlap: bool, windows: int = 2)
         engine.close()
         torch.set_num_threads(prev)
     return {"overlap_step": overlap, "update_interval": s, "steps": windows * s,
-            "ms_per_step": ms, "host_kernel": engine.resolved.get("host_kernel")}  # fmt: skip
+            "ms_per_step": ms, "host_kernel": engine.resolved.get("host_kernel"),
+            "accelerator": engine.resolved.get("accelerator")}  # fmt: skip
 
 
 class torch_threads:

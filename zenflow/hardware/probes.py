@@ -181,7 +181,7 @@ def probe_memory(
 
 @dataclass(frozen=True)
 class AcceleratorProbe:
-    kind: str  # "cuda" or "cpu"
+    kind: str  # "cuda", "sim" or "cpu"
     name: str
     memory_bytes: int | None = None
     # GB/s of one-way copies host->device (h2d) and device->host (d2h), from pinned and
@@ -191,13 +191,43 @@ class AcceleratorProbe:
     h2d_pageable_gbs: float | None = None
     d2h_pageable_gbs: float | None = None
     bidir_pinned_gbs: float | None = None
+    # True: the bandwidths are the simulated accelerator's model, not a measurement.
+    modelled: bool = False
+    latency_us: float | None = None  # per copy (the simulated accelerator's model)
 
 
-def probe_accelerator(buffer_mb: int = 256, repeats: int = 5) -> AcceleratorProbe:
-    """CUDA device name, memory and copy bandwidths; on a CPU-only machine, kind "cpu"."""
+def probe_sim() -> AcceleratorProbe:
+    """The simulated accelerator's modelled copy bandwidth and latency (per direction; its
+    two copy engines run at once, like a GPU's). Its memory is the host's RAM."""
+    from zenflow.engine.accelerator import make_accelerator
+
+    sim = make_accelerator("sim")
+    try:
+        gbs = sim.bandwidth / 1e9
+        return AcceleratorProbe(
+            kind="sim",
+            name=sim.describe(),
+            h2d_pinned_gbs=gbs,
+            d2h_pinned_gbs=gbs,
+            bidir_pinned_gbs=2 * gbs,
+            modelled=True,
+            latency_us=sim.latency * 1e6,
+        )
+    finally:
+        sim.close()
+
+
+def probe_accelerator(
+    buffer_mb: int = 256, repeats: int = 5, kind: str | None = None
+) -> AcceleratorProbe:
+    """The device tune-hw tunes for: ``kind`` "cuda" (device name, memory and measured copy
+    bandwidths), "sim" (``probe_sim``) or "cpu" (no accelerator: device = host); None:
+    cuda when available, else cpu."""
     import torch
 
-    if not torch.cuda.is_available():
+    if kind == "sim":
+        return probe_sim()
+    if kind == "cpu" or not torch.cuda.is_available():
         return AcceleratorProbe(kind="cpu", name="CPU (no accelerator: device = host)")
     dev = torch.device("cuda", torch.cuda.current_device())
     props = torch.cuda.get_device_properties(dev)

@@ -1,31 +1,23 @@
-"""tune-hw's decisions and the whole tune run (ZENFLOW.md sections 3 and 7).
+"""tune-hw's decisions (ZENFLOW.md sections 3 and 7) and the config they are written to.
 
 ``choose(TuneInputs) -> Choices`` is a pure function of measured numbers, so its rules are
-tested with synthetic figures. ``run_tune`` wires the probes (``zenflow.hardware.probes``) and the
-measurements (``zenflow.hardware.measure``) into it and returns the hw.json dict;
-``update_config`` writes the chosen keys into a config's zenflow block.
+tested with synthetic figures: topk_ratio from the device's memory and time bounds
+(``zenflow.hardware.topk``), then the update interval that hides the host step of the rest,
+the overlap and the core split. ``zenflow.hardware.tune_run`` measures the numbers and calls
+it; ``update_config`` writes the chosen keys into a config's zenflow block.
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from zenflow.hardware.measure import (
-    OverlapProbe,
-    load_probe_model,
-    measure_cpu_adam,
-    measure_engine,
-    measure_fwd_bwd,
-    measure_overlap,
-    resolve_adam,
-)
-from zenflow.hardware.probes import probe_accelerator, probe_cpu, probe_memory
+from zenflow.hardware import topk as topk_bounds
+from zenflow.hardware.measure import OverlapProbe
+from zenflow.hardware.topk import MemoryBudget, TimeModel, TopkMemory
 from zenflow.train.runs import write_json_atomic
 
 UPDATE_INTERVAL_MIN = 1
@@ -37,13 +29,6 @@ UPDATE_INTERVAL_MAX = 64
 HOST_BYTES_PER_PARAM = 16
 HOST_BYTES_PER_PARAM_OVERLAP = 20
 
-CPU_ONLY_NOTE = (
-    "The device is the CPU: 'device' and 'host' are the same memory and the same cores, so "
-    "copies between them cost memory bandwidth, not PCIe, and pinned memory does not apply. "
-    "Overlapping the host step only pays if the worker gets cores the training thread does "
-    "not need; both options were measured and the faster one chosen."
-)
-
 
 # --------------------------------------------------------------------------------------
 # Decision logic (pure)
@@ -51,11 +36,16 @@ CPU_ONLY_NOTE = (
 
 @dataclass(frozen=True)
 class TuneInputs:
-    """The measured numbers ``choose`` decides from. Times in ms, rates in params/s."""
+    """The measured numbers ``choose`` decides from. Times in ms, rates in params/s,
+    bandwidths in bytes/s.
+
+    Choosing topk_ratio (``topk_ratio`` None) needs the memory and time figures below the
+    line; a fixed topk_ratio is still checked against them when they are given.
+    """
 
     cores: int  # cores this process may use
     params_total: int
-    params_2d: int
+    params_2d: int  # Pz: the weights scored by columns (k on the device, the rest offloaded)
     fb_all_ms: float  # forward+backward with all cores
     fb_split_ms: float  # forward+backward with the training thread's share
     train_threads: int  # the training share measured for fb_split_ms (1..cores-1)
@@ -63,10 +53,31 @@ class TuneInputs:
     adam_rate_all: float  # host Adam params/s on all cores
     mem_available_bytes: int
     memlock_bytes: int | None = None  # None = unlimited
-    accelerator: str = "cpu"
+    accelerator: str = "cpu"  # "cpu", "sim" or "cuda"
     accelerator_memory_bytes: int | None = None
     topk_ratio: float | None = None  # fixed by the user; None = choose
     overlap: OverlapProbe | None = None  # a real concurrent measurement, if taken
+    # ---- the topk bounds (zenflow.hardware.topk)
+    memory_table: tuple[TopkMemory, ...] = ()  # the zenflow layout at each candidate k
+    memory_budget: MemoryBudget | None = None
+    # Device AdamW params/s (the engine's update at k=1) with the threads forward+backward
+    # has on the device: fb_split_ms's on a separate device that splits the cores, else
+    # fb_all_ms's (cuda: the GPU's).
+    device_adam_rate: float | None = None
+    dtype_bytes: int = 4  # the training dtype (what the copies carry)
+    d2h_bytes_per_s: float | None = None  # host<->device bandwidth, per direction
+    h2d_bytes_per_s: float | None = None
+    link: str = ""  # where the bandwidth comes from, in words
+    hide_fraction: float = topk_bounds.HIDE_FRACTION
+
+    @property
+    def separate_device(self) -> bool:
+        """sim and cuda: a device of its own that keeps its reserved cores either way."""
+        return self.accelerator != "cpu"
+
+    @property
+    def can_split(self) -> bool:
+        return self.cores >= 2 and 1 <= self.train_threads < self.cores
 
 
 @dataclass(frozen=True)
@@ -80,6 +91,8 @@ class Choices:
     reasons: dict[str, str]
     windows: dict[str, float | bool | int]  # the per-window figures behind overlap_step
     memory: dict[str, object]  # the memory check
+    topk: dict[str, object] = field(default_factory=dict)  # the bounds behind topk_ratio
+    cpu_only: bool = False  # the device is the CPU: offloading has nothing to win
 
     def zenflow_block(self) -> dict:
         """The keys this tool sets in a config's zero_optimization.zenflow block."""
@@ -101,54 +114,107 @@ def interval_to_hide(host_ms: float, fb_ms: float) -> int:
     return min(UPDATE_INTERVAL_MAX, max(UPDATE_INTERVAL_MIN, s))
 
 
-def choose_topk(params_2d: int) -> tuple[float, str]:
-    """0.1 below 1B params of 2-D weights, 0.05 below 10B, else 0.01."""
-    why = (
-        "the device keeps fp32 moments for the selected columns and updates them every step, "
-        "so device memory and per-step work grow with k"
-    )
-    if params_2d < 1e9:
-        return 0.1, f"{_count(params_2d)} 2-D params (< 1B): the ZenFlow default 0.1; {why}"
-    if params_2d < 1e10:
-        return 0.05, f"{_count(params_2d)} 2-D params (1B-10B): lowered to 0.05; {why}"
-    return 0.01, f"{_count(params_2d)} 2-D params (>= 10B): top 1% carries most of the norm; {why}"
-
-
 def memory_needed(
     params_total: int, params_2d: int, topk: float, overlap: bool, accelerator: str
 ) -> dict[str, int]:
     """Bytes of host memory the run needs (activations not included).
 
     host_state: the offloaded state of the 2-D weights (16 bytes/param, 20 with overlap).
-    On a CPU-only machine the "device" side lives in the same memory too: fp32 weights and
-    gradients (8 bytes/param) and device moments for selected columns and 1-D params
-    (8 bytes/param of those).
+    Without CUDA (the CPU, or the simulated device whose tensors are host allocations) the
+    "device" side lives in the same memory too: fp32 weights and gradients (8 bytes/param)
+    and device moments for selected columns and 1-D params (8 bytes/param of those).
     """
     per = HOST_BYTES_PER_PARAM_OVERLAP if overlap else HOST_BYTES_PER_PARAM
     host_state = params_2d * per
     device_side = 0
-    if accelerator == "cpu":
+    if accelerator != "cuda":
         selected = int(topk * params_2d) + (params_total - params_2d)
         device_side = params_total * 8 + selected * 8
     return {"host_state": host_state, "device_side_in_host": device_side,
             "total": host_state + device_side, "bytes_per_param": per}  # fmt: skip
 
 
-def choose(inp: TuneInputs) -> Choices:
-    """Decide the zenflow block from measured numbers. Pure; every choice has a reason."""
-    reasons: dict[str, str] = {}
+def _time_model(inp: TuneInputs, fb_device_ms: float) -> TimeModel | None:
+    rates = (inp.device_adam_rate, inp.d2h_bytes_per_s, inp.h2d_bytes_per_s)
+    if any(r is None or r <= 0 for r in rates):
+        return None
+    return TimeModel(
+        fb_ms=fb_device_ms,
+        device_adam_rate=inp.device_adam_rate,
+        dense_params=inp.params_total - inp.params_2d,
+        zenflow_params=inp.params_2d,
+        dtype_bytes=inp.dtype_bytes,
+        d2h_bytes_per_s=inp.d2h_bytes_per_s,
+        h2d_bytes_per_s=inp.h2d_bytes_per_s,
+        link=inp.link or "measured bandwidth",
+        hide_fraction=inp.hide_fraction,
+    )
+
+
+def choose_topk(
+    inp: TuneInputs, interval_of: Callable[[float], int], fb_device_ms: float
+) -> tuple[float, str, dict]:
+    """topk_ratio from the memory and time bounds (or fixed), its reason and figures."""
+    tm = _time_model(inp, fb_device_ms)
+    have = bool(inp.memory_table) and inp.memory_budget is not None and tm is not None
+    if inp.topk_ratio is None and not have:
+        needs = {
+            "memory_table": inp.memory_table,
+            "memory_budget": inp.memory_budget,
+            "device_adam_rate, d2h_bytes_per_s and h2d_bytes_per_s": tm,
+        }
+        missing = [name for name, value in needs.items() if not value]
+        raise ValueError(f"choose() needs {', '.join(missing)} to choose topk_ratio")
+    if not have:
+        return inp.topk_ratio, f"fixed by --topk {inp.topk_ratio:g}", {"fixed": True}
+    mem = topk_bounds.memory_bound(inp.memory_table, inp.memory_budget)
+    tim = topk_bounds.time_bound(tm, interval_of)
+    info = {"memory_bound": mem.value, "memory_met": mem.met, "memory": mem.figures,
+            "time_bound": tim.value, "time_met": tim.met, "time": tim.figures}  # fmt: skip
     if inp.topk_ratio is not None:
-        topk = inp.topk_ratio
-        reasons["topk_ratio"] = f"fixed by --topk {topk:g}"
+        k = inp.topk_ratio
+        mem_s = "none fits" if mem.value is None else f"{mem.value:g}"
+        why = f"fixed by --topk {k:g} (measured bounds: memory {mem_s}, time {tim.value:g})"
+        if mem.value is None or k > mem.value:
+            why += "; it does NOT fit the device memory: " + mem.reason
+        return k, why, {**info, "fixed": True, "binds": None}
+    k, binds, why = topk_bounds.decide(mem, tim)
+    return k, why, {**info, "fixed": False, "binds": binds}
+
+
+def choose(inp: TuneInputs) -> Choices:
+    """Decide the zenflow block from measured numbers. Pure; every choice has a reason.
+
+    Order: topk_ratio (the device's memory and time bounds), then the update interval S
+    that hides the host Adam step of the offloaded (1 - k) share, then overlap and the
+    core split.
+    """
+    reasons: dict[str, str] = {}
+    can_split = inp.can_split
+    worker = inp.cores - inp.train_threads
+    ov = inp.overlap
+    # The host Adam rate and the forward+backward the host step hides under; with a
+    # concurrent measurement, the figures measured under contention.
+    if can_split:
+        measured_rate = ov is not None and ov.host_numel > 0 and ov.on_host_ms > 0
+        host_rate = ov.host_numel / ov.on_host_ms * 1e3 if measured_rate else inp.adam_rate_worker
+        fb = ov.on_fb_ms if ov else inp.fb_split_ms
     else:
-        topk, reasons["topk_ratio"] = choose_topk(inp.params_2d)
+        host_rate, fb = inp.adam_rate_all, inp.fb_all_ms
+    # What the device's per-step work hides under: on a separate device that splits the
+    # cores, its share's forward+backward; on the CPU (or one core) all cores'.
+    fb_device = fb if inp.separate_device and can_split else inp.fb_all_ms
+
+    def interval_of(k: float) -> int:
+        return interval_to_hide(inp.params_2d * (1.0 - k) / host_rate * 1e3, fb)
+
+    topk, reasons["topk_ratio"], topk_info = choose_topk(inp, interval_of, fb_device)
+    if inp.accelerator == "cpu":
+        reasons["topk_ratio"] = "CPU-only (device = host): " + reasons["topk_ratio"]
     host_numel = inp.params_2d * (1.0 - topk)
     host_all_ms = host_numel / inp.adam_rate_all * 1e3
     host_worker_ms = host_numel / inp.adam_rate_worker * 1e3
-    can_split = inp.cores >= 2 and 1 <= inp.train_threads < inp.cores
-    worker = inp.cores - inp.train_threads
 
-    ov = inp.overlap
     if not can_split:
         s = interval_to_hide(host_all_ms, inp.fb_all_ms)
         reasons["update_interval"] = (
@@ -164,9 +230,7 @@ def choose(inp: TuneInputs) -> Choices:
         perc = 0.5
         reasons["pt_reserved_cores_perc"] = "0.5 (unused: no core split on this machine)"
     else:
-        # With a concurrent measurement, decide from the figures measured under contention.
-        fb = ov.on_fb_ms if ov else inp.fb_split_ms
-        host = ov.on_host_ms if ov else host_worker_ms
+        host = host_numel / host_rate * 1e3
         s = interval_to_hide(host, fb)
         basis = "measured while both ran" if ov else "measured separately"
         reasons["update_interval"] = (
@@ -176,28 +240,45 @@ def choose(inp: TuneInputs) -> Choices:
         )
         if s == UPDATE_INTERVAL_MAX and host > s * fb:
             reasons["update_interval"] += "; capped at 64, the host step is not fully hidden"
-        measured = bool(ov and ov.update_interval == s)
+        # A measured window counts only at the S and the host share it was measured at.
+        measured = bool(ov and ov.update_interval == s and ov.host_numel == int(host_numel))
         if measured:
             on_ms, off_ms = ov.on_window_ms, ov.off_window_ms
             how = "measured"
-        elif ov:  # S moved after the measurement: scale its parts to the new S
-            on_ms = max(s * ov.on_fb_ms, ov.on_host_ms)
-            off_ms = s * ov.off_fb_ms + ov.off_host_ms
+        elif ov:  # S or k moved after the measurement: scale its parts to the new S and k
+            scale = host_numel / ov.host_numel if ov.host_numel else 0.0
+            on_ms = max(s * ov.on_fb_ms, ov.on_host_ms * scale)
+            off_ms = s * ov.off_fb_ms + ov.off_host_ms * scale
             how = f"modelled from the parts of the S={ov.update_interval} measurement"
+        elif inp.separate_device:  # off keeps the split: the host step after the steps
+            on_ms = max(s * fb, host)
+            off_ms = s * inp.fb_split_ms + host_worker_ms
+            how = "modelled from component times"
         else:
             on_ms = max(s * fb, host)
             off_ms = s * inp.fb_all_ms + host_all_ms
             how = "modelled from component times"
         overlap = on_ms < off_ms
+        off_cores = (
+            f"the same {inp.train_threads}+{worker} split: a separate device keeps its "
+            "reserved cores"
+            if inp.separate_device
+            else f"{inp.cores} cores"
+        )
         reasons["overlap_step"] = (
             f"{'on' if overlap else 'off'}: per {s}-step window ({how}) overlap on "
-            f"({inp.train_threads}+{worker} cores) {on_ms:.0f} ms vs off ({inp.cores} cores) "
+            f"({inp.train_threads}+{worker} cores) {on_ms:.0f} ms vs off ({off_cores}) "
             f"{off_ms:.0f} ms"
         )
         perc = inp.train_threads / inp.cores
+        used = (
+            " (kept whether or not overlap_step is on: the device's compute share)"
+            if inp.separate_device
+            else ("" if overlap else " (only used with overlap_step on)")
+        )
         reasons["pt_reserved_cores_perc"] = (
             f"{perc:.2f}: {inp.train_threads} of {inp.cores} cores for the training thread, "
-            f"{worker} for the worker" + ("" if overlap else " (only used with overlap_step on)")
+            f"{worker} for the worker" + used
         )
     reasons["select_interval"] = (
         "auto: re-select once per epoch (important columns stay for many steps); nothing "
@@ -213,7 +294,7 @@ def choose(inp: TuneInputs) -> Choices:
         "memlock": inp.memlock_bytes,
         "pinned_ok": None,
     }
-    if inp.accelerator != "cpu":
+    if inp.accelerator == "cuda":
         memory["pinned_needed"] = mem["host_state"]
         memory["pinned_ok"] = inp.memlock_bytes is None or inp.memlock_bytes >= mem["host_state"]
     windows = {"update_interval": s, "on_ms": on_ms, "off_ms": off_ms, "measured": measured,
@@ -228,6 +309,8 @@ def choose(inp: TuneInputs) -> Choices:
         reasons=reasons,
         windows=windows,
         memory=memory,
+        topk={"chosen": topk, **topk_info},
+        cpu_only=inp.accelerator == "cpu",
     )
 
 
@@ -252,172 +335,6 @@ def memory_verdict(memory: dict) -> str:
     else:
         line += "; pinned memory: not applicable without CUDA"
     return line
-
-
-# --------------------------------------------------------------------------------------
-# The whole run
-
-
-@dataclass
-class TuneSettings:
-    model: str = "gpt2"
-    micro_batch: int = 8
-    seq_len: int = 128
-    quick: bool = False
-    topk_ratio: float | None = None
-    engine_check: bool = True  # also time real ZenFlowEngine steps each way (not deciding)
-    progress: Callable[[str], None] | None = field(default=None, repr=False)
-
-
-def run_tune(settings: TuneSettings) -> dict:
-    """Probe, measure and choose; returns the hw.json content (plain JSON-able dict)."""
-    import torch
-
-    say = settings.progress or (lambda _msg: None)
-    quick = settings.quick
-    repeats = 3 if quick else 5  # forward+backward and overlap windows; the rest is cheap
-    notes: list[str] = []
-
-    say("probing CPU, memory and accelerator")
-    load_1min = os.getloadavg()[0]  # before this run adds its own load
-    cpu = probe_cpu()
-    mem = probe_memory(buffer_mb=64 if quick else 256, repeats=5)
-    acc = probe_accelerator(buffer_mb=64 if quick else 256, repeats=5)
-    cores = max(1, min(cpu.usable_cores, torch.get_num_threads() or cpu.usable_cores))
-    if acc.kind == "cpu":
-        notes.append(CPU_ONLY_NOTE)
-    if load_1min > 0.5:
-        notes.append(
-            f"Other processes were using the CPU (1-minute load {load_1min:.1f} on {cores} "
-            "cores) when measuring started: the figures are noisy; rerun on an idle machine "
-            "for firm numbers."
-        )
-
-    # Training share candidates: half the cores; without --quick also three quarters.
-    shares = sorted({max(1, cores // 2)} | (set() if quick else {max(1, 3 * cores // 4)}))
-    shares = [t for t in shares if t < cores] or [cores]
-
-    say("resolving the native CPU Adam" + ("" if quick else " (builds on first use)"))
-    adam = resolve_adam(allow_build=not quick)
-    if adam[2]:
-        notes.append(f"CPU Adam measured with the plain PyTorch reference: {adam[2]}.")
-    adam_numel = (8 if quick else 16) * 2**20
-    say(f"measuring CPU Adam ({adam[1]}) on {adam_numel / 2**20:.0f}M params")
-    adam_all = measure_cpu_adam(adam_numel, cores, 5, adam)
-    adam_by_threads = {cores: adam_all}
-    for t in shares:
-        w = cores - t
-        if w >= 1 and w not in adam_by_threads:
-            adam_by_threads[w] = measure_cpu_adam(adam_numel, w, 5, adam)
-
-    say(f"building {settings.model} (micro-batch {settings.micro_batch}, seq {settings.seq_len})")
-    pm = load_probe_model(settings.model, settings.micro_batch, settings.seq_len)
-    if "random" in pm.source.lower():
-        notes.append(f"Model {pm.name}: {pm.source}; timings do not depend on the weights.")
-    say("measuring forward+backward")
-    fb_by_threads = {cores: measure_fwd_bwd(pm, cores, repeats)}
-    for t in shares:
-        if t not in fb_by_threads:
-            fb_by_threads[t] = measure_fwd_bwd(pm, t, repeats)
-
-    def inputs(train: int, overlap: OverlapProbe | None = None) -> TuneInputs:
-        worker = cores - train
-        return TuneInputs(
-            cores=cores,
-            params_total=pm.params_total,
-            params_2d=pm.params_2d,
-            fb_all_ms=fb_by_threads[cores],
-            fb_split_ms=fb_by_threads[train],
-            train_threads=train,
-            adam_rate_worker=adam_by_threads[worker if worker >= 1 else cores].params_per_s,
-            adam_rate_all=adam_all.params_per_s,
-            mem_available_bytes=mem.available_bytes,
-            memlock_bytes=mem.memlock_bytes,
-            accelerator=acc.kind,
-            accelerator_memory_bytes=acc.memory_bytes,
-            topk_ratio=settings.topk_ratio,
-            overlap=overlap,
-        )
-
-    # Pick the training share with the shortest modelled per-step time, then measure it.
-    def per_step(c: Choices) -> float:
-        return min(c.windows["on_ms"], c.windows["off_ms"]) / c.update_interval
-
-    train = min(shares, key=lambda t: per_step(choose(inputs(t))))
-    choices = choose(inputs(train))
-    overlaps: list[OverlapProbe] = []
-    if cores >= 2:
-        for _ in range(2 if quick else 3):
-            s = choices.update_interval
-            host_numel = int(pm.params_2d * (1 - choices.topk_ratio))
-            say(f"measuring one {s}-step window with overlap on ({train}+{cores - train}) and off")
-            ov = measure_overlap(
-                pm,
-                update_interval=s,
-                train_threads=train,
-                worker_threads=cores - train,
-                all_threads=cores,
-                host_numel=host_numel,
-                adam=adam,
-                repeats=2 if quick else 3,
-            )
-            overlaps.append(ov)
-            choices = choose(inputs(train, ov))
-            if choices.update_interval == s:
-                break
-    method = "components (forward+backward and host Adam, run concurrently on threads)"
-    if overlaps and not choices.windows["measured"]:
-        method += "; window at the final S modelled from the concurrent figures"
-    engine_runs: list[dict] = []
-    if cores >= 2 and settings.engine_check:
-        say("cross-checking with real engine steps, overlap on and off")
-        try:
-            block = choices.zenflow_block()
-            engine_runs = [measure_engine(pm, block, on) for on in (True, False)]
-        except Exception as exc:  # the engine is optional here: say why it was skipped
-            notes.append(f"Engine cross-check skipped: {type(exc).__name__}: {exc}")
-    if engine_runs:
-        on_ms, off_ms = (r["ms_per_step"] for r in engine_runs)
-        agree = (on_ms < off_ms) == choices.overlap_step
-        method += (
-            f"; engine cross-check (not used to decide): overlap on {on_ms:.0f} ms/step, "
-            f"off {off_ms:.0f} ms/step, {'agrees' if agree else 'disagrees'}"
-        )
-
-    return {
-        "date": _now(),
-        "versions": _versions(),
-        "settings": {
-            "model": settings.model,
-            "micro_batch": settings.micro_batch,
-            "seq_len": settings.seq_len,
-            "quick": quick,
-        },
-        "method": method,
-        "probes": {
-            "load_1min_before": load_1min,
-            "cpu": dataclasses.asdict(cpu),
-            "memory": dataclasses.asdict(mem),
-            "accelerator": dataclasses.asdict(acc),
-            "cpu_adam": {str(k): dataclasses.asdict(v) for k, v in sorted(adam_by_threads.items())},
-            "model": {
-                "name": pm.name,
-                "source": pm.source,
-                "params_total": pm.params_total,
-                "params_2d": pm.params_2d,
-                "micro_batch": pm.micro_batch,
-                "seq_len": pm.seq_len,
-            },
-            "fwd_bwd_ms": {str(k): v for k, v in sorted(fb_by_threads.items())},
-            "overlap": [dataclasses.asdict(o) for o in overlaps],
-            "engine": engine_runs,
-        },
-        "choices": choices.zenflow_block(),
-        "reasons": choices.reasons,
-        "windows": choices.windows,
-        "memory_check": {**choices.memory, "verdict": memory_verdict(choices.memory)},
-        "notes": notes,
-    }
 
 
 # --------------------------------------------------------------------------------------
@@ -466,22 +383,3 @@ def _count(n: float) -> str:
         if n >= div:
             return f"{n / div:.1f}{unit}"
     return f"{n:.0f}"
-
-
-def _now() -> str:
-    from datetime import datetime, timezone
-
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
-def _versions() -> dict[str, str]:
-    import platform
-    from importlib import metadata
-
-    out = {"python": platform.python_version()}
-    for dist in ("torch", "transformers", "deepspeed", "zfctl"):
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            out[dist] = "not installed"
-    return out

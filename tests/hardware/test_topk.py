@@ -1,0 +1,170 @@
+"""zenflow.hardware.topk: topk_ratio's memory and time bounds on synthetic figures, and the
+memory table against the estimate's own layout."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from zenflow.hardware import topk
+from zenflow.hardware.topk import Bound, MemoryBudget, TimeModel, TopkMemory
+
+
+def table(other: int = 500, host: int = 0, per_percent: int = 10) -> tuple[TopkMemory, ...]:
+    """Selected state 10 bytes per percent of k (k=0.30 -> 300 bytes), the rest fixed."""
+    return tuple(TopkMemory(k, round(k * 100) * per_percent, other, host) for k in topk.TOPK_GRID)
+
+
+def time_model(**kw) -> TimeModel:
+    base = dict(
+        fb_ms=30.0,
+        device_adam_rate=1e7,
+        dense_params=10_000,
+        zenflow_params=1_000_000,
+        dtype_bytes=4,
+        d2h_bytes_per_s=4e9,
+        h2d_bytes_per_s=4e9,
+        link="test link",
+    )
+    base.update(kw)
+    return TimeModel(**base)
+
+
+def test_grid_is_hundredths():
+    assert topk.TOPK_GRID[0] == 0.01 and topk.TOPK_GRID[-1] == 1.0
+    assert len(topk.TOPK_GRID) == 100
+    assert topk.TOPK_GRID[29] == 0.3  # exact grid values, not accumulated floats
+
+
+def test_memory_bound_separate_device():
+    # 500 bytes of everything else + 10 per percent of k on an 800-byte device: k <= 0.30.
+    b = topk.memory_bound(table(), MemoryBudget(800, 10**9, False, "test device"))
+    assert b.value == 0.3 and b.met
+    assert b.figures["headroom_bytes"] == 300 and b.figures["selected_bytes"] == 300
+    assert b.figures["other_bytes"] == 500
+    assert "device headroom" in b.reason and "holds topk <= 0.3" in b.reason
+    # The host side does not count against a separate device.
+    big_host = topk.memory_bound(table(host=10**6), MemoryBudget(800, 10**9, False, "d"))
+    assert big_host.value == 0.3
+
+
+def test_memory_bound_shared_memory_counts_both_sides():
+    # One memory of 1000 bytes: 500 other + 200 host + 10 per percent -> k <= 0.30.
+    b = topk.memory_bound(table(host=200), MemoryBudget(1000, 1000, True, "RAM"))
+    assert b.value == 0.3
+    assert b.figures["headroom_bytes"] == 300 and b.figures["shared"] is True
+    assert "RAM headroom" in b.reason and "host's state" in b.reason
+
+
+def test_memory_bound_everything_fits_and_nothing_fits():
+    assert topk.memory_bound(table(), MemoryBudget(10**6, 10**9, False, "d")).value == 1.0
+    none = topk.memory_bound(table(), MemoryBudget(505, 10**9, False, "d"))
+    assert none.value is None and not none.met
+    assert none.figures["need_bytes"] == 510  # 500 + 10 at k = 0.01
+    assert "does not fit even at topk 0.01" in none.reason and "zfctl estimate" in none.reason
+
+
+def test_step_cost_formula():
+    """Per step: device update of Pd + k*Pz, D2H of the (1-k) share every step, H2D of it
+    once per window of S steps: (1-k)*(1+1/S)*Pz*dt bytes."""
+    tm = time_model(device_adam_rate=1e8, dense_params=0, dtype_bytes=2, d2h_bytes_per_s=1e9,
+                    h2d_bytes_per_s=5e8)  # fmt: skip
+    c = topk.step_cost(0.25, 4, tm)
+    assert c["device_update_ms"] == pytest.approx(2.5)  # 250k params at 100M/s
+    assert c["d2h_ms"] == pytest.approx(1.5)  # 0.75 * 1M * 2 bytes at 1 GB/s
+    assert c["h2d_ms"] == pytest.approx(0.75)  # a quarter of that at 0.5 GB/s
+    assert c["traffic_bytes"] == pytest.approx(0.75 * 1.25 * 2e6)
+    assert c["total_ms"] == pytest.approx(4.75)
+    assert topk.step_cost(1.0, 1, tm)["traffic_bytes"] == 0
+
+
+def test_time_bound_device_update_binds():
+    # Update: (10k + k * 1M) / 10M/s = 1 + 100k ms; copies at most 2 x 1 us: k <= 0.28.
+    b = topk.time_bound(time_model(d2h_bytes_per_s=4e12, h2d_bytes_per_s=4e12), lambda k: 1)
+    assert b.value == 0.28 and b.met
+    assert b.figures["total_ms"] == pytest.approx(29.0, abs=0.01)
+    assert b.figures["fb_ms"] == 30.0
+    assert "traffic + device update at k=0.28 takes 29.0 ms of the 30.0 ms" in b.reason
+
+
+def test_time_bound_uses_the_interval_for_each_k():
+    seen = []
+
+    def interval_of(k: float) -> int:
+        seen.append(k)
+        return 4
+
+    b = topk.time_bound(time_model(), interval_of)
+    assert seen == list(topk.TOPK_GRID)
+    assert b.figures["update_interval"] == 4
+
+
+def test_time_bound_hide_fraction():
+    # Half of 60 ms is the same budget as all of 30 ms.
+    fast_link = dict(d2h_bytes_per_s=4e12, h2d_bytes_per_s=4e12)
+    half = topk.time_bound(time_model(fb_ms=60.0, hide_fraction=0.5, **fast_link), lambda k: 1)
+    assert half.value == 0.28 and "0.5 of 60.0 ms" in half.reason
+
+
+def test_time_bound_traffic_dominated_prefers_more_columns():
+    # A slow link (0.4 GB/s: 10 ms per MB-share) and a fast device update (~1 ms at k=1):
+    # each column kept on the device saves traffic, so every k fits and the bound is 1.
+    slow = dict(device_adam_rate=1e9, d2h_bytes_per_s=4e8, h2d_bytes_per_s=4e8)
+    assert topk.time_bound(time_model(**slow), lambda k: 1).value == 1.0
+    # Nothing hides under 0.5 ms: the cheapest k (all on the device, 1.01 ms) is taken, said.
+    b = topk.time_bound(time_model(fb_ms=0.5, **slow), lambda k: 1)
+    assert b.value == 1.0 and not b.met
+    assert b.figures["total_ms"] == pytest.approx(1.01)
+    assert "nothing hides under the 0.5 ms forward+backward" in b.reason
+
+
+def test_decide_takes_the_smaller_bound_and_names_it():
+    mem, tim = Bound(0.3, True, {}, "M"), Bound(0.28, True, {}, "T")
+    k, binds, why = topk.decide(mem, tim)
+    assert (k, binds) == (0.28, "time")
+    assert why.startswith("0.28 = min(memory 0.3, time 0.28): the time bound binds")
+    assert "Memory: M" in why and "Time: T" in why
+    assert topk.decide(Bound(0.1, True, {}, "M"), tim)[:2] == (0.1, "memory")
+    assert topk.decide(Bound(0.28, True, {}, "M"), tim)[1] == "both"
+
+
+def test_decide_clamps():
+    tim = Bound(1.0, True, {}, "T")
+    # Nothing fits the device: the smallest allowed topk, said.
+    k, binds, why = topk.decide(Bound(None, False, {}, "M"), tim)
+    assert (k, binds) == (0.01, "memory")
+    assert "does not fit the device at any topk" in why
+    assert topk.decide(Bound(0.004, True, {}, "M"), tim)[0] == 0.01
+    assert topk.decide(Bound(2.0, True, {}, "M"), Bound(1.5, True, {}, "T"))[0] == 1.0
+    assert topk.decide(Bound(0.123, True, {}, "M"), tim)[0] == 0.12  # on the 0.01 grid
+
+
+@pytest.fixture(scope="module")
+def census():
+    from zenflow.hardware.estimate import census_of
+    from zenflow.hardware.measure import load_probe_model
+    from zenflow.hardware.tune_run import arch_shape
+
+    pm = load_probe_model("builtin:gpt2-2x128", 2, 8, device="cpu")
+    return census_of(pm.model, name=pm.name, source=pm.source, arch=arch_shape(pm.model))
+
+
+@pytest.mark.parametrize("bf16, fp32_state", [(True, 12), (False, 8)])
+def test_memory_table_matches_the_estimate(census, bf16, fp32_state):
+    from zenflow.hardware.estimate import Budget, Settings, check, layout
+
+    s = Settings(bf16=bf16, overlap_step=True, micro_batch=2, seq_len=8)
+    rows = topk.memory_table(census, s)
+    assert [r.topk for r in rows] == list(topk.TOPK_GRID)
+    budget = Budget(10**12, 10**12, False, "test", "test")
+    for r in rows[::11] + rows[-1:]:
+        sel, cols = census.selected(r.topk)
+        # The selected columns' fp32 state (master + moments, or moments) and a step count each.
+        assert r.selected_bytes == sel * fp32_state + cols * 8
+        est = check(layout(census, "zenflow", dataclasses.replace(s, topk_ratio=r.topk)),
+                    s, budget, "zenflow", census.params)  # fmt: skip
+        assert r.device_bytes == est.device_bytes
+        assert r.host_bytes == est.host_bytes
+    assert len({r.other_device_bytes for r in rows}) == 1  # the rest does not depend on k
+    assert rows[-1].selected_bytes > rows[0].selected_bytes

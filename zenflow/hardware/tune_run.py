@@ -1,0 +1,344 @@
+"""The whole tune-hw run: probe, measure, lay out the memory, choose -> the hw.json dict.
+
+``run_tune(TuneSettings)`` tunes for one device: "cuda" (measured PCIe, the GPU's memory),
+"sim" (the simulated accelerator's modelled bandwidth and its reserved-core split, its
+tensors in RAM unless ``device_mem`` models a GPU's memory) or "cpu" (the device is the CPU:
+said plainly, choices marked CPU-only). It wires the probes (``zenflow.hardware.probes``),
+the timed measurements (``zenflow.hardware.measure``) and the memory estimate
+(``zenflow.hardware.estimate``, via ``zenflow.hardware.topk``) into the pure
+``zenflow.hardware.tuning.choose``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from zenflow.errors import UserInputError
+from zenflow.hardware import topk as topk_bounds
+from zenflow.hardware.measure import (
+    OverlapProbe,
+    load_probe_model,
+    measure_cpu_adam,
+    measure_device_adam,
+    measure_engine,
+    measure_fwd_bwd,
+    measure_overlap,
+    resolve_adam,
+)
+from zenflow.hardware.probes import probe_accelerator, probe_cpu, probe_memory
+from zenflow.hardware.topk import MemoryBudget
+from zenflow.hardware.tuning import Choices, TuneInputs, choose, memory_verdict
+
+DEVICES = ("cpu", "sim", "cuda")
+CPU_ONLY_NOTE = (
+    "CPU-only: the device is the CPU, so 'device' and 'host' are the same memory and the "
+    "same cores. Offloading has nothing to win here: there is no device memory to save, "
+    "and copies between the two sides cost memory bandwidth, not PCIe. Train with `zfctl "
+    "finetune --engine device`, or rehearse a GPU box with `zfctl tune-hw --device sim`. "
+    "The choices are still valid ZenFlow settings for this machine (overlap on and off and "
+    "the core split were measured, the faster one chosen), marked CPU-only."
+)
+
+
+@dataclass
+class TuneSettings:
+    model: str = "gpt2"
+    micro_batch: int = 8
+    seq_len: int = 128
+    quick: bool = False
+    topk_ratio: float | None = None
+    device: str | None = None  # "cpu", "sim" or "cuda"; None: cuda when available, else cpu
+    bf16: bool = True  # the run's training dtype (forward+backward, copies, the estimate)
+    device_mem: int | None = None  # bytes; None: CUDA's memory, or RAM on cpu and sim
+    engine_check: bool = True  # also time real ZenFlowEngine steps each way (not deciding)
+    progress: Callable[[str], None] | None = field(default=None, repr=False)
+
+
+SIM_NOTE = (
+    "Rehearsal on the simulated device: copies run at its modelled bandwidth and its "
+    "compute is this CPU's training share of the cores, so forward+backward and the device "
+    "update are far slower than on a GPU and topk_ratio comes out differently there. Rerun "
+    "`zfctl tune-hw` on the GPU box for its own figures."
+)
+
+
+def resolve_device(device: str | None, device_mem: int | None = None) -> str:
+    """The device to tune for; refuses what cannot work before anything is measured."""
+    import torch
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in DEVICES:
+        raise UserInputError(f"--device {device!r} is not one of {', '.join(DEVICES)}.")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserInputError(
+            f"--device cuda: torch {torch.__version__} sees no CUDA device here. Use --device "
+            "sim to rehearse a GPU box on this CPU, or --device cpu."
+        )
+    if device == "cpu" and device_mem is not None:
+        raise UserInputError(
+            "--device-mem applies to --device sim or cuda: with --device cpu the device is "
+            "the CPU and its memory is the host's RAM. Drop --device-mem, or use --device sim "
+            "--device-mem SIZE to rehearse a GPU of that size."
+        )
+    return device
+
+
+def memory_budget(device: str, device_mem: int | None, acc, mem) -> MemoryBudget:
+    """The memory topk's memory bound fits into: the given or detected device memory, or,
+    where the device's tensors live in RAM (cpu; sim without --device-mem), the RAM shared
+    by both sides."""
+    host = mem.available_bytes
+    if device_mem is not None:
+        return MemoryBudget(device_mem, host, False, "--device-mem")
+    if device == "cuda":
+        return MemoryBudget(int(acc.memory_bytes), host, False, f"CUDA: {acc.name}")
+    what = "the device is the CPU"
+    if device == "sim":
+        what = "where the simulated device's tensors live; --device-mem models a GPU"
+    return MemoryBudget(host, host, True, f"MemAvailable RAM, {what}")
+
+
+def link_rates(acc, mem) -> tuple[float, float, str]:
+    """(device->host, host->device bytes/s, source in words): PCIe measured with pinned
+    buffers on CUDA, the modelled bandwidth on sim, memory copy bandwidth on the CPU (a copy
+    of B bytes reads B and writes B: half the probe's read+write figure)."""
+    if acc.kind == "cpu":
+        rate = mem.copy_gbs * 1e9 / 2
+        return rate, rate, f"memory copy {rate / 1e9:.1f} GB/s, the device is the CPU"
+    d2h, h2d = acc.d2h_pinned_gbs * 1e9, acc.h2d_pinned_gbs * 1e9
+    how = "modelled by the simulated device" if acc.modelled else "PCIe measured, pinned"
+    return d2h, h2d, f"d2h {d2h / 1e9:.1f} / h2d {h2d / 1e9:.1f} GB/s, {how}"
+
+
+def arch_shape(model, num_labels: int = 2):
+    """The activation estimate's shape of a transformers classification model, or None."""
+    from zenflow.hardware.estimate import ArchShape
+
+    cfg = getattr(model, "config", None)
+    try:
+        return ArchShape(
+            hidden=int(cfg.hidden_size), heads=int(cfg.num_attention_heads),
+            layers=int(cfg.num_hidden_layers), vocab=int(cfg.vocab_size),
+            num_labels=num_labels, causal_lm=False,
+        )  # fmt: skip
+    except (AttributeError, TypeError):
+        return None
+
+
+def run_tune(settings: TuneSettings) -> dict:
+    """Probe, measure and choose; returns the hw.json content (plain JSON-able dict)."""
+    import torch
+
+    from zenflow.hardware.estimate import Settings, census_of
+
+    device = resolve_device(settings.device, settings.device_mem)
+    say = settings.progress or (lambda _msg: None)
+    quick = settings.quick
+    repeats = 3 if quick else 5  # forward+backward and overlap windows; the rest is cheap
+    notes: list[str] = []
+
+    say(f"probing CPU, memory and the device ({device})")
+    load_1min = os.getloadavg()[0]  # before this run adds its own load
+    cpu = probe_cpu()
+    mem = probe_memory(buffer_mb=64 if quick else 256, repeats=5)
+    acc = probe_accelerator(buffer_mb=64 if quick else 256, repeats=5, kind=device)
+    cores = max(1, min(cpu.usable_cores, torch.get_num_threads() or cpu.usable_cores))
+    if device == "cpu":
+        notes.append(CPU_ONLY_NOTE)
+    elif device == "sim":
+        notes.append(SIM_NOTE)
+    if load_1min > 0.5:
+        notes.append(
+            f"Other processes were using the CPU (1-minute load {load_1min:.1f} on {cores} "
+            "cores) when measuring started: the figures are noisy; rerun on an idle machine "
+            "for firm numbers."
+        )
+
+    # Training share candidates: half the cores; without --quick also three quarters. On
+    # sim a share t is the engine's split for pt_reserved_cores_perc = t / cores (t device
+    # threads, cores - t host threads).
+    shares = sorted({max(1, cores // 2)} | (set() if quick else {max(1, 3 * cores // 4)}))
+    shares = [t for t in shares if t < cores] or [cores]
+
+    say("resolving the native CPU Adam" + ("" if quick else " (builds on first use)"))
+    adam = resolve_adam(allow_build=not quick)
+    if adam[2]:
+        notes.append(f"CPU Adam measured with the plain PyTorch reference: {adam[2]}.")
+    adam_numel = (8 if quick else 16) * 2**20
+    say(f"measuring CPU Adam ({adam[1]}) on {adam_numel / 2**20:.0f}M params")
+    adam_all = measure_cpu_adam(adam_numel, cores, 5, adam)
+    adam_by_threads = {cores: adam_all}
+    for t in shares:
+        w = cores - t
+        if w >= 1 and w not in adam_by_threads:
+            adam_by_threads[w] = measure_cpu_adam(adam_numel, w, 5, adam)
+
+    dtype = "bf16" if settings.bf16 else "fp32"
+    mb, seq = settings.micro_batch, settings.seq_len
+    say(f"building {settings.model} (micro-batch {mb}, seq {seq}, {dtype})")
+    compute = "cuda" if device == "cuda" else "cpu"  # the simulated device computes on the CPU
+    pm = load_probe_model(settings.model, mb, seq, device=compute, bf16=settings.bf16)
+    if "random" in pm.source.lower():
+        notes.append(f"Model {pm.name}: {pm.source}; timings do not depend on the weights.")
+    say("measuring forward+backward")
+    fb_by_threads = {cores: measure_fwd_bwd(pm, cores, repeats)}
+    for t in shares:
+        if t not in fb_by_threads:
+            fb_by_threads[t] = measure_fwd_bwd(pm, t, repeats)
+
+    # The device's AdamW, with the threads its forward+backward has (sim: each share).
+    dev_threads = shares if device == "sim" else [cores]
+    cap = (256 if device == "cuda" else 4 if quick else 16) * 2**20
+    say(f"measuring the device's AdamW (the engine's update at topk 1.0) on {device}")
+    dev_adam = {t: measure_device_adam(pm, t, 3, cap) for t in dev_threads}
+
+    say("laying out the zenflow engine's memory at topk 0.01..1.00 (zfctl estimate)")
+    census = census_of(pm.model, name=pm.name, source=pm.source, arch=arch_shape(pm.model))
+    table = topk_bounds.memory_table(census, Settings(
+        bf16=settings.bf16, overlap_step=True, pin_memory=device == "cuda",
+        micro_batch=settings.micro_batch, seq_len=settings.seq_len))  # fmt: skip
+    budget = memory_budget(device, settings.device_mem, acc, mem)
+    d2h, h2d, link = link_rates(acc, mem)
+
+    def inputs(train: int, overlap: OverlapProbe | None = None) -> TuneInputs:
+        worker = cores - train
+        return TuneInputs(
+            cores=cores,
+            params_total=census.params,
+            params_2d=census.zenflow_params,
+            fb_all_ms=fb_by_threads[cores],
+            fb_split_ms=fb_by_threads[train],
+            train_threads=train,
+            adam_rate_worker=adam_by_threads[worker if worker >= 1 else cores].params_per_s,
+            adam_rate_all=adam_all.params_per_s,
+            mem_available_bytes=mem.available_bytes,
+            memlock_bytes=mem.memlock_bytes,
+            accelerator=device,
+            accelerator_memory_bytes=budget.device_bytes,
+            topk_ratio=settings.topk_ratio,
+            overlap=overlap,
+            memory_table=table,
+            memory_budget=budget,
+            device_adam_rate=dev_adam[train if device == "sim" else cores].params_per_s,
+            dtype_bytes=2 if settings.bf16 else 4,
+            d2h_bytes_per_s=d2h,
+            h2d_bytes_per_s=h2d,
+            link=link,
+        )
+
+    # Pick the training share with the shortest modelled per-step time, then measure it.
+    def per_step(c: Choices) -> float:
+        return min(c.windows["on_ms"], c.windows["off_ms"]) / c.update_interval
+
+    train = min(shares, key=lambda t: per_step(choose(inputs(t))))
+    choices = choose(inputs(train))
+    overlaps: list[OverlapProbe] = []
+    if cores >= 2:
+        for _ in range(2 if quick else 3):
+            s, k = choices.update_interval, choices.topk_ratio
+            host_numel = int(census.zenflow_params * (1 - k))
+            say(f"measuring one {s}-step window with overlap on ({train}+{cores - train}) and off")
+            ov = measure_overlap(
+                pm,
+                update_interval=s,
+                train_threads=train,
+                worker_threads=cores - train,
+                all_threads=cores,
+                host_numel=host_numel,
+                adam=adam,
+                repeats=2 if quick else 3,
+                off_split=device != "cpu",
+            )
+            overlaps.append(ov)
+            choices = choose(inputs(train, ov))
+            if (choices.update_interval, choices.topk_ratio) == (s, k):
+                break
+    method = "components (forward+backward and host Adam, run concurrently on threads)"
+    if overlaps and not choices.windows["measured"]:
+        method += "; window at the final S modelled from the concurrent figures"
+    engine_runs: list[dict] = []
+    if cores >= 2 and settings.engine_check:
+        say(f"cross-checking with real engine steps on {device}, overlap on and off")
+        try:
+            block = choices.zenflow_block()
+            engine_runs = [
+                measure_engine(pm, block, on, accelerator=device) for on in (True, False)
+            ]
+        except Exception as exc:  # the engine is optional here: say why it was skipped
+            notes.append(f"Engine cross-check skipped: {type(exc).__name__}: {exc}")
+    if engine_runs:
+        on_ms, off_ms = (r["ms_per_step"] for r in engine_runs)
+        agree = (on_ms < off_ms) == choices.overlap_step
+        method += (
+            f"; engine cross-check (not used to decide): overlap on {on_ms:.0f} ms/step, "
+            f"off {off_ms:.0f} ms/step, {'agrees' if agree else 'disagrees'}"
+        )
+
+    return {
+        "date": _now(),
+        "versions": _versions(),
+        "device": device,
+        "cpu_only": choices.cpu_only,
+        "settings": {
+            "model": settings.model,
+            "micro_batch": settings.micro_batch,
+            "seq_len": settings.seq_len,
+            "quick": quick,
+            "device": device,
+            "bf16": settings.bf16,
+            "device_mem": settings.device_mem,
+        },
+        "method": method,
+        "probes": {
+            "load_1min_before": load_1min,
+            "cpu": dataclasses.asdict(cpu),
+            "memory": dataclasses.asdict(mem),
+            "accelerator": dataclasses.asdict(acc),
+            "link": {"d2h_bytes_per_s": d2h, "h2d_bytes_per_s": h2d, "source": link},
+            "device_memory": dataclasses.asdict(budget),
+            "cpu_adam": {str(k): dataclasses.asdict(v) for k, v in sorted(adam_by_threads.items())},
+            "device_adam": {str(k): dataclasses.asdict(v) for k, v in sorted(dev_adam.items())},
+            "model": {
+                "name": pm.name,
+                "source": pm.source,
+                "params_total": pm.params_total,
+                "params_2d": pm.params_2d,
+                "params_zenflow": census.zenflow_params,
+                "micro_batch": pm.micro_batch,
+                "seq_len": pm.seq_len,
+                "dtype": dtype,
+            },
+            "fwd_bwd_ms": {str(k): v for k, v in sorted(fb_by_threads.items())},
+            "overlap": [dataclasses.asdict(o) for o in overlaps],
+            "engine": engine_runs,
+        },
+        "choices": choices.zenflow_block(),
+        "reasons": choices.reasons,
+        "topk": choices.topk,
+        "windows": choices.windows,
+        "memory_check": {**choices.memory, "verdict": memory_verdict(choices.memory)},
+        "notes": notes,
+    }
+
+
+def _now() -> str:
+    from datetime import datetime, timezone
+
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _versions() -> dict[str, str]:
+    import platform
+    from importlib import metadata
+
+    out = {"python": platform.python_version()}
+    for dist in ("torch", "transformers", "deepspeed", "zfctl"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = "not installed"
+    return out
