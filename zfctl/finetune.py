@@ -239,7 +239,8 @@ def finetune(
 
 
 class _SilentRenderer:
-    """Ranks other than 0 of a data-parallel run: nothing to show."""
+    """Ranks other than 0 of a data-parallel run: nothing to show (and the base of the
+    renderers without a live display: a context manager that does nothing)."""
 
     already_finished = False
 
@@ -253,16 +254,8 @@ class _SilentRenderer:
         return None
 
 
-class _JsonRenderer:
+class _JsonRenderer(_SilentRenderer):
     """One JSON object per event on stdout, nothing else."""
-
-    already_finished = False
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        return None
 
     def __call__(self, event) -> None:
         self.already_finished |= type(event).__name__ == "RunAlreadyFinished"
@@ -270,7 +263,7 @@ class _JsonRenderer:
         sys.stdout.flush()
 
 
-class _PlainRenderer:
+class _PlainRenderer(_SilentRenderer):
     """Plain lines (not a terminal): the header, every ``every`` steps, evals, the end."""
 
     def __init__(self, every: int):
@@ -280,12 +273,6 @@ class _PlainRenderer:
     @property
     def already_finished(self) -> bool:
         return self.state.already_finished
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        return None
 
     def __call__(self, event) -> None:
         self.state.apply(event)

@@ -25,6 +25,17 @@ class AdamHyper:
     adamw_mode: bool = True  # False: classic Adam, L2 decay added to the gradient
 
 
+def _decay_and_moments(param, grad, exp_avg, exp_avg_sq, hp: AdamHyper) -> None:
+    """Weight decay (decoupled, or L2 into the gradient) and the moment updates, in place."""
+    if hp.weight_decay != 0.0:
+        if hp.adamw_mode:
+            param.mul_(1 - hp.lr * hp.weight_decay)
+        else:
+            grad = grad.add(param, alpha=hp.weight_decay)
+    exp_avg.lerp_(grad, 1 - hp.beta1)
+    exp_avg_sq.mul_(hp.beta2).addcmul_(grad, grad, value=1 - hp.beta2)
+
+
 def adamw_dense_(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -35,13 +46,7 @@ def adamw_dense_(
 ) -> None:
     """One in-place AdamW step; ``step`` is the 1-based count after this update."""
     lr = hp.lr
-    if hp.weight_decay != 0.0:
-        if hp.adamw_mode:
-            param.mul_(1 - lr * hp.weight_decay)
-        else:
-            grad = grad.add(param, alpha=hp.weight_decay)
-    exp_avg.lerp_(grad, 1 - hp.beta1)
-    exp_avg_sq.mul_(hp.beta2).addcmul_(grad, grad, value=1 - hp.beta2)
+    _decay_and_moments(param, grad, exp_avg, exp_avg_sq, hp)
     bias_correction1 = 1 - hp.beta1**step
     bias_correction2 = 1 - hp.beta2**step
     step_size = lr / bias_correction1
@@ -72,14 +77,7 @@ def adamw_columns_(
 ) -> None:
     """One in-place AdamW step on a compact column block whose columns (along
     ``column_dim``) have their own 1-based counts ``steps`` (int64, one per column)."""
-    lr = hp.lr
-    if hp.weight_decay != 0.0:
-        if hp.adamw_mode:
-            param.mul_(1 - lr * hp.weight_decay)
-        else:
-            grad = grad.add(param, alpha=hp.weight_decay)
-    exp_avg.lerp_(grad, 1 - hp.beta1)
-    exp_avg_sq.mul_(hp.beta2).addcmul_(grad, grad, value=1 - hp.beta2)
+    _decay_and_moments(param, grad, exp_avg, exp_avg_sq, hp)
     neg_step_size, bc2_sqrt = column_factors(steps, hp, column_dim, param.dim())
     denom = (exp_avg_sq.sqrt() / bc2_sqrt).add_(hp.eps)
     param.add_(exp_avg / denom * neg_step_size)

@@ -28,8 +28,9 @@ import torch
 from zenflow.ops import adamw_step_reference_
 
 
-def _device_adamw(p, g, m, v, step, lr, b1, b2, eps, wd, adamw_mode=True):
-    """torch.optim.AdamW's single-tensor arithmetic, in place."""
+def _device_adamw(p, g, m, v, step, lr, b1, b2, eps, wd, adamw_mode=True, dim=None):
+    """torch.optim.AdamW's single-tensor arithmetic, in place. ``step``: an int, or with
+    ``dim`` an int64 tensor of per-column counts along ``dim`` (fp32 factors from float64)."""
     if wd != 0.0:
         if adamw_mode:
             p.mul_(1 - lr * wd)
@@ -37,22 +38,12 @@ def _device_adamw(p, g, m, v, step, lr, b1, b2, eps, wd, adamw_mode=True):
             g = g.add(p, alpha=wd)
     m.lerp_(g, 1 - b1)
     v.mul_(b2).addcmul_(g, g, value=1 - b2)
-    bc1 = 1 - b1**step
-    bc2_sqrt = (1 - b2**step) ** 0.5
-    p.addcdiv_(m, (v.sqrt() / bc2_sqrt).add_(eps), value=-lr / bc1)
-
-
-def _device_adamw_cols(p, g, m, v, steps, dim, lr, b1, b2, eps, wd, adamw_mode=True):
-    """The same step with a per-column count ``steps`` along ``dim`` (fp32 factors computed
-    in float64)."""
-    if wd != 0.0:
-        if adamw_mode:
-            p.mul_(1 - lr * wd)
-        else:
-            g = g.add(p, alpha=wd)
-    m.lerp_(g, 1 - b1)
-    v.mul_(b2).addcmul_(g, g, value=1 - b2)
-    t = steps.to(torch.float64)
+    if dim is None:
+        bc1 = 1 - b1**step
+        bc2_sqrt = (1 - b2**step) ** 0.5
+        p.addcdiv_(m, (v.sqrt() / bc2_sqrt).add_(eps), value=-lr / bc1)
+        return
+    t = step.to(torch.float64)
     shape = [1] * p.dim()
     shape[dim] = -1
     neg_step_size = (-lr / (1 - torch.full_like(t, b1).pow(t))).float().view(shape)
@@ -201,7 +192,7 @@ def run_reference(
             if u is not None:
                 _device_adamw(p_c, g_c, m_c, v_c, u, lr, b1, b2, eps, weight_decay)
             else:
-                _device_adamw_cols(p_c, g_c, m_c, v_c, tdc[i][c], d, lr, b1, b2, eps, weight_decay)
+                _device_adamw(p_c, g_c, m_c, v_c, tdc[i][c], lr, b1, b2, eps, weight_decay, dim=d)
             for dst, src in ((P[i], p_c), (md[i], m_c), (vd[i], v_c)):
                 _set_cols(dst, d, c, src)
             ns = nonsel_of(i)

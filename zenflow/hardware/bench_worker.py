@@ -83,26 +83,9 @@ def build_model(name: str, seed: int):
 
 def make_batch(model, micro_batch: int, seq_len: int, seed: int, device) -> dict:
     """A seeded random token batch (no pad tokens) with 2-class labels."""
-    import torch
+    from zenflow.hardware.measure import random_batch
 
-    cfg = model.config
-    if getattr(cfg, "pad_token_id", None) is None:
-        cfg.pad_token_id = getattr(cfg, "eos_token_id", None) or 0
-    limit = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
-    if limit and seq_len > limit:
-        raise UserInputError(
-            f"--seq-len {seq_len} is longer than the model's {limit} positions; use {limit} "
-            "or less."
-        )
-    gen = torch.Generator().manual_seed(seed + 1)
-    ids = torch.randint(0, max(2, cfg.vocab_size - 1), (micro_batch, seq_len), generator=gen)
-    ids[ids == cfg.pad_token_id] = 1
-    labels = torch.randint(0, 2, (micro_batch,), generator=gen)
-    return {
-        "input_ids": ids.to(device),
-        "attention_mask": torch.ones_like(ids).to(device),
-        "labels": labels.to(device),
-    }
+    return random_batch(model, micro_batch, seq_len, device, seed=seed + 1)
 
 
 def _make_engine(job: dict, model):

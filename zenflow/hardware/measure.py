@@ -161,26 +161,7 @@ def load_probe_model(
     model.to(device).train()
     if bf16:
         model.to(dtype=torch.bfloat16)
-    cfg = model.config
-    if getattr(cfg, "pad_token_id", None) is None:
-        cfg.pad_token_id = getattr(cfg, "eos_token_id", None) or 0
-    limit = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
-    if limit and seq_len > limit:
-        from zenflow.errors import UserInputError
-
-        raise UserInputError(
-            f"--seq-len {seq_len} is longer than {name}'s {limit} positions; use --seq-len "
-            f"{limit} or less."
-        )
-    vocab = cfg.vocab_size
-    high = max(2, vocab - 1)
-    ids = torch.randint(0, high, (micro_batch, seq_len))
-    ids[ids == cfg.pad_token_id] = 1  # no pad tokens: the last position is the sequence end
-    batch = {
-        "input_ids": ids.to(device),
-        "attention_mask": torch.ones_like(ids).to(device),
-        "labels": torch.randint(0, 2, (micro_batch,)).to(device),
-    }
+    batch = random_batch(model, micro_batch, seq_len, device, name=name)
     params = [p for p in model.parameters() if p.requires_grad]
     return ProbeModel(
         name=name,
@@ -208,6 +189,35 @@ def _resolve_named_model(name: str, seed: int) -> tuple[object, str]:
         first = str(exc).split(". ")[0]
         resolved = resolve_model(name, task_num_labels=2, init="random", seed=seed)
         return resolved.model, f"random init, seed {seed} (weights not available: {first})"
+
+
+def random_batch(model, micro_batch: int, seq_len: int, device, *, name="the model",
+                 seed: int | None = None) -> dict:  # fmt: skip
+    """Random token ids (no pad tokens: the last position is the sequence end) and 2-class
+    labels for a sequence classifier; refuses a ``seq_len`` beyond the model's positions.
+    ``seed``: a seeded generator (benchmarks), else torch's global RNG."""
+    import torch
+
+    from zenflow.errors import UserInputError
+
+    cfg = model.config
+    if getattr(cfg, "pad_token_id", None) is None:
+        cfg.pad_token_id = getattr(cfg, "eos_token_id", None) or 0
+    limit = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+    if limit and seq_len > limit:
+        raise UserInputError(
+            f"--seq-len {seq_len} is longer than {name}'s {limit} positions; use --seq-len "
+            f"{limit} or less."
+        )
+    gen = None if seed is None else torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, max(2, cfg.vocab_size - 1), (micro_batch, seq_len), generator=gen)
+    ids[ids == cfg.pad_token_id] = 1
+    labels = torch.randint(0, 2, (micro_batch,), generator=gen)
+    return {
+        "input_ids": ids.to(device),
+        "attention_mask": torch.ones_like(ids).to(device),
+        "labels": labels.to(device),
+    }
 
 
 def fwd_bwd_once(pm: ProbeModel) -> None:
