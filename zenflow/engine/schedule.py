@@ -196,7 +196,7 @@ class ZenFlowEngine:
         else:
             self.dense = [self._dense_state(s, masters[s.name]) for s in self.specs
                           if not s.is_zenflow]  # fmt: skip
-            self.impl = ZenFlowMode(self, steps_per_epoch, masters)
+            self.impl = ZenFlowMode(self, masters)
         self.resolved: dict = {
             "mode": mode,
             "accelerator": self.accel.kind,

@@ -150,7 +150,7 @@ class ZfWeight:
 class ZenFlowMode:
     """Selective device AdamW + windowed host AdamW; see the module docstring."""
 
-    def __init__(self, engine, steps_per_epoch, masters: dict[str, torch.Tensor]):
+    def __init__(self, engine, masters: dict[str, torch.Tensor]):
         self.e = engine
         accel = engine.accel
         zf = engine.zf
@@ -177,7 +177,6 @@ class ZenFlowMode:
                          engine.dtype, self.bucket_elems, owner, owned)
             )  # fmt: skip
         self.stream = not accel.shared_memory and bool(self.zweights)
-        self._full_sync = False  # data parallel: this step's gradients were fully averaged
         if self.stream:
             max_piece = max(pc.numel for w in self.zweights for pc in w.pieces) if any(
                 w.pieces for w in self.zweights) else 1  # fmt: skip
@@ -338,9 +337,8 @@ class ZenFlowMode:
         are all-reduced (every rank updates them identically), the non-selected columns are
         reduce-scattered to their weight's owner (only it accumulates them)."""
         t = self.e.global_step + 1
-        self._full_sync = not self.selected or t <= self.warmup_rounds
         grads = [s.param.grad for s in self.e.specs]
-        if self._full_sync:
+        if not self.selected or t <= self.warmup_rounds:  # every rank needs all of it
             dp.allreduce_mean_(grads)
             return sum_of_squares(grads) if dp.rank == 0 else 0.0
         shared = [d.spec.param.grad for d in self.e.dense]
