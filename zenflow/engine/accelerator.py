@@ -429,24 +429,27 @@ class CudaAccelerator(Accelerator):
     def __init__(self, device: torch.device, *, pin: bool = True):
         super().__init__(device)
         self.pin = pin
-        self.copy_stream = torch.cuda.Stream(device=device)
+        # one stream per direction, like the GPU's two copy engines (and sim's)
+        self.streams = {"d2h": torch.cuda.Stream(device=device),
+                        "h2d": torch.cuda.Stream(device=device)}  # fmt: skip
 
     def host_empty(self, shape, dtype=torch.float32, pin: bool = False) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, pin_memory=pin and self.pin)
 
     def _copy(self, dst, src, direction: str, after, dev_tensor):
         compute = torch.cuda.current_stream(self.device)
+        stream = self.streams[direction]
         ready = torch.cuda.Event()
         ready.record(compute)  # the source (d2h) / the destination's last reader (h2d)
-        with torch.cuda.stream(self.copy_stream):
-            self.copy_stream.wait_event(ready)
+        with torch.cuda.stream(stream):
+            stream.wait_event(ready)
             if after is not None:
-                self.copy_stream.wait_event(after.event)
+                stream.wait_event(after.event)
             dst.copy_(src, non_blocking=True)
             # the caching allocator must not reuse the device block before the copy ran
-            dev_tensor.record_stream(self.copy_stream)
+            dev_tensor.record_stream(stream)
             done = torch.cuda.Event()
-            done.record(self.copy_stream)
+            done.record(stream)
         if direction == "d2h":
             self.traffic.d2h_bytes += _nbytes(src)
         else:
@@ -485,6 +488,13 @@ class CudaAccelerator(Accelerator):
 
     def describe(self) -> str:
         return f"cuda ({torch.cuda.get_device_name(self.device)})"
+
+
+def device_synchronize(device: torch.device) -> None:
+    """Wait for all work queued on ``device`` (for timing a phase); a no-op off CUDA, where
+    device work runs synchronously on the calling thread."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def default_kind() -> str:

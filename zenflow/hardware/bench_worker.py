@@ -109,6 +109,8 @@ def run_contender(job: dict) -> dict:
     """Warm up, then time ``job["measured"]`` steps of one engine; per-step records back."""
     import torch
 
+    from zenflow.engine.accelerator import device_synchronize
+
     device = torch.device("cuda" if job["device"] == "cuda" else "cpu")
     if job.get("threads"):
         torch.set_num_threads(int(job["threads"]))
@@ -131,7 +133,6 @@ def run_contender(job: dict) -> dict:
         model_bytes = engine.model_bytes
     threads = torch.get_num_threads()  # the training thread's share (close() restores it)
     forward = getattr(engine, "train_module", model)
-    cuda = device.type == "cuda"
     records = []
     try:
         for i in range(job["warmup"] + job["measured"]):
@@ -147,8 +148,7 @@ def run_contender(job: dict) -> dict:
                 engine.backward(loss)
                 stats = engine.step(loss)
                 engine.zero_grad()
-            if cuda:
-                torch.cuda.synchronize()
+            device_synchronize(device)
             ms = (time.perf_counter() - t0) * 1e3
             if i >= job["warmup"]:
                 records.append(_record(ms, stats, engine))

@@ -231,8 +231,9 @@ def fwd_bwd_once(pm: ProbeModel) -> None:
         out = pm.model(**pm.batch)
     out.loss.backward()
     pm.model.zero_grad(set_to_none=True)
-    if pm.batch["input_ids"].is_cuda:
-        torch.cuda.synchronize()
+    from zenflow.engine.accelerator import device_synchronize
+
+    device_synchronize(pm.batch["input_ids"].device)
 
 
 def measure_fwd_bwd(pm: ProbeModel, num_threads: int, repeats: int = 5) -> float:
@@ -325,7 +326,9 @@ def measure_device_adam(
             adamw_dense_(x, g, b.exp_avg, b.exp_avg_sq, step[0], hp)
             b.weight.index_copy_(b.column_dim, b.columns, x.to(b.weight.dtype))
         if cuda:
-            torch.cuda.synchronize()
+            from zenflow.engine.accelerator import device_synchronize
+
+            device_synchronize(pm.batch["input_ids"].device)
 
     numel = sum(b.weight.numel() for b in blocks)
     with torch_threads(num_threads):

@@ -229,41 +229,40 @@ def probe_accelerator(
         return probe_sim()
     if kind == "cpu" or not torch.cuda.is_available():
         return AcceleratorProbe(kind="cpu", name="CPU (no accelerator: device = host)")
+    from zenflow.engine.accelerator import CudaAccelerator
+
+    # The copies the engine makes, through its accelerator layer: device buffers, pinned and
+    # pageable host buffers, one copy stream per direction, events.
     dev = torch.device("cuda", torch.cuda.current_device())
+    accel = CudaAccelerator(dev, pin=True)
     props = torch.cuda.get_device_properties(dev)
     n = buffer_mb * 2**20
-    dev_buf = torch.empty(n, dtype=torch.uint8, device=dev)
-    dev_buf2 = torch.empty(n, dtype=torch.uint8, device=dev)
-    pinned = torch.empty(n, dtype=torch.uint8, pin_memory=True)
-    pinned2 = torch.empty(n, dtype=torch.uint8, pin_memory=True)
-    pageable = torch.empty(n, dtype=torch.uint8)
+    dev_buf = accel.empty((n,), torch.uint8, "probe")
+    dev_buf2 = accel.empty((n,), torch.uint8, "probe")
+    pinned = accel.host_empty((n,), torch.uint8, pin=True)
+    pinned2 = accel.host_empty((n,), torch.uint8, pin=True)
+    pageable = accel.host_empty((n,), torch.uint8, pin=False)
 
-    def timed(fn: Callable[[], object]) -> float:
+    def timed(copies: Callable[[], list]) -> float:
         def run() -> None:
-            fn()
-            torch.cuda.synchronize(dev)
+            for ev in copies():
+                ev.synchronize()
 
         run()  # warm-up
         return median_seconds(run, repeats)
-
-    s1, s2 = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
-
-    def both_directions() -> None:  # synchronize(dev) in timed() waits for both streams
-        with torch.cuda.stream(s1):
-            dev_buf.copy_(pinned, non_blocking=True)
-        with torch.cuda.stream(s2):
-            pinned2.copy_(dev_buf2, non_blocking=True)
 
     gbs = n / 1e9
     return AcceleratorProbe(
         kind="cuda",
         name=props.name,
         memory_bytes=int(props.total_memory),
-        h2d_pinned_gbs=gbs / timed(lambda: dev_buf.copy_(pinned, non_blocking=True)),
-        d2h_pinned_gbs=gbs / timed(lambda: pinned.copy_(dev_buf, non_blocking=True)),
-        h2d_pageable_gbs=gbs / timed(lambda: dev_buf.copy_(pageable)),
-        d2h_pageable_gbs=gbs / timed(lambda: pageable.copy_(dev_buf)),
-        bidir_pinned_gbs=2 * gbs / timed(both_directions),
+        h2d_pinned_gbs=gbs / timed(lambda: [accel.copy_h2d(dev_buf, pinned)]),
+        d2h_pinned_gbs=gbs / timed(lambda: [accel.copy_d2h(pinned, dev_buf)]),
+        h2d_pageable_gbs=gbs / timed(lambda: [accel.copy_h2d(dev_buf, pageable)]),
+        d2h_pageable_gbs=gbs / timed(lambda: [accel.copy_d2h(pageable, dev_buf)]),
+        bidir_pinned_gbs=2
+        * gbs
+        / timed(lambda: [accel.copy_h2d(dev_buf, pinned), accel.copy_d2h(pinned2, dev_buf2)]),
     )
 
 

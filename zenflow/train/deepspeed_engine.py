@@ -205,7 +205,7 @@ class DeepSpeedAdapter:
                 "and a zenflow block for ZenFlow (templates/offload.json, templates/zenflow.json)."
             )
         self.mode = "zenflow" if config.zenflow is not None else "offload"
-        self._cuda = device.type == "cuda"
+        self.device = device
         ds_config, notes = deepspeed_config(config, steps_per_epoch=steps_per_epoch)
         self.ds_config = ds_config
 
@@ -340,8 +340,9 @@ class DeepSpeedAdapter:
         skipped_before = int(getattr(engine, "skipped_steps", 0))
         t0 = time.perf_counter()
         engine.step()
-        if self._cuda:
-            torch.cuda.synchronize()
+        from zenflow.engine.accelerator import device_synchronize
+
+        device_synchronize(self.device)
         step_ms = (time.perf_counter() - t0) * 1e3
         self.global_step += 1
         self._since_boundary += 1

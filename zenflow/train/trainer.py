@@ -496,11 +496,10 @@ class _Run:
                 self.metrics_file = open(self.run_dir / runs.METRICS_FILE, "a", encoding="utf-8")
         else:  # rank > 0 writes no metrics
             self.metrics_file = open(os.devnull, "w", encoding="utf-8")
-        cuda = self.device.type == "cuda"
+        from zenflow.engine.accelerator import device_synchronize
 
-        def sync():
-            if cuda:
-                torch.cuda.synchronize(self.device)
+        def sync():  # phase timing: wait for the device's queued work (CUDA)
+            device_synchronize(self.device)
 
         def session_wall() -> float:
             return wall_before + time.perf_counter() - self.t_session
@@ -536,8 +535,7 @@ class _Run:
                                 self.encoded.train, self.global_micro, spec.seed, epoch, index
                             )
                         index, batch = next(it)
-                        batch = {k: v[rows].to(self.device, non_blocking=True)
-                                 for k, v in batch.items()}  # fmt: skip
+                        batch = {k: v[rows].to(self.device) for k, v in batch.items()}
                         sync()
                         t0 = time.perf_counter()
                         with self.engine.autocast():
