@@ -419,6 +419,15 @@ class _Run:
             )  # fmt: skip
         # The training forward goes through DeepSpeed's engine (its backward hooks need it).
         self.train_module = getattr(self.engine, "train_module", self.model)
+        zf_cfg = self.config.zenflow
+        if spec.engine_mode == "zenflow" and spec.init == "random" and zf_cfg is not None \
+                and zf_cfg.overlap_step:  # fmt: skip
+            self.notes.append(
+                "random weights with overlap_step on: non-selected columns get their update "
+                "a window late, which makes the loss swing where AdamW's already does (see "
+                "docs/BENCHMARKS.md, loss bursts); set zero_optimization.zenflow.overlap_step="
+                "false or use --engine device for training from scratch."
+            )
         if spec.engine_mode == "zenflow" and self.config.zenflow is None:
             zf = self.zenflow_settings() or {}
             self.notes.append(
