@@ -39,15 +39,28 @@ from zenflow import ZenFlowEngine, load_config  # noqa: E402
 MODES = ("floor", "device", "offload", "zenflow-overlap", "zenflow-sync")
 
 
-def build_model(layers: int, width: int, vocab: int, seed: int = 0):
-    from transformers import GPT2Config, GPT2LMHeadModel
+def build_model(layers: int, width: int, vocab: int, seed: int = 0, head: str = "lm"):
+    """GPT-2's architecture, random init: with its LM head (``lm``: every token scores the
+    whole vocabulary) or the sequence classifier fine-tuning uses (``cls``: the embedding
+    matrix is only looked up, so forward+backward is far cheaper for the same parameters)."""
+    from transformers import GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel
 
     torch.manual_seed(seed)
     cfg = GPT2Config(
         n_layer=layers, n_embd=width, n_head=max(1, width // 64), vocab_size=vocab,
-        n_positions=1024, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        n_positions=1024, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, num_labels=2,
+        pad_token_id=0,
     )  # fmt: skip
-    return GPT2LMHeadModel(cfg).float()
+    cls = GPT2LMHeadModel if head == "lm" else GPT2ForSequenceClassification
+    return cls(cfg).float()
+
+
+def forward_loss(model, batch, head: str):
+    if head == "lm":
+        return model(input_ids=batch, labels=batch).loss
+    ids = batch.clamp(min=1)  # no pad tokens: the last position is the sequence end
+    labels = (batch[:, 0] % 2).long()
+    return model(input_ids=ids, labels=labels).loss
 
 
 def make_config(args, overlap: bool | None):
@@ -84,6 +97,12 @@ def main(argv=None) -> int:
     ap.add_argument("--select-interval", type=int, default=1000)
     ap.add_argument("--device", default="cpu", choices=["cpu", "sim", "cuda"])
     ap.add_argument("--bf16", action="store_true", help="bf16 weights and gradients")
+    ap.add_argument(
+        "--head",
+        default="lm",
+        choices=["lm", "cls"],
+        help="lm: GPT-2 LM head; cls: sequence classification (fine-tuning)",
+    )
     ap.add_argument("--bandwidth", type=float, default=25e9, help="sim: bytes/s per direction")
     ap.add_argument("--host-kernel", default="native", choices=["native", "reference"])
     ap.add_argument("--modes", default=",".join(MODES))
@@ -94,7 +113,7 @@ def main(argv=None) -> int:
         ap.error("--steps and --warmup must be multiples of --update-interval (whole windows)")
 
     base_threads = torch.get_num_threads()
-    base = build_model(args.layers, args.width, args.vocab)
+    base = build_model(args.layers, args.width, args.vocab, head=args.head)
     gen = torch.Generator().manual_seed(1)
     batches = [
         torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen) for _ in range(8)
@@ -140,14 +159,14 @@ def main(argv=None) -> int:
             r["i"] += 1
             t0 = time.perf_counter()
             if eng is None:  # floor
-                loss = model(input_ids=b, labels=b).loss
+                loss = forward_loss(model, b, args.head)
                 loss.backward()
                 t1 = t2 = time.perf_counter()
                 model.zero_grad(set_to_none=True)
                 st = None
             else:
                 with eng.autocast():
-                    loss = model(input_ids=b, labels=b).loss
+                    loss = forward_loss(model, b, args.head)
                 eng.backward(loss)
                 t1 = time.perf_counter()
                 st = eng.step(loss)
@@ -198,7 +217,8 @@ def main(argv=None) -> int:
         "layers": args.layers, "width": args.width, "vocab": args.vocab, "params": params,
         "batch": args.batch, "seq": args.seq, "rounds": args.rounds, "steps": args.steps,
         "cores": os.cpu_count(), "torch": torch.__version__, "device": args.device,
-        "bf16": args.bf16, "sim_bandwidth": args.bandwidth if args.device == "sim" else None,
+        "bf16": args.bf16, "head": args.head,
+        "sim_bandwidth": args.bandwidth if args.device == "sim" else None,
         "update_interval": args.update_interval, "topk": args.topk,
     }  # fmt: skip
     if args.json:
