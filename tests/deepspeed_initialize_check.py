@@ -38,6 +38,12 @@ def main(deadline_s: float) -> None:
     # instead of waited on forever. deepspeed.initialize then reuses the loaded modules.
     for builder in ("CPUAdamBuilder", "ShareMemCommBuilder"):
         load_deepspeed_op(builder)
+    # DeepSpeed's ZenFlow optimizer process is spawned and loads cpu_adam again from
+    # TORCH_EXTENSIONS_DIR: it must find the guarded folder, not torch's shared default.
+    from zenflow.ops.loader import build_root
+
+    ext_dir = Path(os.environ.get("TORCH_EXTENSIONS_DIR", ""))
+    assert ext_dir.parent == build_root() / "deepspeed", ext_dir
     # A single-process gloo group on an in-memory store: no TCP rendezvous to hang on.
     # DeepSpeed wraps a group that is already there.
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

@@ -196,16 +196,14 @@ def load_deepspeed_op(builder_name: str) -> Any:
     # two virtualenvs sharing a folder would rebuild over each other every time.
     env_key = hashlib.sha256(sys.prefix.encode()).hexdigest()[:10]
     root = build_root() / "deepspeed" / env_key
-    previous = os.environ.get("TORCH_EXTENSIONS_DIR")
-    os.environ["TORCH_EXTENSIONS_DIR"] = str(root)  # DeepSpeed's jit_load takes no folder
-    try:
-        with exclusive_build(root / builder.NAME):
-            return builder.load(verbose=False)
-    finally:
-        if previous is None:
-            os.environ.pop("TORCH_EXTENSIONS_DIR", None)
-        else:
-            os.environ["TORCH_EXTENSIONS_DIR"] = previous
+    # DeepSpeed's jit_load takes no folder, and its ZenFlow optimizer process (spawned, so a
+    # fresh interpreter) loads the op again from whatever TORCH_EXTENSIONS_DIR says then. The
+    # setting stays for the life of this process: restoring it once sent that child to
+    # torch's shared default folder, where a lock left by another environment's killed build
+    # made it wait 600 s and fail.
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(root)
+    with exclusive_build(root / builder.NAME):
+        return builder.load(verbose=False)
 
 
 def _build(directory: Path) -> None:
