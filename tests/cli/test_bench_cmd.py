@@ -78,6 +78,7 @@ def test_bench_deepspeed_engines(cli, tmp_path):
         e = eng[name]
         assert e["steps"] == 4 and e["step_ms"] > 0
         assert e["stall_ms"] is None and e["bytes_per_step_over_model"] is None  # unobservable
+        assert e["device_bytes_per_param"] is None
     assert eng["deepspeed-offload"]["speedup_vs_deepspeed_offload"] == 1.0
     assert doc["config"]["resolved"]["deepspeed-offload"]["engine"] == "deepspeed"
     assert "deepspeed-zenflow (" in r.output  # the row names the setting it is shown in

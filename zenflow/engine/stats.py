@@ -32,7 +32,8 @@ class StepStats:
     transfer_ms: float = 0.0  # time spent issuing/awaiting copies
     d2h_bytes: int = 0  # counted at each device->host copy
     h2d_bytes: int = 0  # counted at each host->device copy
-    device_bytes: int = 0  # device memory of weights, grads and engine state (no activations)
+    # device memory of weights, grads and engine state (no activations); None: not reported
+    device_bytes: int | None = 0
     host_update: bool = False  # a host step was applied (or submitted) at this step
     window_len: int = 0  # length of the window that ended here, 0 if none ended
     selection_changed: int = 0  # columns that changed owner at this step

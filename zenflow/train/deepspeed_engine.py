@@ -43,10 +43,11 @@ What DeepSpeed needs, and how it gets it here:
 What is not observable: DeepSpeed reports no stall, no copy traffic and no device optimizer
 time, so ``stall_ms``, ``transfer_ms``, ``d2h_bytes``, ``h2d_bytes``, ``device_opt_ms`` and
 ``selection_changed`` stay 0 and are listed in ``resolved["unavailable_fields"]`` (the
-dashboard says so). ``step_ms`` is the wall time of ``model_engine.step()`` measured here;
-``forward_ms``/``backward_ms`` come from DeepSpeed's ``wall_clock_breakdown`` timers when the
-config enables them (the trainer measures its own either way); ``host_update`` and
-``window_len`` follow DeepSpeed's update boundary.
+dashboard says so); ``device_bytes`` (no per-holder accounting) is None. ``step_ms`` is the
+wall time of ``model_engine.step()`` measured here; ``forward_ms``/``backward_ms`` come from
+DeepSpeed's ``wall_clock_breakdown`` timers when the config enables them (the trainer
+measures its own either way); ``host_update`` and ``window_len`` follow DeepSpeed's update
+boundary.
 
 Checkpoints: runs on this engine cannot be resumed. DeepSpeed 0.19.6 keeps no checkpoint of
 ZenFlow's state (selected columns, device and host moments, accumulated gradients), and the
@@ -364,6 +365,7 @@ class DeepSpeedAdapter:
             grad_norm=None if norm is None else float(norm),
             skipped=int(getattr(engine, "skipped_steps", 0)) > skipped_before,
             mode=f"deepspeed-{self.mode}",
+            device_bytes=None,  # DeepSpeed does not account its device memory by holder
         )
 
     def zero_grad(self) -> None:
