@@ -38,7 +38,7 @@ else
 fi
 
 # 300 steps of 16 sentences (about 4,800 of SST-2's 67k) at 48 tokens reach ~0.82 dev
-# accuracy with MiniLM-L6 in about 4 minutes on 2 CPU cores. Every eval (steps 100, 200
+# accuracy with MiniLM-L6 in about 3 minutes on 2 CPU cores. Every eval (steps 100, 200
 # and the final one) uses the whole dev set (872 sentences).
 cmd=("$ZFCTL" finetune "$model" --task sst2 "${data[@]}" --engine "$engine"
      --max-steps "$steps" --micro-batch 16 --seq-len 48 --lr 5e-5
