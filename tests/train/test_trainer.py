@@ -219,11 +219,17 @@ def test_sigint_is_deferred_to_the_step_boundary(tiny_gpt2_dir, sample_dir, tmp_
                 os.kill(os.getpid(), signal.SIGINT)  # a real Ctrl-C
 
     spec = _spec(tiny_gpt2_dir, sample_dir, tmp_path, engine_mode="device", max_steps=6)
-    with pytest.raises(RunInterrupted) as exc:
-        run_finetune(spec, on_event)
+    # Python's own Ctrl-C handler, whatever the suite inherited (a shell starts background
+    # jobs, nohup included, with SIGINT ignored).
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(RunInterrupted) as exc:
+            run_finetune(spec, on_event)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    finally:
+        signal.signal(signal.SIGINT, inherited)
     assert steps == [1, 2] and exc.value.step == 2
     assert len(runs.read_run(exc.value.checkpoint.parent.parent)["metrics"]) == 2
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
 
 
 def test_interrupt_mid_step_rewinds(
