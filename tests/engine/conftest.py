@@ -89,17 +89,19 @@ def train_engine(engine, model, batches):
     return stats
 
 
-def train_adamw(model, batches, clip=0.0, lr=LR, threads=None):
-    """torch.optim.AdamW over ``batches``; ``threads``: torch's thread count meanwhile (use
-    the engine's training threads: GPT-2's gradients depend on the reduction order)."""
+def train_adamw(model, batches, clip=0.0, lr=LR, threads=None, fused=False):
+    """torch.optim.AdamW over ``batches`` (single-tensor, or ``fused``); ``threads``: torch's
+    thread count meanwhile (use the engine's training threads: GPT-2's gradients depend on
+    the reduction order)."""
     if threads is not None:
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            return train_adamw(model, batches, clip, lr)
+            return train_adamw(model, batches, clip, lr, fused=fused)
         finally:
             torch.set_num_threads(before)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=BETAS, eps=EPS, weight_decay=WD)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=BETAS, eps=EPS, weight_decay=WD,
+                            fused=fused or None)  # fmt: skip
     for b in batches:
         loss = loss_of(model, b)
         loss.backward()
@@ -142,9 +144,16 @@ KERNELS = [
 ACCELERATORS = ["cpu", "sim"]
 
 
-def engine_kw(accelerator: str) -> dict:
-    """Keyword arguments for ZenFlowEngine on ``accelerator`` (sim: strict)."""
-    return {"accelerator": accelerator, "sim_strict": accelerator == "sim"}
+def engine_kw(accelerator: str, device_adam: str = "reference") -> dict:
+    """Keyword arguments for ZenFlowEngine on ``accelerator`` (sim: strict). The device-side
+    AdamW is the reference (torch's single-tensor op order) by default, so that schedule
+    tests compare bit-tight with torch.optim.AdamW and the reference schedule; the fused
+    kernel has its own tests (test_device_adam.py) and engine cases."""
+    return {
+        "accelerator": accelerator,
+        "sim_strict": accelerator == "sim",
+        "device_adam": device_adam,
+    }
 
 
 def assert_params_close(m1, m2, atol=1e-6, rtol=1e-5):

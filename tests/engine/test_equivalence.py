@@ -97,14 +97,20 @@ def test_one_step_windows_without_overlap_equal_adamw(kind, topk, accelerator):
     assert_params_close(model, ref, atol=2e-6, rtol=1e-5)
 
 
-def test_topk1_device_path_bit_exact():
-    """topk=1.0 never touches the host: the device AdamW is torch's, bit for bit."""
+@pytest.mark.parametrize("accelerator", ACCELERATORS)
+@pytest.mark.parametrize("device_adam", ["fused", "reference"])
+def test_topk1_device_path_bit_exact(device_adam, accelerator):
+    """topk=1.0 never touches the host: the device AdamW is torch's, bit for bit. The fused
+    update (the engine's default) reproduces torch.optim.AdamW(fused=True), the reference
+    torch's single-tensor AdamW."""
     model, batches = _models("mlp")
     ref = copy.deepcopy(model)
     init = copy.deepcopy(model)
-    with ZenFlowEngine(model, make_config({"topk_ratio": 1.0, "update_interval": 2})) as e:
+    cfg = make_config({"topk_ratio": 1.0, "update_interval": 2})
+    with ZenFlowEngine(model, cfg, **engine_kw(accelerator, device_adam)) as e:
+        assert e.resolved["device_update"].startswith(device_adam)
         train_engine(e, model, batches)
-    train_adamw(ref, batches)
+    train_adamw(ref, batches, threads=e.training_threads, fused=device_adam == "fused")
     for p, q, p0 in zip(model.parameters(), ref.parameters(), init.parameters(), strict=True):
         assert torch.equal(p, q)
         assert not torch.equal(p, p0)  # training moved every parameter

@@ -1,11 +1,23 @@
 """AdamW on the device: dense (always-important params) and on a weight's selected columns.
 
-The scalar-step arithmetic is exactly torch.optim.AdamW's single-tensor (non-fused,
-non-foreach) path, op for op, so ``topk_ratio=1.0`` reproduces torch's results. Step
-counters are integers (never a low-precision tensor: DeepSpeed's bf16 counter froze at 256,
-ZENFLOW.md s.5). Selected columns may carry different counts (each column keeps its own
-across hand-overs); then bias correction is per column (``adamw_columns_``), computed in
-float64 and applied in fp32.
+Two implementations of the same step:
+
+- ``adamw_dense_``: the plain reference, exactly torch.optim.AdamW's single-tensor
+  (non-fused, non-foreach) path, op for op, so ``topk_ratio=1.0`` reproduces torch's
+  single-tensor results bit for bit. About eight passes over memory (and as many kernel
+  launches on a GPU) per tensor.
+- ``adamw_fused_``: torch's fused AdamW kernel (``torch._fused_adamw_``, the kernel behind
+  ``torch.optim.AdamW(fused=True)``) over a list of tensors at once: one pass, one launch.
+  It differs from the reference by float rounding only (``tests/engine/test_device_adam.py``
+  compares them element-wise); with ``topk_ratio=1.0`` the engine then reproduces
+  ``torch.optim.AdamW(fused=True)`` bit for bit. The engine uses it wherever torch has it
+  (fp32 state on cpu or cuda; ``fused_available``) unless asked for the reference.
+
+Step counters are integers (never a low-precision tensor: DeepSpeed's bf16 counter froze at
+256, ZENFLOW.md s.5); the fused kernel gets the count as a fresh fp32 scalar each call,
+exact up to 2**24 steps. Selected columns may carry different counts (each column keeps its
+own across hand-overs); then bias correction is per column (``adamw_columns_``, reference
+arithmetic only), computed in float64 and applied in fp32.
 """
 
 from __future__ import annotations
@@ -53,6 +65,47 @@ def adamw_dense_(
     bias_correction2_sqrt = bias_correction2**0.5
     denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(hp.eps)
     param.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+DEVICE_ADAM_IMPLS = ("fused", "reference")
+
+
+def fused_available(device: torch.device) -> bool:
+    """Whether torch's fused AdamW kernel runs on ``device`` (fp32 state: the engine's)."""
+    return device.type in ("cpu", "cuda") and hasattr(torch, "_fused_adamw_")
+
+
+def adamw_fused_(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    step: int,
+    hp: AdamHyper,
+) -> None:
+    """One in-place AdamW step (``hp.adamw_mode`` False: Adam with L2 decay) on every tensor
+    of the lists, all at the 1-based count ``step``, in one fused kernel call. fp32, same
+    device, same shapes pairwise.
+
+    The fused kernel walks the four tensors' memory in lockstep, so it is only given
+    tensors that are all contiguous (the engine's own buffers are): a strided parameter
+    beside contiguous moments would be updated with another element's moments. Any other
+    tensor takes the reference step."""
+    fused, rest = [], []
+    for four in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True):
+        (fused if all(t.is_contiguous() for t in four) else rest).append(four)
+    for p, g, m, v in rest:
+        adamw_dense_(p, g, m, v, step, hp)
+    if not fused:
+        return
+    p, g, m, v = (list(ts) for ts in zip(*fused, strict=True))
+    steps = [torch.tensor(float(step), device=p[0].device)] * len(p)
+    kernel = torch._fused_adamw_ if hp.adamw_mode else torch._fused_adam_
+    kernel(
+        p, g, m, v, [], steps,
+        lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2, weight_decay=hp.weight_decay, eps=hp.eps,
+        amsgrad=False, maximize=False,
+    )  # fmt: skip
 
 
 def column_factors(steps: torch.Tensor, hp: AdamHyper, column_dim: int, ndim: int):

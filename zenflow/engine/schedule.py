@@ -39,7 +39,13 @@ from zenflow.config.lr_schedule import lr_at
 from zenflow.engine.accelerator import Accelerator, make_accelerator
 from zenflow.engine.baselines import DeviceMode, OffloadMode
 from zenflow.engine.checkpoint import engine_state_dict, load_engine_state
-from zenflow.engine.device_adam import AdamHyper, adamw_dense_
+from zenflow.engine.device_adam import (
+    DEVICE_ADAM_IMPLS,
+    AdamHyper,
+    adamw_dense_,
+    adamw_fused_,
+    fused_available,
+)
 from zenflow.engine.distributed import DataParallel
 from zenflow.engine.host import resolve_kernel
 from zenflow.engine.selection import DEFAULT_MIN_NUMEL, ParamSpec, classify_params
@@ -92,8 +98,12 @@ class ZenFlowEngine:
     ``accelerator``: "cuda", "cpu", "sim" (a simulated separate device), None (cuda if
     present, else cpu), or an ``Accelerator`` instance; ``sim_strict`` poisons copy
     destinations until their copy completes (tests). ``host_kernel``: "native" (the SIMD
-    CPU Adam), "reference" or a callable with the same signature. ``min_numel``: 2-D params
-    smaller than this are always important (updated fully on the device).
+    CPU Adam), "reference" or a callable with the same signature. ``device_adam``: the
+    device-side AdamW (selected columns, always-important params): "fused" (torch's fused
+    kernel, where torch has one for the device; else the reference, and ``resolved`` says
+    so) or "reference" (torch's single-tensor op order; ``zenflow.engine.device_adam``).
+    ``min_numel``: 2-D params smaller than this are always important (updated fully on the
+    device).
 
     Data parallel: when the caller has initialised a torch.distributed process group of
     more than one rank, the engine averages gradients, partitions the host state and agrees
@@ -110,6 +120,7 @@ class ZenFlowEngine:
         steps_per_epoch: int | None = None,
         accelerator: str | Accelerator | None = None,
         host_kernel="native",
+        device_adam: str = "fused",
         min_numel: int = DEFAULT_MIN_NUMEL,
         sim_strict: bool = False,
         device_budget_bytes: int | None = None,
@@ -117,6 +128,11 @@ class ZenFlowEngine:
     ):
         if mode not in MODES:
             raise EngineError(f"mode={mode!r} is not allowed: use one of {', '.join(MODES)}.")
+        if device_adam not in DEVICE_ADAM_IMPLS:
+            raise EngineError(
+                f"device_adam={device_adam!r} is not allowed: use one of "
+                f"{', '.join(DEVICE_ADAM_IMPLS)}."
+            )
         self.model = model
         self.config = config
         self.mode = mode
@@ -134,6 +150,8 @@ class ZenFlowEngine:
             budget_bytes=device_budget_bytes,
         )
         self.device = self.accel.device
+        # the device-side AdamW (zenflow mode): torch's fused kernel where it has one
+        self.fused_device_adam = device_adam == "fused" and fused_available(self.device)
         devices = {s.param.device for s in self.specs}
         if len(devices) > 1:
             raise EngineError(f"All trainable parameters must be on one device, found {devices}.")
@@ -210,6 +228,7 @@ class ZenFlowEngine:
             "steps_per_epoch": steps_per_epoch,
             **self.impl.resolved(),
             "host_kernel": "-" if mode == "device" else self.kernel_name_now(),
+            **({"device_update": self.device_update_name()} if mode == "zenflow" else {}),
             "model_bytes": self.model_bytes,
             "gradient_clipping": self.clip,
             "bf16": self.bf16,
@@ -306,18 +325,33 @@ class ZenFlowEngine:
         worker = getattr(self.impl, "worker", None)
         return worker.max_in_flight if worker is not None else 0
 
+    def device_update_name(self) -> str:
+        if self.fused_device_adam:
+            return "fused (torch._fused_adamw_, as torch.optim.AdamW(fused=True))"
+        return "reference (torch.optim.AdamW's single-tensor op order)"
+
     def dense_update(self, hp: AdamHyper) -> None:
-        """Device AdamW on every always-important parameter (fp32 master when bf16)."""
+        """Device AdamW on every always-important parameter (fp32 master when bf16): one
+        fused call per step count, or the reference op by op."""
+        groups: dict[int, list] = {}
         for d in self.dense:
             g = d.spec.param.grad
             if g is None:
                 continue
             d.step += 1
-            p = d.spec.param.data
-            x = p if d.master is None else d.master
-            adamw_dense_(x, g.detach().float(), d.exp_avg, d.exp_avg_sq, d.step, hp)
-            if d.master is not None:
-                p.copy_(d.master)
+            x = d.spec.param.data if d.master is None else d.master
+            groups.setdefault(d.step, []).append((d, x, g.detach().float()))
+        for step, items in groups.items():
+            if self.fused_device_adam:
+                adamw_fused_([x for _, x, _ in items], [g for _, _, g in items],
+                             [d.exp_avg for d, _, _ in items],
+                             [d.exp_avg_sq for d, _, _ in items], step, hp)  # fmt: skip
+            else:
+                for d, x, g in items:
+                    adamw_dense_(x, g, d.exp_avg, d.exp_avg_sq, step, hp)
+            for d, _, _ in items:
+                if d.master is not None:
+                    d.spec.param.data.copy_(d.master)
 
     # ------------------------------------------------------------------ public API
     @property
