@@ -14,10 +14,11 @@ Two implementations of the same step:
   (fp32 state on cpu or cuda; ``fused_available``) unless asked for the reference.
 
 Step counters are integers (never a low-precision tensor: DeepSpeed's bf16 counter froze at
-256, ZENFLOW.md s.5); the fused kernel gets the count as a fresh fp32 scalar each call,
-exact up to 2**24 steps. Selected columns may carry different counts (each column keeps its
-own across hand-overs); then bias correction is per column (``adamw_columns_``, reference
-arithmetic only), computed in float64 and applied in fp32.
+256, ZENFLOW.md s.5); the fused kernel gets the count as a fresh fp32 scalar on the device
+each call (filled there, never copied from the host), exact up to 2**24 steps. Selected
+columns may carry different counts (each column keeps its own across hand-overs); then bias
+correction is per column (``adamw_columns_``, reference arithmetic only), computed in
+float64 and applied in fp32.
 """
 
 from __future__ import annotations
@@ -99,7 +100,8 @@ def adamw_fused_(
     if not fused:
         return
     p, g, m, v = (list(ts) for ts in zip(*fused, strict=True))
-    steps = [torch.tensor(float(step), device=p[0].device)] * len(p)
+    # torch.full launches a fill on the device: no host-to-device copy, so no stream sync
+    steps = [torch.full((), float(step), device=p[0].device)] * len(p)
     kernel = torch._fused_adamw_ if hp.adamw_mode else torch._fused_adam_
     kernel(
         p, g, m, v, [], steps,
