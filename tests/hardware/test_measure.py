@@ -169,12 +169,12 @@ def test_measure_device_adam_covers_the_model_and_leaves_it_alone(tiny_probe_mod
     assert (whole.device, whole.num_threads, whole.dtype) == ("cpu", 1, "float32")
     assert torch.get_num_threads() == threads
     assert all(torch.equal(a, b) for a, b in zip(before, pm.model.parameters(), strict=True))
-    # A cap cuts the pass: the first weight (the 50257 x 128 embedding, 128 columns of
-    # 50257 rows) keeps only the columns that fit, at least one.
-    cut = measure.measure_device_adam(pm, num_threads=1, repeats=1, max_numel=3 * 50257)
-    assert cut.numel == 3 * 50257
+    # A cap cuts the pass: the first weight (the 50257 x 128 embedding, whose columns are
+    # its 50257 token rows of 128) keeps only the columns that fit, at least one.
+    cut = measure.measure_device_adam(pm, num_threads=1, repeats=1, max_numel=3 * 128)
+    assert cut.numel == 3 * 128
     one = measure.measure_device_adam(pm, num_threads=1, repeats=1, max_numel=10)
-    assert one.numel == 50257
+    assert one.numel == 128
 
 
 def test_bf16_probe_model_runs_as_the_engine_would():

@@ -22,7 +22,9 @@ import torch
 from zenflow.engine.host import HostJob
 from zenflow.errors import EngineError
 
-FORMAT = "zenflow-engine/3"
+# 4: embeddings score their rows (tokens) as columns (``selection.column_axis``); a state
+# saved by 3 indexes their other axis.
+FORMAT = "zenflow-engine/4"
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:

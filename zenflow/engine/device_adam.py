@@ -110,6 +110,24 @@ def adamw_fused_(
     )  # fmt: skip
 
 
+def device_adamw_(
+    fused: bool,
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    step: int,
+    hp: AdamHyper,
+) -> None:
+    """The engine's device-side AdamW on lists of tensors at one count: ``adamw_fused_``
+    when ``fused``, else ``adamw_dense_`` on each."""
+    if fused:
+        adamw_fused_(params, grads, exp_avgs, exp_avg_sqs, step, hp)
+        return
+    for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True):
+        adamw_dense_(p, g, m, v, step, hp)
+
+
 def column_factors(steps: torch.Tensor, hp: AdamHyper, column_dim: int, ndim: int):
     """Per-column ``(-lr / (1 - beta1^t), sqrt(1 - beta2^t))`` as fp32, shaped to broadcast
     along ``column_dim`` of an ``ndim``-D tensor. Computed in float64 like the scalar path."""

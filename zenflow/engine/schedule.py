@@ -42,8 +42,7 @@ from zenflow.engine.checkpoint import engine_state_dict, load_engine_state
 from zenflow.engine.device_adam import (
     DEVICE_ADAM_IMPLS,
     AdamHyper,
-    adamw_dense_,
-    adamw_fused_,
+    device_adamw_,
     fused_available,
 )
 from zenflow.engine.distributed import DataParallel
@@ -342,13 +341,9 @@ class ZenFlowEngine:
             x = d.spec.param.data if d.master is None else d.master
             groups.setdefault(d.step, []).append((d, x, g.detach().float()))
         for step, items in groups.items():
-            if self.fused_device_adam:
-                adamw_fused_([x for _, x, _ in items], [g for _, _, g in items],
-                             [d.exp_avg for d, _, _ in items],
-                             [d.exp_avg_sq for d, _, _ in items], step, hp)  # fmt: skip
-            else:
-                for d, x, g in items:
-                    adamw_dense_(x, g, d.exp_avg, d.exp_avg_sq, step, hp)
+            device_adamw_(self.fused_device_adam, [x for _, x, _ in items],
+                          [g for _, _, g in items], [d.exp_avg for d, _, _ in items],
+                          [d.exp_avg_sq for d, _, _ in items], step, hp)  # fmt: skip
             for d, _, _ in items:
                 if d.master is not None:
                     d.spec.param.data.copy_(d.master)

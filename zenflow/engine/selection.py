@@ -43,23 +43,46 @@ class ParamSpec:
 
 def classify_params(model: torch.nn.Module, min_numel: int = DEFAULT_MIN_NUMEL) -> list[ParamSpec]:
     """Trainable params of ``model`` (deduplicated, e.g. tied embeddings once), in
-    ``named_parameters`` order, each with the axis its columns are scored along."""
-    owner: dict[int, torch.nn.Module] = {}
+    ``named_parameters`` order, each with the axis its columns are scored along
+    (``column_axis``)."""
+    uses: dict[int, list[tuple[torch.nn.Module, str]]] = {}
     for module in model.modules():
-        for p in module.parameters(recurse=False):
-            owner.setdefault(id(p), module)
+        for pname, p in module.named_parameters(recurse=False):
+            uses.setdefault(id(p), []).append((module, pname))
     specs = []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         column_dim = None
         if p.dim() == 2 and p.numel() >= min_numel:
-            module = owner.get(id(p))
-            # transformers.pytorch_utils.Conv1D: weight [nx, nf] = [in, out]
-            is_conv1d = type(module).__name__ == "Conv1D" and name.endswith("weight")
-            column_dim = 0 if is_conv1d else 1
+            column_dim = column_axis(uses.get(id(p), []))
         specs.append(ParamSpec(name, p, column_dim))
     return specs
+
+
+def column_axis(uses: list[tuple[torch.nn.Module, str]]) -> int:
+    """The axis of a 2-D weight's input features, its ZenFlow "columns" (W[:, j] of a
+    weight written [out, in]), from the modules that use it (``(module, attribute)``):
+
+    - ``nn.Linear`` stores [out, in]: axis 1.
+    - transformers' ``Conv1D`` (GPT-2's blocks) stores [in, out]: axis 0.
+    - ``nn.Embedding`` stores [num_embeddings, dim]: a lookup is a Linear applied to a
+      one-hot token, so its input features are the tokens, the rows: axis 0. (Scored this
+      way, a batch's gradient lands on the rows of the tokens it saw, and moving a column
+      is a contiguous row copy.)
+    - A weight shared by an embedding and an output projection (GPT-2's tied LM head)
+      follows the projection, its matmul use: axis 1.
+    - Anything else is taken as [out, in]: axis 1.
+    """
+    kinds = {type(m).__name__ for m, attr in uses if attr == "weight"}
+    linear = any(isinstance(m, torch.nn.Linear) for m, attr in uses if attr == "weight")
+    if linear:
+        return 1
+    if "Conv1D" in kinds:
+        return 0
+    if uses and all(isinstance(m, torch.nn.Embedding) for m, _ in uses):
+        return 0
+    return 1
 
 
 def num_selected(n_cols: int, topk_ratio: float) -> int:

@@ -274,7 +274,8 @@ def measure_device_adam(
     """Median time of the engine's device update with every column selected (topk 1.0).
 
     Per ZenFlow weight, as ``zenflow.engine.zenflow_mode`` does each step: the selected
-    columns of the gradient gathered in fp32, AdamW (``zenflow.engine.device_adam``) on the
+    columns of the gradient gathered in fp32, AdamW (``zenflow.engine.device_adam``: torch's
+    fused kernel where the engine would use it, else the reference) on the
     fp32 master (the gathered weight itself in fp32 training), the result written back into
     the weight's columns; dense params are updated whole. Runs on copies of the model's
     trainable weights in order, up to ``max_numel`` elements (the last weight cut by columns
@@ -283,7 +284,7 @@ def measure_device_adam(
     """
     import torch
 
-    from zenflow.engine.device_adam import AdamHyper, adamw_dense_
+    from zenflow.engine.device_adam import AdamHyper, device_adamw_, fused_available
     from zenflow.engine.selection import classify_params
 
     blocks: list[_UpdateBlock] = []
@@ -311,19 +312,21 @@ def measure_device_adam(
                    _ADAM_HP["weight_decay"])  # fmt: skip
     step = [0]
     cuda = pm.device == "cuda"
+    fused = bool(blocks) and fused_available(blocks[0].weight.device)
 
     def one() -> None:
         step[0] += 1
         for b in blocks:
             if b.column_dim is None:
                 x = b.weight if b.master is None else b.master
-                adamw_dense_(x, b.grad.float(), b.exp_avg, b.exp_avg_sq, step[0], hp)
+                device_adamw_(fused, [x], [b.grad.float()], [b.exp_avg], [b.exp_avg_sq],
+                              step[0], hp)  # fmt: skip
                 if b.master is not None:
                     b.weight.copy_(b.master)
                 continue
             g = b.grad.index_select(b.column_dim, b.columns).float()
             x = b.weight.index_select(b.column_dim, b.columns) if b.master is None else b.master
-            adamw_dense_(x, g, b.exp_avg, b.exp_avg_sq, step[0], hp)
+            device_adamw_(fused, [x], [g], [b.exp_avg], [b.exp_avg_sq], step[0], hp)
             b.weight.index_copy_(b.column_dim, b.columns, x.to(b.weight.dtype))
         if cuda:
             from zenflow.engine.accelerator import device_synchronize
