@@ -107,3 +107,26 @@ def test_engine_default_is_fused_and_bad_choice_is_refused():
         assert e.resolved["device_update"].startswith("fused")
     with pytest.raises(EngineError, match="device_adam='foreach' is not allowed"):
         ZenFlowEngine(model, make_config(None), accelerator="cpu", device_adam="foreach")
+
+
+def test_reference_engine_never_calls_the_fused_kernel(monkeypatch):
+    """``device_adam="reference"`` really takes the single-tensor path (the two can agree
+    bit for bit on some inputs, so equal results alone would not show it), and the default
+    really calls the fused kernel."""
+    calls = []
+    real = torch._fused_adamw_
+
+    def spy(*args, **kwargs):
+        calls.append(len(args[0]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_fused_adamw_", spy)
+    batches = mlp_batches(4)
+    cfg = make_config({"topk_ratio": 0.1, "update_interval": 2})
+    for impl, expect_calls in (("reference", False), ("fused", True)):
+        calls.clear()
+        torch.manual_seed(0)
+        model = MLP()
+        with ZenFlowEngine(model, cfg, **engine_kw("cpu", impl)) as e:
+            train_engine(e, model, batches)
+        assert bool(calls) == expect_calls, (impl, calls)

@@ -83,23 +83,25 @@ def adamw_fused_(
     exp_avg_sqs: list[torch.Tensor],
     step: int,
     hp: AdamHyper,
+    fused: bool = True,
 ) -> None:
     """One in-place AdamW step (``hp.adamw_mode`` False: Adam with L2 decay) on every tensor
-    of the lists, all at the 1-based count ``step``, in one fused kernel call. fp32, same
-    device, same shapes pairwise.
+    of the lists, all at the 1-based count ``step``: in one fused kernel call, or with
+    ``fused=False`` the reference (``adamw_dense_``) on each. fp32, same device, same
+    shapes pairwise.
 
     The fused kernel walks the four tensors' memory in lockstep, so it is only given
     tensors that are all contiguous (the engine's own buffers are): a strided parameter
     beside contiguous moments would be updated with another element's moments. Any other
     tensor takes the reference step."""
-    fused, rest = [], []
+    batch, rest = [], []
     for four in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True):
-        (fused if all(t.is_contiguous() for t in four) else rest).append(four)
+        (batch if fused and all(t.is_contiguous() for t in four) else rest).append(four)
     for p, g, m, v in rest:
         adamw_dense_(p, g, m, v, step, hp)
-    if not fused:
+    if not batch:
         return
-    p, g, m, v = (list(ts) for ts in zip(*fused, strict=True))
+    p, g, m, v = (list(ts) for ts in zip(*batch, strict=True))
     # torch.full launches a fill on the device: no host-to-device copy, so no stream sync
     steps = [torch.full((), float(step), device=p[0].device)] * len(p)
     kernel = torch._fused_adamw_ if hp.adamw_mode else torch._fused_adam_
@@ -108,24 +110,6 @@ def adamw_fused_(
         lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2, weight_decay=hp.weight_decay, eps=hp.eps,
         amsgrad=False, maximize=False,
     )  # fmt: skip
-
-
-def device_adamw_(
-    fused: bool,
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor],
-    step: int,
-    hp: AdamHyper,
-) -> None:
-    """The engine's device-side AdamW on lists of tensors at one count: ``adamw_fused_``
-    when ``fused``, else ``adamw_dense_`` on each."""
-    if fused:
-        adamw_fused_(params, grads, exp_avgs, exp_avg_sqs, step, hp)
-        return
-    for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True):
-        adamw_dense_(p, g, m, v, step, hp)
 
 
 def column_factors(steps: torch.Tensor, hp: AdamHyper, column_dim: int, ndim: int):

@@ -42,7 +42,7 @@ from zenflow.engine.checkpoint import engine_state_dict, load_engine_state
 from zenflow.engine.device_adam import (
     DEVICE_ADAM_IMPLS,
     AdamHyper,
-    device_adamw_,
+    adamw_fused_,
     fused_available,
 )
 from zenflow.engine.distributed import DataParallel
@@ -341,9 +341,9 @@ class ZenFlowEngine:
             x = d.spec.param.data if d.master is None else d.master
             groups.setdefault(d.step, []).append((d, x, g.detach().float()))
         for step, items in groups.items():
-            device_adamw_(self.fused_device_adam, [x for _, x, _ in items],
-                          [g for _, _, g in items], [d.exp_avg for d, _, _ in items],
-                          [d.exp_avg_sq for d, _, _ in items], step, hp)  # fmt: skip
+            adamw_fused_([x for _, x, _ in items], [g for _, _, g in items],
+                         [d.exp_avg for d, _, _ in items], [d.exp_avg_sq for d, _, _ in items],
+                         step, hp, fused=self.fused_device_adam)  # fmt: skip
             for d, _, _ in items:
                 if d.master is not None:
                     d.spec.param.data.copy_(d.master)

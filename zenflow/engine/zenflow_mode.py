@@ -44,7 +44,7 @@ from zenflow.engine.copies import (
     bucket_elems_for,
     plan_pieces,
 )
-from zenflow.engine.device_adam import adamw_columns_, device_adamw_
+from zenflow.engine.device_adam import adamw_columns_, adamw_fused_
 from zenflow.engine.distributed import sum_of_squares
 from zenflow.engine.host import (
     Accumulator,
@@ -261,8 +261,8 @@ class ZenFlowMode:
         w.steps_dev.increment()
         x = p.index_select(w.cd, w.sel_dev) if w.master_sel is None else w.master_sel
         if w.steps_dev.uniform is not None:
-            device_adamw_(self.e.fused_device_adam, [x], [g_sel], [w.exp_avg_dev],
-                          [w.exp_avg_sq_dev], w.steps_dev.uniform, hp)  # fmt: skip
+            adamw_fused_([x], [g_sel], [w.exp_avg_dev], [w.exp_avg_sq_dev], w.steps_dev.uniform,
+                         hp, fused=self.e.fused_device_adam)  # fmt: skip
         else:
             adamw_columns_(x, g_sel, w.exp_avg_dev, w.exp_avg_sq_dev, w.steps_dev.counts, w.cd,
                            hp)  # fmt: skip

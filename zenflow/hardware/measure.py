@@ -284,7 +284,7 @@ def measure_device_adam(
     """
     import torch
 
-    from zenflow.engine.device_adam import AdamHyper, device_adamw_, fused_available
+    from zenflow.engine.device_adam import AdamHyper, adamw_fused_, fused_available
     from zenflow.engine.selection import classify_params
 
     blocks: list[_UpdateBlock] = []
@@ -319,14 +319,14 @@ def measure_device_adam(
         for b in blocks:
             if b.column_dim is None:
                 x = b.weight if b.master is None else b.master
-                device_adamw_(fused, [x], [b.grad.float()], [b.exp_avg], [b.exp_avg_sq],
-                              step[0], hp)  # fmt: skip
+                adamw_fused_([x], [b.grad.float()], [b.exp_avg], [b.exp_avg_sq], step[0], hp,
+                             fused=fused)  # fmt: skip
                 if b.master is not None:
                     b.weight.copy_(b.master)
                 continue
             g = b.grad.index_select(b.column_dim, b.columns).float()
             x = b.weight.index_select(b.column_dim, b.columns) if b.master is None else b.master
-            device_adamw_(fused, [x], [g], [b.exp_avg], [b.exp_avg_sq], step[0], hp)
+            adamw_fused_([x], [g], [b.exp_avg], [b.exp_avg_sq], step[0], hp, fused=fused)
             b.weight.index_copy_(b.column_dim, b.columns, x.to(b.weight.dtype))
         if cuda:
             from zenflow.engine.accelerator import device_synchronize
