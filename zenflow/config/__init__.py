@@ -7,10 +7,12 @@
 from zenflow.config.loader import apply_overrides, load_config, parse_set_args, replace_zenflow
 from zenflow.config.lr_schedule import lr_at
 from zenflow.config.schema import (
+    ENGINE_FIELD_DOCS,
     FIELD_DOCS,
     Config,
     ConfigError,
     ConfigProblem,
+    EngineOptions,
     LogDirConfig,
     MonitorConfig,
     OptimizerConfig,
@@ -20,10 +22,12 @@ from zenflow.config.schema import (
 )
 
 __all__ = [
+    "ENGINE_FIELD_DOCS",
     "FIELD_DOCS",
     "Config",
     "ConfigError",
     "ConfigProblem",
+    "EngineOptions",
     "LogDirConfig",
     "MonitorConfig",
     "OptimizerConfig",

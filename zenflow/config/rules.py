@@ -23,6 +23,7 @@ from zenflow.config.schema import (
     Config,
     ConfigError,
     ConfigProblem,
+    EngineOptions,
     LogDirConfig,
     MonitorConfig,
     OptimizerConfig,
@@ -271,6 +272,7 @@ _TOP_LEVEL_HONOURED = (
     "tensorboard",
     "csv_monitor",
     "wandb",
+    "zfctl",
 )
 
 _SCHEDULER_PARAMS: dict[str, tuple[str, ...]] = {
@@ -529,6 +531,43 @@ def _resolve_batch(r: _Reader, raw: Mapping, world_size: int) -> tuple[int | Non
     return None, None, gas or 1
 
 
+_ENGINE_FIELDS = tuple(f.name for f in dataclasses.fields(EngineOptions))
+_ENGINE_CHOICES = {"grad_accumulation": ("host", "device")}
+
+
+def _parse_engine(r: _Reader, raw: Mapping) -> EngineOptions:
+    """The top-level ``zfctl`` block (unknown keys are errors, as in the zenflow block)."""
+    block = r.obj(raw, "zfctl", "zfctl")
+    d = EngineOptions()
+    if block is None:
+        return d
+    for key in block:
+        if key not in _ENGINE_FIELDS:
+            close = difflib.get_close_matches(str(key), _ENGINE_FIELDS, n=1, cutoff=0.6)
+            hint = f'did you mean "{close[0]}"? ' if close else ""
+            r.problem(
+                f"zfctl.{key}",
+                block[key],
+                f"unknown key in the zfctl block (known: {', '.join(_ENGINE_FIELDS)})",
+                f"{hint}rename or remove {key}",
+            )
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(EngineOptions):
+        default = getattr(d, f.name)
+        path = f"zfctl.{f.name}"
+        if isinstance(default, bool):
+            values[f.name] = r.boolean(block, f.name, path, default)
+        elif f.name in _ENGINE_CHOICES:
+            choices = _ENGINE_CHOICES[f.name]
+            value = block.get(f.name, default)
+            if value not in choices:
+                allowed = " or ".join(f'"{c}"' for c in choices)
+                r.problem(path, value, f"must be {allowed}", f"set {f.name} to {allowed}")
+                value = default
+            values[f.name] = value
+    return EngineOptions(**values)
+
+
 def _parse_zero(
     r: _Reader, raw: Mapping, problems_zenflow: list[ConfigProblem]
 ) -> tuple[ZenFlowConfig | None, int, str, bool]:
@@ -634,6 +673,7 @@ def validate(raw: Mapping, source: str, world_size: int) -> Config:
     wall = r.boolean(raw, "wall_clock_breakdown", "wall_clock_breakdown", False)
     zenflow, stage, device, pin = _parse_zero(r, raw, zf_problems)
     monitor = _parse_monitor(r, raw)
+    engine = _parse_engine(r, raw)
 
     problems = r.problems + zf_problems
     if problems:
@@ -655,6 +695,7 @@ def validate(raw: Mapping, source: str, world_size: int) -> Config:
         pin_memory=pin,
         ignored=tuple(r.ignored),
         monitor=monitor,
+        engine=engine,
         source=source,
         raw=copy.deepcopy(dict(raw)),
     )

@@ -50,6 +50,8 @@ __all__ = [
     "OptimizerConfig",
     "SchedulerConfig",
     "WandbConfig",
+    "ENGINE_FIELD_DOCS",
+    "EngineOptions",
     "ZenFlowConfig",
 ]
 
@@ -143,6 +145,33 @@ class ZenFlowConfig:
     """Share of weights voting for a host update that ends an "auto" window (0 < x <= 1)."""
     pt_reserved_cores_perc: float = 0.5
     """Share of cores kept for the training thread when overlapping (0 < x < 1)."""
+
+
+# The top-level "zfctl" block: settings of this engine that DeepSpeed has no key for. DeepSpeed
+# forbids unknown keys inside zero_optimization.zenflow but ignores unknown top-level blocks,
+# so a config with a "zfctl" block is still accepted by deepspeed.initialize.
+ENGINE_FIELD_DOCS: dict[str, str] = {
+    "stream_grads": "Move each gradient off the device during backward, as soon as it is "
+    "final for the micro-batch (selected columns kept on the device, the rest copied to "
+    "the host, the gradient freed), so the device never holds a whole-model gradient "
+    "(true/false; false keeps whole gradients until the optimizer step).",
+    "grad_accumulation": "Where micro-batches are summed when gradient_accumulation_steps > 1: "
+    '"host" (each micro-batch streams to the host, which sums them in fp32: least device '
+    'memory, one copy of the gradient per micro-batch) or "device" (autograd sums them in '
+    "the device gradient and only the last micro-batch streams: one copy per step, plus a "
+    "whole-model gradient on the device).",
+}
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """The top-level ``zfctl`` block (engine settings DeepSpeed has no key for; DeepSpeed
+    ignores the block). Field docs: ENGINE_FIELD_DOCS."""
+
+    stream_grads: bool = True
+    """Stream gradients off the device during backward (see ENGINE_FIELD_DOCS)."""
+    grad_accumulation: str = "host"
+    """Where micro-batches are summed: "host" or "device"."""
 
 
 @dataclass(frozen=True)
@@ -283,6 +312,8 @@ class Config:
     """Dotted paths of keys present in the JSON that the engine does not honour."""
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     """The ``tensorboard``, ``csv_monitor`` and ``wandb`` blocks (all off by default)."""
+    engine: EngineOptions = field(default_factory=EngineOptions)
+    """The top-level ``zfctl`` block: this engine's settings that DeepSpeed has no key for."""
     source: str = field(default="<dict>", compare=False)
     """Where the config came from: a file path or "<dict>"."""
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -351,6 +382,7 @@ class Config:
                     block[key] = value
             zero["zenflow"] = block
         out["zero_optimization"] = zero
+        out["zfctl"] = dataclasses.asdict(self.engine)
         return out
 
 
