@@ -47,286 +47,15 @@
 // The GIL: torch.ops calls from Python release it in the dispatcher path
 // (invokeOperatorFromPython), so this kernel never touches Python state.
 
+#include "adam_kernel.h"
+
 #include <ATen/core/Tensor.h>
-#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
-#include <cmath>
-#include <cstdint>
-#include <cstring>
 #include <string>
-#include <vector>
-
-#include <omp.h>
-
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
 
 namespace zenflow {
 namespace {
-
-// 64K elements: a multiple of every vector width used (8 or 16 floats), large enough that
-// the OpenMP scheduling cost (~1 us per block) is noise next to 64K * 28 bytes = 1.8 MB of
-// memory traffic, small enough that 2**20 elements already give 16 blocks to share.
-constexpr int64_t kBlockElems = int64_t{1} << 16;
-
-// Columns per chunk of the per-column table build (see col_tables): 4096 columns are
-// ~0.1 ms of pow calls, well above the cost of handing a chunk to a thread.
-constexpr int64_t kTableChunk = 4096;
-
-// Per-call constants, all fp32 except the flags; derived in double in adamw_step_.
-struct StepConsts {
-  float grad_scale;
-  float decay;          // 1 - lr*wd (AdamW), 1 otherwise
-  float l2;             // wd (classic Adam), 0 otherwise
-  float beta1, one_minus_beta1;
-  float beta2, one_minus_beta2;
-  float eps;
-  bool decoupled;       // adamw_mode && wd != 0
-  bool coupled;         // !adamw_mode && wd != 0
-};
-
-// The two constants that depend on the step count t: once per call, or once per column.
-struct BiasConsts {
-  float inv_bc2_sqrt;   // 1 / sqrt(1 - beta2^t)
-  float neg_step_size;  // -lr / (1 - beta1^t)
-};
-
-// The only place these are derived (double, then one rounding to float), so a column whose
-// step equals the scalar step gets exactly the scalar path's constants.
-BiasConsts bias_consts(int64_t step, double lr, double beta1, double beta2) {
-  const double bias_correction1 = 1.0 - std::pow(beta1, static_cast<double>(step));
-  const double bias_correction2 = 1.0 - std::pow(beta2, static_cast<double>(step));
-  return {static_cast<float>(1.0 / std::sqrt(bias_correction2)),
-          static_cast<float>(-lr / bias_correction1)};
-}
-
-inline float fused_mul_add(float a, float b, float c) {
-#if defined(__FMA__)
-  return std::fma(a, b, c);
-#else
-  return a * b + c;
-#endif
-}
-
-inline float load_grad_scalar(const float* g, int64_t i) { return g[i]; }
-
-inline float load_grad_scalar(const c10::BFloat16* g, int64_t i) {
-  uint16_t bits;
-  std::memcpy(&bits, g + i, sizeof(bits));
-  uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float out;
-  std::memcpy(&out, &wide, sizeof(out));
-  return out;
-}
-
-// One element; the operation sequence mirrors the vector bodies below exactly.
-template <typename GradT>
-inline void step_scalar(int64_t i, float* __restrict p, const GradT* __restrict g,
-                        float* __restrict m, float* __restrict v, c10::BFloat16* __restrict pb,
-                        const StepConsts& c, float inv_bc2_sqrt, float neg_step_size) {
-  float grad = load_grad_scalar(g, i) * c.grad_scale;
-  float param = p[i];
-  if (c.decoupled) param = param * c.decay;
-  if (c.coupled) grad = fused_mul_add(c.l2, param, grad);
-  const float exp_avg = fused_mul_add(c.beta1, m[i], c.one_minus_beta1 * grad);
-  const float exp_avg_sq = fused_mul_add(c.beta2, v[i], (c.one_minus_beta2 * grad) * grad);
-  const float denom = fused_mul_add(std::sqrt(exp_avg_sq), inv_bc2_sqrt, c.eps);
-  param = fused_mul_add(neg_step_size, exp_avg / denom, param);
-  m[i] = exp_avg;
-  v[i] = exp_avg_sq;
-  p[i] = param;
-  if (pb != nullptr) pb[i] = c10::BFloat16(param);  // round to nearest even, NaN -> 0x7FC0
-}
-
-#if defined(__AVX512F__)
-// ---------------------------------------------------------------- AVX-512: 16 floats
-constexpr int64_t kWidth = 16;
-using Vec = __m512;
-
-inline Vec vec_set1(float x) { return _mm512_set1_ps(x); }
-inline Vec vec_load(const float* x) { return _mm512_loadu_ps(x); }
-
-inline __m512 load_grad_vec(const float* g, int64_t i) { return _mm512_loadu_ps(g + i); }
-
-inline __m512 load_grad_vec(const c10::BFloat16* g, int64_t i) {
-  // bf16 is the top half of an fp32: widen 16 x u16 to u32 and shift into place.
-  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + i));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-}
-
-inline void store_bf16_vec(c10::BFloat16* dst, int64_t i, __m512 x) {
-  // Same rounding as c10::BFloat16(float): add 0x7FFF + lsb, keep the top 16 bits; NaN
-  // becomes the canonical 0x7FC0.
-  const __m512i bits = _mm512_castps_si512(x);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-  rounded = _mm512_srli_epi32(rounded, 16);
-  const __mmask16 is_nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  rounded = _mm512_mask_blend_epi32(is_nan, rounded, _mm512_set1_epi32(0x7FC0));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm512_cvtepi32_epi16(rounded));
-}
-
-template <typename GradT>
-inline void step_vector(int64_t i, float* __restrict p, const GradT* __restrict g,
-                        float* __restrict m, float* __restrict v, c10::BFloat16* __restrict pb,
-                        const StepConsts& c, Vec inv_bc2_sqrt, Vec neg_step_size) {
-  __m512 grad = _mm512_mul_ps(load_grad_vec(g, i), _mm512_set1_ps(c.grad_scale));
-  __m512 param = _mm512_loadu_ps(p + i);
-  if (c.decoupled) param = _mm512_mul_ps(param, _mm512_set1_ps(c.decay));
-  if (c.coupled) grad = _mm512_fmadd_ps(_mm512_set1_ps(c.l2), param, grad);
-  const __m512 exp_avg = _mm512_fmadd_ps(_mm512_set1_ps(c.beta1), _mm512_loadu_ps(m + i),
-                                         _mm512_mul_ps(_mm512_set1_ps(c.one_minus_beta1), grad));
-  const __m512 exp_avg_sq = _mm512_fmadd_ps(
-      _mm512_set1_ps(c.beta2), _mm512_loadu_ps(v + i),
-      _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(c.one_minus_beta2), grad), grad));
-  // Moments are final here: store them before the long sqrt/div chain (frees the
-  // registers and lets the stores drain while it runs).
-  _mm512_storeu_ps(m + i, exp_avg);
-  _mm512_storeu_ps(v + i, exp_avg_sq);
-  const __m512 denom =
-      _mm512_fmadd_ps(_mm512_sqrt_ps(exp_avg_sq), inv_bc2_sqrt, _mm512_set1_ps(c.eps));
-  param = _mm512_fmadd_ps(neg_step_size, _mm512_div_ps(exp_avg, denom), param);
-  _mm512_storeu_ps(p + i, param);
-  if (pb != nullptr) store_bf16_vec(pb, i, param);
-}
-
-#elif defined(__AVX2__) && defined(__FMA__)
-// ---------------------------------------------------------------- AVX2 + FMA: 8 floats
-constexpr int64_t kWidth = 8;
-using Vec = __m256;
-
-inline Vec vec_set1(float x) { return _mm256_set1_ps(x); }
-inline Vec vec_load(const float* x) { return _mm256_loadu_ps(x); }
-
-inline __m256 load_grad_vec(const float* g, int64_t i) { return _mm256_loadu_ps(g + i); }
-
-inline __m256 load_grad_vec(const c10::BFloat16* g, int64_t i) {
-  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(g + i));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
-}
-
-inline void store_bf16_vec(c10::BFloat16* dst, int64_t i, __m256 x) {
-  const __m256i bits = _mm256_castps_si256(x);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
-  rounded = _mm256_srli_epi32(rounded, 16);
-  const __m256 is_nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
-  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(is_nan));
-  // Values fit in 16 bits, so unsigned-saturating packing is exact. packus works per
-  // 128-bit lane: qwords are [r0..r3, r0..r3, r4..r7, r4..r7]; keep qwords 0 and 2.
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(rounded, rounded), 0x08);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm256_castsi256_si128(packed));
-}
-
-template <typename GradT>
-inline void step_vector(int64_t i, float* __restrict p, const GradT* __restrict g,
-                        float* __restrict m, float* __restrict v, c10::BFloat16* __restrict pb,
-                        const StepConsts& c, Vec inv_bc2_sqrt, Vec neg_step_size) {
-  __m256 grad = _mm256_mul_ps(load_grad_vec(g, i), _mm256_set1_ps(c.grad_scale));
-  __m256 param = _mm256_loadu_ps(p + i);
-  if (c.decoupled) param = _mm256_mul_ps(param, _mm256_set1_ps(c.decay));
-  if (c.coupled) grad = _mm256_fmadd_ps(_mm256_set1_ps(c.l2), param, grad);
-  const __m256 exp_avg = _mm256_fmadd_ps(_mm256_set1_ps(c.beta1), _mm256_loadu_ps(m + i),
-                                         _mm256_mul_ps(_mm256_set1_ps(c.one_minus_beta1), grad));
-  const __m256 exp_avg_sq = _mm256_fmadd_ps(
-      _mm256_set1_ps(c.beta2), _mm256_loadu_ps(v + i),
-      _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(c.one_minus_beta2), grad), grad));
-  // Moments are final here: store them before the long sqrt/div chain (frees the
-  // registers and lets the stores drain while it runs).
-  _mm256_storeu_ps(m + i, exp_avg);
-  _mm256_storeu_ps(v + i, exp_avg_sq);
-  const __m256 denom =
-      _mm256_fmadd_ps(_mm256_sqrt_ps(exp_avg_sq), inv_bc2_sqrt, _mm256_set1_ps(c.eps));
-  param = _mm256_fmadd_ps(neg_step_size, _mm256_div_ps(exp_avg, denom), param);
-  _mm256_storeu_ps(p + i, param);
-  if (pb != nullptr) store_bf16_vec(pb, i, param);
-}
-
-#else
-// ---------------------------------------------------------------- scalar fallback
-constexpr int64_t kWidth = 1;
-using Vec = float;
-
-inline Vec vec_set1(float x) { return x; }
-inline Vec vec_load(const float* x) { return *x; }
-
-template <typename GradT>
-inline void step_vector(int64_t i, float* __restrict p, const GradT* __restrict g,
-                        float* __restrict m, float* __restrict v, c10::BFloat16* __restrict pb,
-                        const StepConsts& c, Vec inv_bc2_sqrt, Vec neg_step_size) {
-  step_scalar(i, p, g, m, v, pb, c, inv_bc2_sqrt, neg_step_size);
-}
-#endif
-
-static_assert(kBlockElems % kWidth == 0, "blocks must hold whole vectors");
-
-// Per-column constants of one call: tables of C + kWidth floats, entry j holding column
-// j % C (the first C entries are the columns, the last kWidth repeat the first ones).
-struct ColTables {
-  std::vector<float> inv_bc2_sqrt;
-  std::vector<float> neg_step_size;
-  int64_t num_cols;   // C
-  int64_t col_inner;  // elements per run of one column
-};
-
-// One step-count for every element: the original loop.
-template <typename GradT>
-inline void run_range(int64_t begin, int64_t end, float* p, const GradT* g, float* m, float* v,
-                      c10::BFloat16* pb, const StepConsts& c, BiasConsts b) {
-  const Vec inv_bc2_sqrt = vec_set1(b.inv_bc2_sqrt);
-  const Vec neg_step_size = vec_set1(b.neg_step_size);
-  int64_t i = begin;
-  for (; i + kWidth <= end; i += kWidth)
-    step_vector(i, p, g, m, v, pb, c, inv_bc2_sqrt, neg_step_size);
-  for (; i < end; ++i) step_scalar(i, p, g, m, v, pb, c, b.inv_bc2_sqrt, b.neg_step_size);
-}
-
-// col_inner == 1: element i is column i % C. `col` tracks the column of element i; a
-// vector reads kWidth consecutive table entries from there (the wrap-around tail of the
-// tables makes that valid for any col < C), then moves on by kWidth columns modulo C.
-template <typename GradT>
-inline void run_range_cols(int64_t begin, int64_t end, float* p, const GradT* g, float* m,
-                           float* v, c10::BFloat16* pb, const StepConsts& c,
-                           const ColTables& t) {
-  const float* inv_bc2_sqrt = t.inv_bc2_sqrt.data();
-  const float* neg_step_size = t.neg_step_size.data();
-  const int64_t num_cols = t.num_cols;
-  const int64_t advance = kWidth % num_cols;  // < C, so one conditional subtract wraps
-  int64_t col = begin % num_cols;
-  int64_t i = begin;
-  for (; i + kWidth <= end; i += kWidth) {
-    step_vector(i, p, g, m, v, pb, c, vec_load(inv_bc2_sqrt + col),
-                vec_load(neg_step_size + col));
-    col += advance;
-    if (col >= num_cols) col -= num_cols;
-  }
-  for (; i < end; ++i) {
-    step_scalar(i, p, g, m, v, pb, c, inv_bc2_sqrt[col], neg_step_size[col]);
-    if (++col == num_cols) col = 0;
-  }
-}
-
-// col_inner > 1: element i is column (i / col_inner) % C, constant over runs of col_inner
-// elements. Each run (clipped to the block) is a uniform range with its column's constants.
-template <typename GradT>
-inline void run_range_runs(int64_t begin, int64_t end, float* p, const GradT* g, float* m,
-                           float* v, c10::BFloat16* pb, const StepConsts& c,
-                           const ColTables& t) {
-  const int64_t inner = t.col_inner;
-  int64_t run = begin / inner;
-  int64_t col = run % t.num_cols;
-  int64_t i = begin;
-  while (i < end) {
-    const int64_t run_end = (run + 1) * inner < end ? (run + 1) * inner : end;
-    const BiasConsts b{t.inv_bc2_sqrt[col], t.neg_step_size[col]};
-    run_range(i, run_end, p, g, m, v, pb, c, b);
-    i = run_end;
-    ++run;
-    if (++col == t.num_cols) col = 0;
-  }
-}
 
 // cols == nullptr: the scalar step's constants `b` for every element.
 template <typename GradT>
@@ -448,17 +177,8 @@ void adamw_step_(const at::Tensor& param, const at::Tensor& grad, const at::Tens
   }
   if (numel == 0) return;
 
-  StepConsts c;
-  c.grad_scale = static_cast<float>(grad_scale);
-  c.decoupled = adamw_mode && weight_decay != 0.0;
-  c.coupled = !adamw_mode && weight_decay != 0.0;
-  c.decay = c.decoupled ? static_cast<float>(1.0 - lr * weight_decay) : 1.0f;
-  c.l2 = c.coupled ? static_cast<float>(weight_decay) : 0.0f;
-  c.beta1 = static_cast<float>(beta1);
-  c.one_minus_beta1 = static_cast<float>(1.0 - beta1);
-  c.beta2 = static_cast<float>(beta2);
-  c.one_minus_beta2 = static_cast<float>(1.0 - beta2);
-  c.eps = static_cast<float>(eps);
+  const StepConsts c =
+      make_step_consts(lr, beta1, beta2, eps, weight_decay, grad_scale, adamw_mode);
   const BiasConsts b = bias_consts(step, lr, beta1, beta2);
   const ColTables* cols = col_steps.has_value() ? &tables : nullptr;
 
@@ -493,6 +213,14 @@ TORCH_LIBRARY(zenflow, m) {
       "Tensor(d!)? param_bf16, int step, float lr, float beta1, float beta2, float eps, "
       "float weight_decay, float grad_scale, bool adamw_mode, int num_threads, "
       "Tensor? col_steps=None, int col_inner=1) -> ()");
+  m.def(
+      "adamw_compact_step_(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, "
+      "Tensor(c!) exp_avg_sq, Tensor index, int column_dim, Tensor(d!)? image, int step, "
+      "float lr, float beta1, float beta2, float eps, float weight_decay, float grad_scale, "
+      "bool adamw_mode, int num_threads, Tensor? col_steps=None) -> ()");
+  m.def(
+      "accumulate_(Tensor(a!) dst, Tensor src, float scale, bool overwrite, bool sumsq, "
+      "int num_threads) -> float");
   m.def("simd_path() -> str", &simd_path);
 }
 

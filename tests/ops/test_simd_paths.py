@@ -22,7 +22,11 @@ import pytest
 from zenflow.hardware.probes import parse_cpuinfo
 
 HERE = Path(__file__).resolve().parent
-NATIVE_TESTS = [HERE / "test_cpu_adam_native.py", HERE / "test_cpu_adam_columns.py"]
+NATIVE_TESTS = [
+    HERE / "test_cpu_adam_native.py",
+    HERE / "test_cpu_adam_columns.py",
+    HERE / "test_host_ops.py",
+]
 # x86-64 micro-architecture levels (GCC >= 11): v3 has AVX2+FMA and no AVX-512; the
 # baseline has only SSE2, so neither vector body compiles.
 LEVELS = [("x86-64-v3", "avx2", {"avx2", "fma", "bmi2", "movbe"}), ("x86-64", "scalar", set())]

@@ -31,10 +31,18 @@ from __future__ import annotations
 import torch
 
 from zenflow.ops.loader import NativeBuildError, load_native, native_status, ops_mode, simd_path
-from zenflow.ops.reference import adamw_step_reference_
+from zenflow.ops.reference import (
+    accumulate_reference_,
+    adamw_compact_step_reference_,
+    adamw_step_reference_,
+)
 
 __all__ = [
     "NativeBuildError",
+    "accumulate_",
+    "accumulate_reference_",
+    "adamw_compact_step_",
+    "adamw_compact_step_reference_",
     "adamw_step_",
     "adamw_step_reference_",
     "load_native",
@@ -120,4 +128,74 @@ def adamw_step_(
         int(num_threads),
         col_steps,
         int(col_inner),
+    )
+
+
+def adamw_compact_step_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    index: torch.Tensor,
+    column_dim: int,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    image: torch.Tensor | None = None,
+    grad_scale: float = 1.0,
+    adamw_mode: bool = True,
+    num_threads: int = 0,
+    col_steps: torch.Tensor | None = None,
+) -> None:
+    """One in-place Adam(W) step of the columns ``index`` of a 2-D fp32 weight's host state
+    (``param``, ``exp_avg``, ``exp_avg_sq``: full shape, contiguous) from a gradient in the
+    compact layout ``W.index_select(column_dim, index)`` (fp32 or bf16, contiguous).
+
+    ``index``: int64, sorted, distinct column ids along ``column_dim``; the other columns
+    are not read or written. ``image`` (optional, bf16, compact layout) receives the updated
+    columns rounded to bf16 in the same pass (what goes back to the device). ``col_steps``
+    (optional, int64, one entry per column id) gives each column its 1-based count;
+    otherwise ``step`` is every column's. Same arithmetic as ``adamw_step_`` (bit-identical
+    on those elements, for any ``num_threads``); raises ``RuntimeError`` starting with
+    ``zenflow::adamw_compact_step_`` for a bad argument.
+    """
+    if ops_mode() == "reference":
+        adamw_compact_step_reference_(
+            param, grad, exp_avg, exp_avg_sq, index, column_dim, step=step, lr=lr,
+            beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, image=image,
+            grad_scale=grad_scale, adamw_mode=adamw_mode, col_steps=col_steps,
+        )  # fmt: skip
+        return
+    load_native()
+    torch.ops.zenflow.adamw_compact_step_.default(
+        param, grad, exp_avg, exp_avg_sq, index, int(column_dim), image, int(step), float(lr),
+        float(beta1), float(beta2), float(eps), float(weight_decay), float(grad_scale),
+        bool(adamw_mode), int(num_threads), col_steps,
+    )  # fmt: skip
+
+
+def accumulate_(
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    scale: float = 1.0,
+    overwrite: bool = False,
+    sumsq: bool = False,
+    num_threads: int = 0,
+) -> float:
+    """``dst = scale * src`` (``overwrite``) or ``dst = fma(scale, src, dst)``, in place on
+    contiguous CPU tensors (``dst`` fp32, ``src`` fp32 or bf16, same numel), on
+    ``num_threads`` threads (0 = OpenMP default; the result does not depend on it). Returns
+    the sum of squares of ``dst`` afterwards (float64) when ``sumsq``, else 0.0. Releases the
+    GIL while it runs."""
+    if ops_mode() == "reference":
+        return accumulate_reference_(dst, src, scale, overwrite, sumsq)
+    load_native()
+    return float(
+        torch.ops.zenflow.accumulate_.default(
+            dst, src, float(scale), bool(overwrite), bool(sumsq), int(num_threads)
+        )
     )

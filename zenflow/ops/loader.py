@@ -37,7 +37,9 @@ except ImportError:  # pragma: no cover - not POSIX: builds run unguarded
     fcntl = None
 
 EXTENSION_NAME = "zenflow_cpu_adam"
-SOURCE_FILES = ("cpu_adam.cpp",)
+SOURCE_FILES = ("cpu_adam.cpp", "host_ops.cpp")
+# Included by the sources: part of the cache key, not compiled on their own.
+HEADER_FILES = ("adam_kernel.h",)
 LDFLAGS = ("-fopenmp",)
 # torch.utils.cpp_extension holds this file while ninja runs; a killed build leaves it, and
 # torch then waits on it forever.
@@ -80,7 +82,7 @@ def build_root() -> Path:
 def csrc_dir() -> Path:
     """The ``csrc/`` folder of the source checkout (zenflow is installed editable)."""
     path = Path(__file__).resolve().parents[2] / "csrc"
-    missing = [name for name in SOURCE_FILES if not (path / name).is_file()]
+    missing = [name for name in SOURCE_FILES + HEADER_FILES if not (path / name).is_file()]
     if missing:
         raise NativeBuildError(
             f"The native op sources {', '.join(missing)} are missing from {path}. The native "
@@ -123,7 +125,8 @@ def _sources() -> list[Path]:
 
 def current_key() -> str:
     """The cache key of this checkout's sources on this CPU with this torch."""
-    text = "".join(path.read_text() for path in _sources())
+    root = csrc_dir()
+    text = "".join((root / name).read_text() for name in SOURCE_FILES + HEADER_FILES)
     return cache_key(text, torch.__version__, compile_flags() + LDFLAGS, cpu_capability())
 
 

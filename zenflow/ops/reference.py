@@ -111,3 +111,68 @@ def check_col_steps(param: torch.Tensor, col_steps: torch.Tensor, col_inner: int
             f"{_OP}: col_steps must be >= 1 (1-based, for bias correction), got {smallest} "
             f"at column {column}"
         )
+
+
+def adamw_compact_step_reference_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    index: torch.Tensor,
+    column_dim: int,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    image: torch.Tensor | None = None,
+    grad_scale: float = 1.0,
+    adamw_mode: bool = True,
+    num_threads: int = 0,
+    col_steps: torch.Tensor | None = None,
+) -> None:
+    """The native ``adamw_compact_step_`` in plain PyTorch: gather the columns ``index`` of
+    the 2-D fp32 ``param``/moments along ``column_dim`` (the compact layout of ``grad``),
+    run ``adamw_step_reference_`` on them, scatter them back. ``image`` (bf16, compact)
+    receives the updated columns; the other columns are not touched. ``col_steps``: one
+    count per column id (``param.shape[column_dim]`` entries)."""
+    del num_threads
+    if param.dim() != 2 or column_dim not in (0, 1):
+        raise ValueError("adamw_compact_step_reference_: param must be 2-D, column_dim 0 or 1")
+    cols = [t.index_select(column_dim, index) for t in (param, exp_avg, exp_avg_sq)]
+    kw = {}
+    if col_steps is not None:
+        inner = 1 if column_dim == 1 else param.shape[1]
+        kw = {"col_steps": col_steps[index].contiguous(), "col_inner": inner}
+    adamw_step_reference_(
+        cols[0], grad.reshape(cols[0].shape), cols[1], cols[2], step=step, lr=lr, beta1=beta1,
+        beta2=beta2, eps=eps, weight_decay=weight_decay, grad_scale=grad_scale,
+        adamw_mode=adamw_mode, **kw,
+    )  # fmt: skip
+    for full, part in zip((param, exp_avg, exp_avg_sq), cols, strict=True):
+        full.index_copy_(column_dim, index, part)
+    if image is not None:
+        image.copy_(cols[0].reshape(image.shape))
+
+
+def accumulate_reference_(
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    scale: float,
+    overwrite: bool,
+    sumsq: bool = False,
+    num_threads: int = 0,
+) -> float:
+    """The native ``accumulate_`` in plain PyTorch: ``dst = scale * src`` (overwrite) or
+    ``dst += scale * src``; returns the sum of squares of ``dst`` afterwards (float64) when
+    ``sumsq``, else 0. The native op fuses the multiply-add (one rounding), so the two
+    agree to an fp32 ulp per call."""
+    del num_threads
+    x = src.reshape(dst.shape).float()
+    if overwrite:
+        torch.mul(x, scale, out=dst)
+    else:
+        dst.add_(x, alpha=scale)
+    return float(dst.double().square().sum()) if sumsq else 0.0

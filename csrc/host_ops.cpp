@@ -1,0 +1,303 @@
+// zenflow::adamw_compact_step_ and zenflow::accumulate_ -- the host side of ZenFlow's
+// non-selected columns, in a compact layout.
+//
+// Compact layout. Each step the device sends a weight's non-selected columns (sorted
+// column ids `index`, n of the weight's C columns) gathered along its column axis, exactly
+// what `W.index_select(column_dim, index)` gives:
+//   column_dim 1 (nn.Linear [rows, C]):           compact [rows, n], row r = W[r, index]
+//   column_dim 0 (Conv1D [C, out], an embedding): compact [n, out], row j = W[index[j], :]
+// The host keeps the window's fp32 gradient sum in that layout, so the loop that runs every
+// step over ~(1 - topk) of the model is a contiguous multiply-add (accumulate_), and the
+// bf16 image that goes back to the device after a host step is written in the same layout
+// by the Adam pass itself (adamw_compact_step_), ready to be copied piece by piece.
+//
+// accumulate_(dst, src, scale, overwrite, sumsq):
+//   dst = scale * src            (overwrite: the first sum of a window; dst is not read)
+//   dst = fma(scale, src, dst)   (otherwise: one rounding, as torch's vectorised add with
+//                                 alpha; with scale 1 it is the plain fp32 sum)
+// dst fp32, src fp32 or bf16, both contiguous with the same number of elements. The
+// vectorised body and the tail use the same operations, so every element is computed the
+// same way whatever the thread count. With sumsq it returns the sum of squares of
+// dst after the update (double; 0 otherwise): the host's share of the global gradient
+// norm when micro-batches are summed on the host. Blocks of kBlockElems elements; within a
+// block kLanes independent float64 partial sums (so the loop vectorises), combined per block
+// and over blocks in block order: the value does not depend on the thread count.
+//
+// adamw_compact_step_(param, grad, exp_avg, exp_avg_sq, index, column_dim, image, ...):
+// one Adam(W) step (the arithmetic of cpu_adam.cpp: step_scalar / step_vector) of the
+// elements of the full-shape fp32 param/moments that lie in the columns `index`, from the
+// compact gradient `grad` (fp32 or bf16, compact shape); `image` (optional, bf16, compact
+// shape) receives the updated values rounded to bf16 in the same pass. Elements of the
+// other columns are not read or written. Per-column step counts: `col_steps` (int64, C
+// entries, indexed by column id) or the scalar `step`. For column_dim 0 each column is a
+// contiguous row of `out` elements; for column_dim 1 a row's non-selected columns form runs
+// of consecutive ids, and each run is a contiguous span of both the param and the compact
+// gradient. Every element is computed with the same instructions as the full-shape op, so
+// the result is bit-identical to adamw_step_ on those elements, for any thread count.
+
+#include "adam_kernel.h"
+
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include <omp.h>
+
+namespace zenflow {
+namespace {
+
+constexpr const char* kCompactOp = "zenflow::adamw_compact_step_";
+constexpr const char* kAccumOp = "zenflow::accumulate_";
+
+// Independent float64 partial sums of squares per block: a multiple of every vector width.
+constexpr int64_t kLanes = 16;
+
+void check_tensor(const at::Tensor& t, const char* op, const char* name, bool allow_bf16,
+                  int64_t numel) {
+  TORCH_CHECK(t.device().is_cpu(), op, ": ", name, " must be on the CPU, got ", t.device());
+  const bool ok = t.scalar_type() == at::kFloat ||
+                  (allow_bf16 && t.scalar_type() == at::kBFloat16);
+  TORCH_CHECK(ok, op, ": ", name, " must be Float", allow_bf16 ? " or BFloat16" : "", ", got ",
+              t.scalar_type());
+  TORCH_CHECK(t.is_contiguous(), op, ": ", name,
+              " must be contiguous (pass a contiguous tensor, not a view with strides ",
+              t.strides(), ")");
+  TORCH_CHECK(t.numel() == numel, op, ": ", name, " has ", t.numel(), " elements, expected ",
+              numel);
+}
+
+inline float load_float(const float* x, int64_t i) { return x[i]; }
+inline float load_float(const c10::BFloat16* x, int64_t i) { return load_grad_scalar(x, i); }
+
+template <typename SrcT>
+double accumulate_blocks(float* dst, const SrcT* src, int64_t numel, float scale, bool overwrite,
+                         bool sumsq, int team) {
+  const int64_t num_blocks = (numel + kBlockElems - 1) / kBlockElems;
+  std::vector<double> partial(sumsq ? num_blocks : 0, 0.0);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(team) if (num_blocks > 1)
+  for (int64_t block = 0; block < num_blocks; ++block) {
+    const int64_t begin = block * kBlockElems;
+    const int64_t end = begin + kBlockElems < numel ? begin + kBlockElems : numel;
+    double lanes[kLanes] = {0.0};
+    int64_t i = begin;
+    for (; i + kLanes <= end; i += kLanes) {
+      for (int64_t k = 0; k < kLanes; ++k) {
+        const float x = load_float(src, i + k);
+        const float out = overwrite ? scale * x : fused_mul_add(scale, x, dst[i + k]);
+        dst[i + k] = out;
+        if (sumsq) lanes[k] += static_cast<double>(out) * out;
+      }
+    }
+    for (; i < end; ++i) {
+      const float x = load_float(src, i);
+      const float out = overwrite ? scale * x : fused_mul_add(scale, x, dst[i]);
+      dst[i] = out;
+      if (sumsq) lanes[0] += static_cast<double>(out) * out;
+    }
+    if (sumsq) {
+      double total = 0.0;
+      for (int64_t k = 0; k < kLanes; ++k) total += lanes[k];
+      partial[block] = total;
+    }
+  }
+  double total = 0.0;
+  for (double p : partial) total += p;
+  return total;
+}
+
+double accumulate_(const at::Tensor& dst, const at::Tensor& src, double scale, bool overwrite,
+                   bool sumsq, int64_t num_threads) {
+  const int64_t numel = dst.numel();
+  check_tensor(dst, kAccumOp, "dst", false, numel);
+  check_tensor(src, kAccumOp, "src", true, numel);
+  TORCH_CHECK(num_threads >= 0, kAccumOp, ": num_threads must be >= 0 (0 = OpenMP default), got ",
+              num_threads);
+  if (numel == 0) return 0.0;
+  const int team = num_threads > 0 ? static_cast<int>(num_threads) : omp_get_max_threads();
+  const float s = static_cast<float>(scale);
+  float* d = dst.data_ptr<float>();
+  if (src.scalar_type() == at::kFloat) {
+    return accumulate_blocks(d, src.data_ptr<float>(), numel, s, overwrite, sumsq, team);
+  }
+  return accumulate_blocks(d, src.data_ptr<c10::BFloat16>(), numel, s, overwrite, sumsq, team);
+}
+
+// A span whose elements take per-element constants from tables already positioned at the
+// span's first element (column c0 of a row): entry i holds element i's column.
+template <typename GradT>
+inline void run_span_tables(int64_t len, float* p, const GradT* g, float* m, float* v,
+                            c10::BFloat16* pb, const StepConsts& c, const float* inv_tab,
+                            const float* neg_tab) {
+  int64_t i = 0;
+  for (; i + kWidth <= len; i += kWidth)
+    step_vector(i, p, g, m, v, pb, c, vec_load(inv_tab + i), vec_load(neg_tab + i));
+  for (; i < len; ++i) step_scalar(i, p, g, m, v, pb, c, inv_tab[i], neg_tab[i]);
+}
+
+struct Run {
+  int64_t j0;   // first position in the compact layout
+  int64_t c0;   // its column id
+  int64_t len;  // consecutive columns
+};
+
+std::vector<Run> runs_of(const int64_t* idx, int64_t n) {
+  std::vector<Run> runs;
+  int64_t j = 0;
+  while (j < n) {
+    int64_t len = 1;
+    while (j + len < n && idx[j + len] == idx[j] + len) ++len;
+    runs.push_back({j, idx[j], len});
+    j += len;
+  }
+  return runs;
+}
+
+template <typename GradT>
+void compact_step(float* p, const GradT* g, float* m, float* v, c10::BFloat16* pb,
+                  const int64_t* idx, int64_t n, int64_t num_cols, int64_t inner,
+                  int64_t column_dim, const StepConsts& c, BiasConsts scalar,
+                  const int64_t* steps, double lr, double beta1, double beta2, int team) {
+  if (column_dim == 0) {
+    // Column idx[j] is row idx[j] of the param: `inner` contiguous elements; compact row j.
+    const int64_t per_block = inner >= kBlockElems ? 1 : kBlockElems / inner;
+    const int64_t num_blocks = (n + per_block - 1) / per_block;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(team) if (num_blocks > 1)
+    for (int64_t block = 0; block < num_blocks; ++block) {
+      const int64_t j_end = (block + 1) * per_block < n ? (block + 1) * per_block : n;
+      for (int64_t j = block * per_block; j < j_end; ++j) {
+        const BiasConsts b =
+            steps == nullptr ? scalar : bias_consts(steps[idx[j]], lr, beta1, beta2);
+        const int64_t off = idx[j] * inner;
+        run_range(0, inner, p + off, g + j * inner, m + off, v + off,
+                  pb == nullptr ? nullptr : pb + j * inner, c, b);
+      }
+    }
+    return;
+  }
+  // column_dim 1: `inner` rows of num_cols columns; compact rows of n.
+  const std::vector<Run> runs = runs_of(idx, n);
+  std::vector<float> inv_tab, neg_tab;
+  if (steps != nullptr) {
+    inv_tab.resize(num_cols + kWidth);
+    neg_tab.resize(num_cols + kWidth);
+    for (const Run& r : runs) {
+      int64_t last_step = 0;
+      BiasConsts last{};
+      for (int64_t k = 0; k < r.len; ++k) {
+        const int64_t col = r.c0 + k;
+        if (steps[col] != last_step) {
+          last = bias_consts(steps[col], lr, beta1, beta2);
+          last_step = steps[col];
+        }
+        inv_tab[col] = last.inv_bc2_sqrt;
+        neg_tab[col] = last.neg_step_size;
+      }
+    }
+  }
+  const int64_t rows = inner;
+  const int64_t per_block = n >= kBlockElems ? 1 : kBlockElems / n;
+  const int64_t num_blocks = (rows + per_block - 1) / per_block;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(team) if (num_blocks > 1)
+  for (int64_t block = 0; block < num_blocks; ++block) {
+    const int64_t r_end = (block + 1) * per_block < rows ? (block + 1) * per_block : rows;
+    for (int64_t r = block * per_block; r < r_end; ++r) {
+      for (const Run& run : runs) {
+        const int64_t po = r * num_cols + run.c0;
+        const int64_t go = r * n + run.j0;
+        c10::BFloat16* pbo = pb == nullptr ? nullptr : pb + go;
+        if (steps == nullptr) {
+          run_range(0, run.len, p + po, g + go, m + po, v + po, pbo, c, scalar);
+        } else {
+          run_span_tables(run.len, p + po, g + go, m + po, v + po, pbo, c,
+                          inv_tab.data() + run.c0, neg_tab.data() + run.c0);
+        }
+      }
+    }
+  }
+}
+
+void adamw_compact_step_(const at::Tensor& param, const at::Tensor& grad,
+                         const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+                         const at::Tensor& index, int64_t column_dim,
+                         const std::optional<at::Tensor>& image, int64_t step, double lr,
+                         double beta1, double beta2, double eps, double weight_decay,
+                         double grad_scale, bool adamw_mode, int64_t num_threads,
+                         const std::optional<at::Tensor>& col_steps) {
+  TORCH_CHECK(param.dim() == 2, kCompactOp, ": param must be 2-D, got ", param.dim(), " dims");
+  TORCH_CHECK(column_dim == 0 || column_dim == 1, kCompactOp,
+              ": column_dim must be 0 or 1, got ", column_dim);
+  const int64_t numel = param.numel();
+  check_tensor(param, kCompactOp, "param", false, numel);
+  check_tensor(exp_avg, kCompactOp, "exp_avg", false, numel);
+  check_tensor(exp_avg_sq, kCompactOp, "exp_avg_sq", false, numel);
+  TORCH_CHECK(index.device().is_cpu() && index.scalar_type() == at::kLong && index.dim() == 1 &&
+                  index.is_contiguous(),
+              kCompactOp, ": index must be a contiguous 1-D Long CPU tensor, got ",
+              index.scalar_type(), " with ", index.dim(), " dims on ", index.device());
+  const int64_t num_cols = param.size(column_dim);
+  const int64_t inner = param.size(1 - column_dim);
+  const int64_t n = index.numel();
+  const int64_t* idx = index.data_ptr<int64_t>();
+  for (int64_t j = 0; j < n; ++j) {
+    TORCH_CHECK(idx[j] >= 0 && idx[j] < num_cols && (j == 0 || idx[j] > idx[j - 1]), kCompactOp,
+                ": index must be strictly increasing column ids in [0, ", num_cols,
+                "), got ", idx[j], " at position ", j);
+  }
+  check_tensor(grad, kCompactOp, "grad", true, n * inner);
+  if (image.has_value()) {
+    TORCH_CHECK(image->scalar_type() == at::kBFloat16, kCompactOp,
+                ": image must be BFloat16, got ", image->scalar_type());
+    TORCH_CHECK(image->device().is_cpu() && image->is_contiguous() && image->numel() == n * inner,
+                kCompactOp, ": image must be a contiguous CPU tensor of ", n * inner,
+                " elements (the compact layout)");
+  }
+  TORCH_CHECK(step >= 1, kCompactOp, ": step must be >= 1 (1-based, for bias correction), got ",
+              step);
+  TORCH_CHECK(num_threads >= 0, kCompactOp,
+              ": num_threads must be >= 0 (0 = OpenMP default), got ", num_threads);
+  TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0, kCompactOp, ": beta1 must be in [0, 1), got ", beta1);
+  TORCH_CHECK(beta2 >= 0.0 && beta2 < 1.0, kCompactOp, ": beta2 must be in [0, 1), got ", beta2);
+  const int64_t* steps = nullptr;
+  if (col_steps.has_value()) {
+    const at::Tensor& cs = *col_steps;
+    TORCH_CHECK(cs.device().is_cpu() && cs.scalar_type() == at::kLong && cs.dim() == 1 &&
+                    cs.is_contiguous() && cs.numel() == num_cols,
+                kCompactOp, ": col_steps must be a contiguous 1-D Long CPU tensor of ", num_cols,
+                " entries (one per column id), got ", cs.numel(), " ", cs.scalar_type());
+    steps = cs.data_ptr<int64_t>();
+    for (int64_t j = 0; j < n; ++j) {
+      TORCH_CHECK(steps[idx[j]] >= 1, kCompactOp,
+                  ": col_steps must be >= 1 (1-based, for bias correction), got ",
+                  steps[idx[j]], " for column ", idx[j]);
+    }
+  }
+  if (n == 0 || inner == 0) return;
+  const int team = num_threads > 0 ? static_cast<int>(num_threads) : omp_get_max_threads();
+  const StepConsts c =
+      make_step_consts(lr, beta1, beta2, eps, weight_decay, grad_scale, adamw_mode);
+  const BiasConsts scalar = bias_consts(step, lr, beta1, beta2);
+  float* p = param.data_ptr<float>();
+  float* m = exp_avg.data_ptr<float>();
+  float* v = exp_avg_sq.data_ptr<float>();
+  c10::BFloat16* pb = image.has_value() ? image->data_ptr<c10::BFloat16>() : nullptr;
+  if (grad.scalar_type() == at::kFloat) {
+    compact_step(p, grad.data_ptr<float>(), m, v, pb, idx, n, num_cols, inner, column_dim, c,
+                 scalar, steps, lr, beta1, beta2, team);
+  } else {
+    compact_step(p, grad.data_ptr<c10::BFloat16>(), m, v, pb, idx, n, num_cols, inner,
+                 column_dim, c, scalar, steps, lr, beta1, beta2, team);
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(zenflow, CPU, m) {
+  m.impl("adamw_compact_step_", &adamw_compact_step_);
+  m.impl("accumulate_", &accumulate_);
+}
+
+}  // namespace zenflow

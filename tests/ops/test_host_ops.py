@@ -1,0 +1,198 @@
+"""The compact host ops (csrc/host_ops.cpp) against their plain references and the full op.
+
+``adamw_compact_step_`` updates the non-selected columns of a weight's host state from a
+gradient in the compact layout ``W.index_select(column_dim, index)``. Three checks per
+case: element-wise against the PyTorch reference (gather, reference step, scatter), bit
+for bit against the full-shape native ``adamw_step_`` on the same elements (the compact op
+computes each element with the same instructions), and the other columns untouched. Odd
+shapes put run and row boundaries inside vectors and across the 64K-element blocks;
+thread counts 1..3 must give the same bits.
+
+``accumulate_`` is ``dst = scale*src`` or ``dst = fma(scale, src, dst)``; it is checked
+against the reference to an fp32 ulp, bit-identical across thread counts, and its sum of
+squares against float64.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zenflow.ops import (
+    accumulate_,
+    accumulate_reference_,
+    adamw_compact_step_,
+    adamw_compact_step_reference_,
+    adamw_step_,
+)
+
+HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.05)
+# (rows, cols): a 1x1, odd shapes, one with 64K-element blocks crossing rows
+SHAPES = [(1, 1), (3, 7), (17, 33), (65, 257), (5, 20011)]
+THREADS = (1, 2, 3)
+
+
+def _index(cols: int, share: float, seed: int) -> torch.Tensor:
+    """Sorted non-selected column ids: random, with runs of consecutive ids and gaps."""
+    gen = torch.Generator().manual_seed(seed)
+    n = max(1, round(cols * share))
+    return torch.randperm(cols, generator=gen)[:n].sort().values
+
+
+def _state(shape, seed):
+    gen = torch.Generator().manual_seed(seed)
+    param = torch.randn(shape, generator=gen)
+    exp_avg = 0.1 * torch.randn(shape, generator=gen)
+    exp_avg_sq = 0.01 * torch.rand(shape, generator=gen)
+    return param, exp_avg, exp_avg_sq
+
+
+def _compact_shape(shape, column_dim, n):
+    out = list(shape)
+    out[column_dim] = n
+    return tuple(out)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("column_dim", [0, 1])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("per_column", [False, True])
+def test_compact_step_matches_reference_and_full_op(
+    native, shape, column_dim, grad_dtype, per_column
+):
+    if column_dim == 0:
+        shape = (shape[1], shape[0])  # columns are rows: [C, out]
+    cols = shape[column_dim]
+    index = _index(cols, 0.8, seed=cols)
+    n = index.numel()
+    gen = torch.Generator().manual_seed(7)
+    grad = torch.randn(_compact_shape(shape, column_dim, n), generator=gen).to(grad_dtype)
+    col_steps = None
+    if per_column:  # far-apart counts, as after hand-overs
+        col_steps = torch.tensor([(1, 2, 100, 10**6)[j % 4] for j in range(cols)])
+    kw = dict(HYPER, step=3, grad_scale=0.25, col_steps=col_steps)
+
+    init = _state(shape, seed=1)
+    native_state = [t.clone() for t in init]
+    image = torch.zeros(grad.shape, dtype=torch.bfloat16)
+    p, m, v = native_state
+    adamw_compact_step_(p, grad, m, v, index, column_dim, image=image, num_threads=2, **kw)
+
+    ref_state = [t.clone() for t in init]
+    ref_image = torch.zeros(grad.shape, dtype=torch.bfloat16)
+    p, m, v = ref_state
+    adamw_compact_step_reference_(p, grad, m, v, index, column_dim, image=ref_image, **kw)
+    for got, want in zip(native_state, ref_state, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(image.float(), ref_image.float(), atol=1e-2, rtol=1e-2)
+
+    # bit for bit what the full-shape op computes for those elements
+    full_state = [t.index_select(column_dim, index).contiguous() for t in init]
+    full_kw = {}
+    if col_steps is not None:
+        inner = 1 if column_dim == 1 else shape[1]
+        full_kw = {"col_steps": col_steps[index].contiguous(), "col_inner": inner}
+    bf16 = torch.zeros(grad.shape, dtype=torch.bfloat16)
+    adamw_step_(*full_state[:1], grad, *full_state[1:], param_bf16=bf16,
+                **dict(HYPER, step=3, grad_scale=0.25), **full_kw)  # fmt: skip
+    for got, want in zip(native_state, full_state, strict=True):
+        assert torch.equal(got.index_select(column_dim, index), want)
+    assert torch.equal(image, bf16)
+
+    # the selected (other) columns are untouched, and the step did something
+    mask = torch.ones(cols, dtype=torch.bool)
+    mask[index] = False
+    others = mask.nonzero().flatten()
+    for got, before in zip(native_state, init, strict=True):
+        assert torch.equal(
+            got.index_select(column_dim, others), before.index_select(column_dim, others)
+        )
+    assert not torch.equal(native_state[0], init[0])
+
+
+@pytest.mark.parametrize("column_dim", [0, 1])
+def test_compact_step_threads_bit_identical(native, column_dim):
+    shape = (129, 1031) if column_dim == 1 else (1031, 129)
+    index = _index(shape[column_dim], 0.9, seed=3)
+    grad = torch.randn(_compact_shape(shape, column_dim, index.numel())).bfloat16()
+    results = []
+    for threads in THREADS:
+        state = [t.clone() for t in _state(shape, seed=2)]
+        image = torch.empty(grad.shape, dtype=torch.bfloat16)
+        p, m, v = state
+        adamw_compact_step_(p, grad, m, v, index, column_dim, image=image, num_threads=threads,
+                            step=5, **HYPER)  # fmt: skip
+        results.append((state, image))
+    for state, image in results[1:]:
+        assert torch.equal(image, results[0][1])
+        for a, b in zip(state, results[0][0], strict=True):
+            assert torch.equal(a, b)
+
+
+def test_compact_step_rejects_bad_arguments(native):
+    p, m, v = _state((4, 6), seed=0)
+    index = torch.tensor([1, 3, 4])
+    grad = torch.zeros(4, 3)
+    bad = [
+        (dict(index=torch.tensor([3, 1, 4])), "strictly increasing"),
+        (dict(index=torch.tensor([1, 3, 6])), "strictly increasing"),
+        (dict(grad=torch.zeros(4, 4)), "grad has 16 elements"),
+        (dict(column_dim=2), "column_dim must be 0 or 1"),
+        (dict(col_steps=torch.ones(5, dtype=torch.int64)), "col_steps must be"),
+        (dict(col_steps=torch.zeros(6, dtype=torch.int64)), "col_steps must be >= 1"),
+    ]
+    for change, message in bad:
+        args = dict(index=index, grad=grad, column_dim=1, col_steps=None)
+        args.update(change)
+        with pytest.raises(RuntimeError, match=message) as err:
+            adamw_compact_step_(p, args["grad"], m, v, args["index"], args["column_dim"],
+                                step=1, col_steps=args["col_steps"], **HYPER)  # fmt: skip
+        assert "zenflow::adamw_compact_step_" in str(err.value)
+
+
+@pytest.mark.parametrize("numel", [1, 7, 15, 16, 17, 65537, 200003])
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_accumulate_matches_reference(native, numel, src_dtype, overwrite):
+    gen = torch.Generator().manual_seed(numel)
+    start = torch.randn(numel, generator=gen)
+    src = torch.randn(numel, generator=gen).to(src_dtype)
+    got, want = start.clone(), start.clone()
+    sq = accumulate_(got, src, 0.37, overwrite, sumsq=True, num_threads=2)
+    sq_ref = accumulate_reference_(want, src, 0.37, overwrite, sumsq=True)
+    # one fused rounding against the reference's two: within an fp32 ulp of the result
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=2.5e-7)
+    assert sq == pytest.approx(sq_ref, rel=1e-6)
+    assert sq == pytest.approx(float(got.double().square().sum()), rel=1e-6)
+
+
+def test_accumulate_unit_scale_is_the_exact_sum(native):
+    """scale 1: fma(1, x, d) is d + x, so the window sum equals torch's fp32 add exactly."""
+    gen = torch.Generator().manual_seed(0)
+    acc = torch.randn(100003, generator=gen)
+    src = torch.randn(100003, generator=gen).bfloat16()
+    want = acc + src.float()
+    assert accumulate_(acc, src, 1.0, False) == 0.0
+    assert torch.equal(acc, want)
+
+
+def test_accumulate_threads_bit_identical(native):
+    gen = torch.Generator().manual_seed(1)
+    start = torch.randn(300007, generator=gen)
+    src = torch.randn(300007, generator=gen).bfloat16()
+    outs = []
+    for threads in THREADS:
+        dst = start.clone()
+        outs.append((dst, accumulate_(dst, src, 0.5, False, sumsq=True, num_threads=threads)))
+    for dst, sq in outs[1:]:
+        assert torch.equal(dst, outs[0][0])
+        assert sq == outs[0][1]
+
+
+def test_accumulate_rejects_bad_arguments(native):
+    with pytest.raises(RuntimeError, match="zenflow::accumulate_: src has 3 elements"):
+        accumulate_(torch.zeros(4), torch.zeros(3), 1.0, False)
+    with pytest.raises(RuntimeError, match="dst must be Float"):
+        accumulate_(torch.zeros(4, dtype=torch.bfloat16), torch.zeros(4), 1.0, False)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        accumulate_(torch.zeros(4, 2).t(), torch.zeros(8), 1.0, False)
