@@ -13,8 +13,9 @@
 //
 // accumulate_(dst, src, scale, overwrite, sumsq):
 //   dst = scale * src            (overwrite: the first sum of a window; dst is not read)
-//   dst = fma(scale, src, dst)   (otherwise: one rounding, as torch's vectorised add with
-//                                 alpha; with scale 1 it is the plain fp32 sum)
+//   dst = dst + scale * src      (otherwise; the product is rounded to fp32 first, never
+//                                 fused: bit for bit `dst.add_(src.float() * scale)`, what
+//                                 clipping the gradient and then summing it gives)
 // dst fp32, src fp32 or bf16, both contiguous with the same number of elements. The
 // vectorised body and the tail use the same operations, so every element is computed the
 // same way whatever the thread count. With sumsq it returns the sum of squares of
@@ -73,8 +74,9 @@ void check_tensor(const at::Tensor& t, const char* op, const char* name, bool al
 inline float load_float(const float* x, int64_t i) { return x[i]; }
 inline float load_float(const c10::BFloat16* x, int64_t i) { return load_grad_scalar(x, i); }
 
+// fp-contract=off: the compiler must not fuse dst + scale * src into one FMA (see above).
 template <typename SrcT>
-double accumulate_blocks(float* dst, const SrcT* src, int64_t numel, float scale, bool overwrite,
+__attribute__((optimize("fp-contract=off"))) double accumulate_blocks(float* dst, const SrcT* src, int64_t numel, float scale, bool overwrite,
                          bool sumsq, int team) {
   const int64_t num_blocks = (numel + kBlockElems - 1) / kBlockElems;
   std::vector<double> partial(sumsq ? num_blocks : 0, 0.0);
@@ -86,15 +88,15 @@ double accumulate_blocks(float* dst, const SrcT* src, int64_t numel, float scale
     int64_t i = begin;
     for (; i + kLanes <= end; i += kLanes) {
       for (int64_t k = 0; k < kLanes; ++k) {
-        const float x = load_float(src, i + k);
-        const float out = overwrite ? scale * x : fused_mul_add(scale, x, dst[i + k]);
+        const float prod = scale * load_float(src, i + k);
+        const float out = overwrite ? prod : dst[i + k] + prod;
         dst[i + k] = out;
         if (sumsq) lanes[k] += static_cast<double>(out) * out;
       }
     }
     for (; i < end; ++i) {
-      const float x = load_float(src, i);
-      const float out = overwrite ? scale * x : fused_mul_add(scale, x, dst[i]);
+      const float prod = scale * load_float(src, i);
+      const float out = overwrite ? prod : dst[i] + prod;
       dst[i] = out;
       if (sumsq) lanes[0] += static_cast<double>(out) * out;
     }

@@ -12,7 +12,7 @@ from zenflow.config import ENGINE_FIELD_DOCS, ConfigError, EngineOptions, load_c
 def test_defaults_when_absent():
     cfg = load_config({})
     assert cfg.engine == EngineOptions()
-    assert cfg.engine.stream_grads is True
+    assert cfg.engine.stream_grads == "auto"
     assert cfg.engine.grad_accumulation == "host"
 
 
@@ -40,6 +40,7 @@ def test_problems_are_collected_with_paths():
     text = str(err.value)
     assert 'did you mean "stream_grads"' in text
     assert '"host" or "device"' in text
+    assert 'true or false or "auto"' in text
 
 
 def test_block_must_be_an_object():

@@ -91,6 +91,11 @@ def test_engine_matches_reference(case, accelerator, clip):
         update_interval=ui, select_every=zf["select_interval"], overlap=zf["overlap_step"],
         warmup_rounds=zf.get("full_warm_up_rounds", 0), auto_ratio=0.99, clip=clip,
     )  # fmt: skip
+    # Bit for bit where the gradient is whole (the CPU device sums it in place). Streamed
+    # (sim), the global norm is summed from the pieces as they pass (another rounding order
+    # than the reference's per-tensor norms), so with clipping the coefficient may differ
+    # in its last bit; the schedule (windows, applied steps, selections) must still match.
+    tol = 0.0 if engine.resolved["accelerator"] == "cpu" or clip == 0 else 1e-6
     moved = 0
     mixed_counts = False
     with engine:
@@ -103,7 +108,7 @@ def test_engine_matches_reference(case, accelerator, clip):
             assert st.skipped == (i in skip_at)
             for n, p, r in zip(names, model.parameters(), ref["history"][i], strict=True):
                 torch.testing.assert_close(
-                    p.detach(), r, atol=0, rtol=0, msg=lambda m, n=n, i=i: f"{i} {n}: {m}"
+                    p.detach(), r, atol=tol, rtol=tol, msg=lambda m, n=n, i=i: f"{i} {n}: {m}"
                 )
             engine.zero_grad()
             mixed_counts |= any(

@@ -23,11 +23,13 @@ SCRIPT = textwrap.dedent(
     from zenflow import ZenFlowEngine
     phase, path, n, accel = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[5]
     zf, bf16 = eval(sys.argv[4]), sys.argv[6] == "bf16"
+    stream = {{"zfctl": {{"stream_grads": True}}}} if sys.argv[7] == "stream" else {{}}
     torch.manual_seed(0)
     model = MLP()
     batches = mlp_batches(2 * n)
     kw = dict(host_kernel="reference", accelerator=accel, sim_strict=True, min_numel=1000)
-    engine = ZenFlowEngine(model, make_config(zf, clip=1.0, bf16={{"enabled": bf16}}), **kw)
+    cfg = make_config(zf, clip=1.0, bf16={{"enabled": bf16}}, **stream)
+    engine = ZenFlowEngine(model, cfg, **kw)
     if phase == "first":
         train_engine(engine, model, batches[:n])
         torch.save({{"model": model.state_dict(), "engine": engine.state_dict()}}, path)
@@ -83,7 +85,9 @@ AUTO = {"topk_ratio": 0.2, "update_interval": "auto", "select_interval": 5, "ove
         (FIXED, "cpu", "cpu", "fp32"),
         (AUTO, "cpu", "cpu", "fp32"),
         (AUTO, "sim", "sim", "fp32"),
-        (FIXED, "sim", "cpu", "fp32"),  # saved on one device type, continued on another
+        # saved on one device type, continued on another; the CPU device streams too, so
+        # that both halves sum the global norm from the same pieces (bitwise comparable)
+        (FIXED, "sim", "cpu", "fp32-stream"),
     ],
     ids=["sim-overlap", "sim-overlap-bf16", "cpu-overlap", "cpu-auto-warmup",
          "sim-auto-warmup", "sim-to-cpu"],
@@ -91,10 +95,12 @@ AUTO = {"topk_ratio": 0.2, "update_interval": "auto", "select_interval": 5, "ove
 def test_resume_in_fresh_process(tmp_path, zf, first, second, dtype):
     n = 7
     a, b = tmp_path / "resumed.pt", tmp_path / "straight.pt"
-    _run(tmp_path, "first", a, n, repr(zf), first, dtype)
+    dtype, _, stream = dtype.partition("-")
+    stream = stream or "-"
+    _run(tmp_path, "first", a, n, repr(zf), first, dtype, stream)
     mid = torch.load(a, weights_only=True)
-    _run(tmp_path, "second", a, n, repr(zf), second, dtype)
-    _run(tmp_path, "straight", b, n, repr(zf), second, dtype)
+    _run(tmp_path, "second", a, n, repr(zf), second, dtype, stream)
+    _run(tmp_path, "straight", b, n, repr(zf), second, dtype, stream)
     resumed, straight = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
     assert resumed["engine"]["global_step"] == 2 * n
     _assert_equal_tree(resumed, straight)

@@ -104,6 +104,9 @@ def test_strict_mode_catches_a_missing_wait(which):
     except OverflowError:  # poisoned step counts (int64 min) reached the bias correction
         assert which == "h2d"  # the counts come to the device at the first selection
         return
+    except RuntimeError as exc:  # the source guard: a bucket rewritten under its copy
+        assert "source guard" in str(exc)
+        return
     bad = [n for (n, p), q in zip(broken.named_parameters(), faithful.parameters(), strict=True)
            if not torch.equal(p, q)]  # fmt: skip
     assert bad, "dropping a wait went unnoticed"

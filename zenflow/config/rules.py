@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import json
 import math
 import types
 from collections.abc import Mapping, Sequence
@@ -532,7 +533,7 @@ def _resolve_batch(r: _Reader, raw: Mapping, world_size: int) -> tuple[int | Non
 
 
 _ENGINE_FIELDS = tuple(f.name for f in dataclasses.fields(EngineOptions))
-_ENGINE_CHOICES = {"grad_accumulation": ("host", "device")}
+_ENGINE_CHOICES = {"grad_accumulation": ("host", "device"), "stream_grads": (True, False, "auto")}
 
 
 def _parse_engine(r: _Reader, raw: Mapping) -> EngineOptions:
@@ -555,16 +556,16 @@ def _parse_engine(r: _Reader, raw: Mapping) -> EngineOptions:
     for f in dataclasses.fields(EngineOptions):
         default = getattr(d, f.name)
         path = f"zfctl.{f.name}"
-        if isinstance(default, bool):
-            values[f.name] = r.boolean(block, f.name, path, default)
-        elif f.name in _ENGINE_CHOICES:
+        if f.name in _ENGINE_CHOICES:
             choices = _ENGINE_CHOICES[f.name]
             value = block.get(f.name, default)
-            if value not in choices:
-                allowed = " or ".join(f'"{c}"' for c in choices)
+            if not any(value is c or (isinstance(c, str) and value == c) for c in choices):
+                allowed = " or ".join(json.dumps(c) for c in choices)
                 r.problem(path, value, f"must be {allowed}", f"set {f.name} to {allowed}")
                 value = default
             values[f.name] = value
+        elif isinstance(default, bool):
+            values[f.name] = r.boolean(block, f.name, path, default)
     return EngineOptions(**values)
 
 

@@ -153,8 +153,10 @@ class ZenFlowConfig:
 ENGINE_FIELD_DOCS: dict[str, str] = {
     "stream_grads": "Move each gradient off the device during backward, as soon as it is "
     "final for the micro-batch (selected columns kept on the device, the rest copied to "
-    "the host, the gradient freed), so the device never holds a whole-model gradient "
-    "(true/false; false keeps whole gradients until the optimizer step).",
+    "the host, the gradient freed), so the device never holds a whole-model gradient: "
+    'true, false (whole gradients until the optimizer step) or "auto" (on for a separate '
+    "device, cuda or sim; off on the CPU device, where the gradient already is host memory "
+    "and is summed where autograd writes it).",
     "grad_accumulation": "Where micro-batches are summed when gradient_accumulation_steps > 1: "
     '"host" (each micro-batch streams to the host, which sums them in fp32: least device '
     'memory, one copy of the gradient per micro-batch) or "device" (autograd sums them in '
@@ -168,8 +170,8 @@ class EngineOptions:
     """The top-level ``zfctl`` block (engine settings DeepSpeed has no key for; DeepSpeed
     ignores the block). Field docs: ENGINE_FIELD_DOCS."""
 
-    stream_grads: bool = True
-    """Stream gradients off the device during backward (see ENGINE_FIELD_DOCS)."""
+    stream_grads: bool | str = "auto"
+    """Stream gradients off the device during backward: true, false or "auto"."""
     grad_accumulation: str = "host"
     """Where micro-batches are summed: "host" or "device"."""
 

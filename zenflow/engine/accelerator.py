@@ -1,23 +1,30 @@
 """The accelerator layer: every device-specific thing the engine does goes through here.
 
-Streams, events, asynchronous copies, pinned host memory, device-memory accounting and the
-core split (ZENFLOW.md sections 2b-2c). Three backends with one interface:
+Streams, events, asynchronous copies, pinned host memory, device- and host-memory
+accounting, the core split, phase timing and the count of synchronisations (ZENFLOW.md
+sections 2b-2c). Three backends with one interface:
 
-- ``cuda``: torch.cuda. Copies run on a dedicated copy stream, ordered against the compute
-  stream by events; host buffers are pinned. (Written against torch.cuda's documented API;
-  no GPU was available to this project, so this branch has not run.)
+- ``cuda``: torch.cuda. Copies run on two dedicated copy streams (one per direction),
+  ordered against the compute stream by events; host buffers are pinned; events the host
+  waits on block instead of spinning; phases are timed with CUDA events, never with a full
+  synchronize.
 - ``cpu``: the device IS the host. Copies are synchronous ``copy_`` calls (still counted:
   they cost memory bandwidth); ``shared_memory`` tells the engine it may take zero-copy
   paths.
 - ``sim``: a simulated accelerator for machines without a GPU. It runs on the CPU but
   behaves as a separate device: device and host tensors are separate allocations; every copy
   between them is carried out by a copy-engine thread (one per direction, like a GPU's two
-  DMA engines) at a modelled bandwidth and latency and completes an event; in strict mode a
-  copy's destination is poisoned (NaN, or the most negative integer) from enqueue until the
-  copy completes, so a read that does not wait for its event corrupts the result; device
-  memory is accounted per holder with an optional budget that raises
-  :class:`DeviceOutOfMemory`; "device compute" (the training thread) runs on a reserved share
-  of the cores and the host side (worker, accumulator, copy engines) on the rest.
+  DMA engines) at a modelled bandwidth and latency and completes an event. Strict mode
+  poisons a copy's destination (NaN, or the most negative integer) from enqueue until the
+  copy completes, so a read that does not wait for its event corrupts the result, and
+  checksums a copy's source at enqueue and again when the copy runs, so a buffer rewritten
+  before its copy completed fails loudly (the source guard). Lag mode starts every copy late
+  by a random delay, as a GPU running behind the CPU would. ``synchronize`` waits for every
+  copy engine (a hidden full sync shows up as stall). Device memory is accounted per holder,
+  with a peak and an optional budget that raises :class:`DeviceOutOfMemory`; "device
+  compute" (the training thread) runs on a reserved share of the cores and the host side
+  (worker, accumulator, copy engines) on the rest. A profile (``zenflow.engine.
+  sim_profiles``) scales the link so that compute:link matches a named GPU box.
 
 The engine never calls torch.cuda, ``pin_memory`` or ``non_blocking`` itself.
 
@@ -25,16 +32,22 @@ Events: ``query()`` -> bool, ``synchronize()`` blocks the calling thread. Orderi
 engine follows (the same on every backend): a copy reads its source when it executes, so
 the source must not change until the copy's event completes; a copy's destination must not
 be read until its event completes (``wait`` on the host, ``compute_wait`` for device work).
+
+Synchronisation count (``syncs``): ``synchronize()`` (a full device sync) and ``read()`` (a
+device-to-host read of a few scalars, which waits for the device work before it) are the
+only two ways the engine and the trainer wait for the device on the training thread; each
+is counted, per step, in ``StepStats.full_syncs`` / ``d2h_reads``.
 """
 
 from __future__ import annotations
 
 import os
 import queue
+import random
 import threading
 import time
 import weakref
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass
 
 import torch
@@ -44,9 +57,11 @@ from zenflow.errors import EngineError
 KINDS = ("cpu", "sim", "cuda")
 # Modelled PCIe for ``sim``: 25 GB/s per direction and 10 us per copy, what a PCIe 4.0 x16
 # link sustains for large pinned copies (32 GB/s raw, ~80% achieved) and the launch cost of
-# a cudaMemcpyAsync. Overridable per instance.
+# a cudaMemcpyAsync. Overridable per instance, and by a profile.
 SIM_BANDWIDTH = 25e9
 SIM_LATENCY_S = 10e-6
+# Copy log entries kept for the overlap figure (a few steps' worth of pieces).
+_COPY_LOG = 4096
 
 
 def cores() -> int:
@@ -58,7 +73,13 @@ def cores() -> int:
 
 
 class DeviceOutOfMemory(EngineError):
-    """The (simulated) device's memory budget would be exceeded."""
+    """The device's memory (a simulated budget, or CUDA's) would be exceeded."""
+
+
+OOM_FIX = (
+    "Fix: enable bf16, lower topk_ratio, use --gradient-checkpointing or a smaller "
+    "micro-batch / sequence, or a device with more memory (zfctl estimate shows what fits)."
+)
 
 
 @dataclass
@@ -71,6 +92,18 @@ class Traffic:
     def reset(self) -> None:
         self.d2h_bytes = 0
         self.h2d_bytes = 0
+
+
+@dataclass
+class SyncCounts:
+    """Waits for the device on the training thread: full syncs and device->host reads."""
+
+    full: int = 0
+    reads: int = 0
+
+    def reset(self) -> None:
+        self.full = 0
+        self.reads = 0
 
 
 class DoneEvent:
@@ -90,20 +123,41 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def checksum(t: torch.Tensor) -> int:
+    """A cheap checksum of a tensor's bytes (the source guard): the sum of its 16- or 32-bit
+    words, position-weighted so that swapped words change it too."""
+    flat = t.detach().reshape(-1)
+    if flat.numel() == 0:
+        return 0
+    if flat.element_size() % 4 == 0:
+        words = flat.view(torch.int32)
+    elif flat.element_size() == 2:
+        words = flat.view(torch.int16)
+    else:
+        words = flat.view(torch.uint8)
+    w = words.to(torch.int64)
+    return int(w.sum()) * 1_000_003 + int((w * (torch.arange(w.numel()) % 251)).sum())
+
+
 class Accelerator:
-    """Common interface and the memory accounting shared by every backend."""
+    """Common interface, the memory accounting and the sync count shared by every backend."""
 
     kind = "?"
     shared_memory = False  # device and host are the same memory (zero-copy paths allowed)
+    models_pinning = False  # host buffers asked to be pinned are pinned (or modelled so)
 
     def __init__(self, device: torch.device, *, budget_bytes: int | None = None):
         self.device = device
         self.budget_bytes = budget_bytes
         self.traffic = Traffic()
-        self._held: dict[str, int] = defaultdict(int)  # holder tag -> bytes
+        self.syncs = SyncCounts()
+        self._held: dict[str, int] = defaultdict(int)  # holder tag -> device bytes
+        self._host: dict[str, int] = defaultdict(int)  # holder tag -> host bytes
+        self._pinned = 0
+        self._peak = 0
         self._lock = threading.Lock()
 
-    # ---------------------------------------------------------------- memory
+    # ---------------------------------------------------------------- device memory
     def _account(self, tag: str, nbytes: int) -> None:
         with self._lock:
             total = sum(self._held.values()) + nbytes
@@ -113,10 +167,10 @@ class Accelerator:
                 raise DeviceOutOfMemory(
                     f"{self.kind} device out of memory: {tag} needs {nbytes / 2**20:.1f} MiB "
                     f"but {total - nbytes:,} of the {self.budget_bytes:,}-byte budget are "
-                    f"held (largest holders: {top}). Fix: lower topk_ratio, enable bf16, use "
-                    "a smaller micro-batch, or raise the device memory budget."
+                    f"held (largest holders: {top}). {OOM_FIX}"
                 )
             self._held[tag] += nbytes
+            self._peak = max(self._peak, total)
 
     def _unaccount(self, tag: str, nbytes: int) -> None:
         with self._lock:
@@ -146,6 +200,16 @@ class Accelerator:
         call it between steps). CUDA reads the allocator; the others the accounting."""
         return sum(self.held().values())
 
+    def peak_bytes(self) -> int:
+        """The largest ``device_bytes`` since ``reset_peak`` (backward included: streamed
+        gradients and buckets in flight are accounted when they exist)."""
+        with self._lock:
+            return max(self._peak, sum(self._held.values()))
+
+    def reset_peak(self) -> None:
+        with self._lock:
+            self._peak = sum(self._held.values())
+
     def empty(self, shape, dtype, tag: str) -> torch.Tensor:
         """An uninitialised device tensor, accounted under ``tag``."""
         return self.track(torch.empty(shape, dtype=dtype, device=self.device), tag)
@@ -153,12 +217,42 @@ class Accelerator:
     def zeros(self, shape, dtype, tag: str) -> torch.Tensor:
         return self.empty(shape, dtype, tag).zero_()
 
-    def host_empty(self, shape, dtype=torch.float32, pin: bool = False) -> torch.Tensor:
-        """An uninitialised host tensor (pinned where the backend supports it and ``pin``)."""
-        return torch.empty(shape, dtype=dtype)
+    # ---------------------------------------------------------------- host memory
+    def _pin(self, t_shape, dtype) -> torch.Tensor:
+        return torch.empty(t_shape, dtype=dtype)
 
-    def host_zeros(self, shape, dtype=torch.float32, pin: bool = False) -> torch.Tensor:
-        return self.host_empty(shape, dtype, pin).zero_()
+    def host_empty(self, shape, dtype=torch.float32, pin: bool = False, tag: str = "host"):
+        """An uninitialised host tensor, accounted under ``tag``; pinned (page-locked) when
+        ``pin`` and the backend pins (cuda) or models pinning (sim). Pin only what crosses
+        the link: staging, images, landing buffers; never the master or the moments."""
+        pinned = pin and self.models_pinning
+        t = self._pin(shape, dtype) if pinned else torch.empty(shape, dtype=dtype)
+        n = _nbytes(t)
+        with self._lock:
+            self._host[tag] += n
+            if pinned:
+                self._pinned += n
+        weakref.finalize(t, self._host_free, tag, n, pinned)
+        return t
+
+    def _host_free(self, tag: str, n: int, pinned: bool) -> None:
+        with self._lock:
+            self._host[tag] -= n
+            if pinned:
+                self._pinned -= n
+
+    def host_zeros(self, shape, dtype=torch.float32, pin: bool = False, tag: str = "host"):
+        return self.host_empty(shape, dtype, pin, tag).zero_()
+
+    def host_held(self) -> dict[str, int]:
+        """Host bytes per holder allocated through this layer (engine state and buffers)."""
+        with self._lock:
+            return {k: v for k, v in self._host.items() if v}
+
+    def pinned_bytes(self) -> int:
+        """Page-locked host bytes (modelled on sim)."""
+        with self._lock:
+            return self._pinned
 
     # ---------------------------------------------------------------- copies
     def copy_d2h(self, dst: torch.Tensor, src: torch.Tensor, after=None):
@@ -172,7 +266,7 @@ class Accelerator:
 
     def to_host(self, src: torch.Tensor) -> torch.Tensor:
         """A new host tensor holding device ``src``, waited for (checkpoints, hand-over)."""
-        dst = self.host_empty(src.shape, src.dtype)
+        dst = torch.empty(src.shape, dtype=src.dtype)
         self.copy_d2h(dst, src).synchronize()
         return dst
 
@@ -181,6 +275,11 @@ class Accelerator:
         dst = self.empty(src.shape, src.dtype, tag)
         self.compute_wait(self.copy_h2d(dst, src))
         return dst
+
+    def to_device_input(self, t: torch.Tensor) -> torch.Tensor:
+        """A model input (a batch) on the device, without a host wait where the backend can
+        (cuda: from pinned memory, non-blocking)."""
+        return t.to(self.device)
 
     def record_compute(self):
         """An event completing when the device work issued so far has run."""
@@ -191,10 +290,44 @@ class Accelerator:
         event.synchronize()
 
     def synchronize(self) -> None:
-        """Wait for all device work and copies."""
+        """Wait for all device work and copies: a full sync, counted. The engine and the
+        trainer never call it in a step (phases are timed with ``mark``)."""
+        self.syncs.full += 1
+
+    def read(self, values: list[torch.Tensor]) -> list[float]:
+        """Device scalars to Python floats in one device-to-host read (counted): the one
+        wait for the device that a step may do (loss, norm and the auto-interval masses
+        together)."""
+        self.syncs.reads += 1
+        if not values:
+            return []
+        return torch.stack([v.detach().reshape(()).double() for v in values]).cpu().tolist()
+
+    # ---------------------------------------------------------------- timing
+    def mark(self):
+        """A point on the device's timeline (phase timing without a sync)."""
+        return time.perf_counter()
+
+    def elapsed_ms(self, start, end) -> float:
+        """Milliseconds between two marks; call it after the device passed ``end`` (the
+        step's read guarantees that for marks taken before it)."""
+        return (end - start) * 1e3
+
+    def note_compute(self, start: float, end: float) -> None:
+        """The device was busy computing from ``start`` to ``end`` (perf_counter seconds):
+        what the overlap figure measures copies against (sim only)."""
+
+    def overlap_share(self) -> float | None:
+        """Share of the link bytes of the copies completed since the last call that moved
+        while device compute was busy (sim); None where it is not measured."""
+        return None
 
     def close(self) -> None:
         """Stop background threads (idempotent)."""
+
+    def bind_thread(self) -> None:
+        """Call first in every background thread that touches the device (cuda: the
+        thread's current device; without it a rank's thread opens a context on GPU 0)."""
 
     # ---------------------------------------------------------------- threads
     def compute_threads(
@@ -283,43 +416,62 @@ def poison_(t: torch.Tensor) -> None:
         t.fill_(torch.iinfo(t.dtype).min)
 
 
+class SourceChanged(RuntimeError):
+    """The sim's source guard: a copy's source changed between enqueue and execution."""
+
+
 class _CopyEngine:
     """One DMA engine: a thread executing copies in order. A copy of B bytes occupies the
     engine for latency + B / bandwidth of wall time and its data lands at the END of that
     time (the host-side memcpy is started just early enough, from a running estimate of its
     own speed), so the destination holds poison, not data, until just before the event
-    completes and a reader that skips the wait is caught. The source is read then too: a
-    source changed while its copy is in flight shows up as well."""
+    completes and a reader that skips the wait is caught. The source is read then too: with
+    the guard on, its checksum taken at enqueue is compared first. With ``lag`` each copy
+    starts up to that many seconds late (a GPU running behind the host)."""
 
-    def __init__(self, name: str, bandwidth: float, latency: float):
-        self.bandwidth = bandwidth
-        self.latency = latency
+    def __init__(self, name: str, sim: SimAccelerator):
+        self.name = name
+        self.sim = sim
         self.busy_s = 0.0  # modelled busy time, for tests and stats
         self._memcpy_rate = 5e9  # bytes/s of the host-side copy, a running estimate
         self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._rng = random.Random(sim.lag_seed * 2 + (name == "h2d"))
         self._thread = threading.Thread(target=self._run, name=f"zenflow-sim-{name}", daemon=True)
         self._thread.start()
 
-    def submit(self, dst, src, after, event: SimEvent) -> None:
-        self._q.put((dst, src, after, event))
+    def submit(self, dst, src, after, event: SimEvent, guard: int | None) -> None:
+        self._q.put((dst, src, after, event, guard))
 
     def _run(self) -> None:
         torch.set_num_threads(1)  # copies stay off the device's reserved cores
+        sim = self.sim
         while True:
             item = self._q.get()
             if item is None:
                 return
-            dst, src, after, event = item
+            if isinstance(item, threading.Event):  # a synchronize() marker
+                item.set()
+                continue
+            dst, src, after, event, guard = item
             try:
                 if after is not None:
                     after.synchronize()
+                if sim.lag_s > 0:
+                    time.sleep(self._rng.uniform(0.0, sim.lag_s))
                 t0 = time.perf_counter()
                 n = _nbytes(src)
-                model = self.latency + n / self.bandwidth
+                model = sim.latency + n / sim.bandwidth
                 self.busy_s += model
                 start = model - n / self._memcpy_rate
                 if start > 0:
                     time.sleep(start)
+                if guard is not None and checksum(src) != guard:
+                    raise SourceChanged(
+                        f"sim source guard: the source of a {self.name} copy of {n:,} bytes "
+                        f"{tuple(src.shape)} {src.dtype} changed between enqueue and execution "
+                        "(a buffer was rewritten before its copy's event completed: a missing "
+                        "wait)"
+                    )
                 c0 = time.perf_counter()
                 dst.copy_(src)
                 took = time.perf_counter() - c0
@@ -328,9 +480,18 @@ class _CopyEngine:
                 left = model - (time.perf_counter() - t0)
                 if left > 0:
                     time.sleep(left)
-            except BaseException as e:  # surfaced by the waiter
+                sim._log_copy(t0, time.perf_counter(), n)
+            except BaseException as e:  # surfaced by the waiter, and kept
                 event.error = e
+                if isinstance(e, SourceChanged):
+                    sim.guard_violations.append(str(e))
             event._set()
+
+    def drain(self) -> None:
+        """Block until every copy queued before this call has run."""
+        marker = threading.Event()
+        self._q.put(marker)
+        marker.wait()
 
     def close(self) -> None:
         self._q.put(None)
@@ -341,6 +502,7 @@ class SimAccelerator(Accelerator):
     """A separate device simulated on the CPU (see the module docstring)."""
 
     kind = "sim"
+    models_pinning = True
 
     def __init__(
         self,
@@ -349,15 +511,23 @@ class SimAccelerator(Accelerator):
         latency: float = SIM_LATENCY_S,
         strict: bool = False,
         budget_bytes: int | None = None,
+        lag_s: float = 0.0,
+        lag_seed: int = 0,
+        profile=None,
     ):
         super().__init__(torch.device("cpu"), budget_bytes=budget_bytes)
         self.strict = strict
         self.bandwidth = bandwidth
         self.latency = latency
-        self._engines = {
-            "d2h": _CopyEngine("d2h", bandwidth, latency),
-            "h2d": _CopyEngine("h2d", bandwidth, latency),
-        }
+        self.lag_s = float(lag_s)
+        self.lag_seed = int(lag_seed)
+        self.profile = profile  # a calibrated sim_profiles.Calibration, or None
+        self.guard_violations: list[str] = []
+        self._copies: deque = deque(maxlen=_COPY_LOG)  # (start, end, bytes)
+        self._compute: deque = deque(maxlen=_COPY_LOG)  # (start, end)
+        self._log_lock = threading.Lock()
+        self._overlap_since = 0.0
+        self._engines = {"d2h": _CopyEngine("d2h", self), "h2d": _CopyEngine("h2d", self)}
         self._closed = False
 
     def _copy(self, dst, src, direction: str, after):
@@ -374,10 +544,12 @@ class SimAccelerator(Accelerator):
                 after.synchronize()
             dst.copy_(src)
             return DONE
+        guard = None
         if self.strict:
             poison_(dst)  # readers that do not wait for the event see poison
+            guard = checksum(src)  # the source guard: compared again when the copy runs
         event = SimEvent()
-        self._engines[direction].submit(dst, src, after, event)
+        self._engines[direction].submit(dst, src, after, event, guard)
         return event
 
     def copy_d2h(self, dst, src, after=None):
@@ -386,9 +558,54 @@ class SimAccelerator(Accelerator):
     def copy_h2d(self, dst, src, after=None):
         return self._copy(dst, src, "h2d", after)
 
+    def synchronize(self) -> None:
+        """Wait for every copy engine (a full sync on a GPU waits for its copy streams too)."""
+        super().synchronize()
+        if not self._closed:
+            for engine in self._engines.values():
+                engine.drain()
+
     def busy_s(self, direction: str) -> float:
         """Modelled busy seconds of one copy engine so far."""
         return self._engines[direction].busy_s
+
+    # ---------------------------------------------------------------- overlap figure
+    def _log_copy(self, start: float, end: float, nbytes: int) -> None:
+        with self._log_lock:
+            self._copies.append((start, end, nbytes))
+
+    def note_compute(self, start: float, end: float) -> None:
+        if end > start:
+            with self._log_lock:
+                self._compute.append((start, end))
+
+    def overlap_share(self) -> float | None:
+        """Share of the bytes of copies that ended since the last call which moved while
+        the device computed: each copy's bytes are spread evenly over its interval and the
+        part inside recorded compute intervals counts."""
+        with self._log_lock:
+            since = self._overlap_since
+            copies = [c for c in self._copies if c[1] > since]
+            compute = sorted(self._compute)
+            if copies:
+                self._overlap_since = max(c[1] for c in copies)
+        total = sum(c[2] for c in copies)
+        if total == 0:
+            return None
+        inside = 0.0
+        for start, end, nbytes in copies:
+            length = end - start
+            if length <= 0:
+                continue
+            covered = 0.0
+            for c0, c1 in compute:
+                if c1 <= start:
+                    continue
+                if c0 >= end:
+                    break
+                covered += min(end, c1) - max(start, c0)
+            inside += nbytes * min(1.0, covered / length)
+        return inside / total
 
     def close(self) -> None:
         if not self._closed:
@@ -397,10 +614,17 @@ class SimAccelerator(Accelerator):
                 e.close()
 
     def describe(self) -> str:
-        return (
-            f"sim (simulated accelerator on the CPU: {self.bandwidth / 1e9:g} GB/s copies, "
-            f"{self.latency * 1e6:g} us latency{', strict' if self.strict else ''})"
+        mode = ", ".join(
+            x for x in ("strict" if self.strict else "", f"lag <= {self.lag_s * 1e3:g} ms"
+                        if self.lag_s else "") if x
+        )  # fmt: skip
+        text = (
+            f"sim (simulated accelerator on the CPU: {self.bandwidth / 1e9:.4g} GB/s copies, "
+            f"{self.latency * 1e6:g} us latency{', ' + mode if mode else ''})"
         )
+        if self.profile is not None:
+            text += f"; profile {self.profile.describe()}"
+        return text
 
 
 class CudaEvent:
@@ -418,37 +642,51 @@ class CudaEvent:
         self.event.synchronize()
 
 
-class CudaAccelerator(Accelerator):
-    """A CUDA device: a dedicated copy stream, events, pinned host buffers.
+def _cuda_event(timing: bool = False):
+    # blocking=True: a host thread waiting on it sleeps instead of spinning on a core the
+    # core split gave to someone else.
+    return torch.cuda.Event(blocking=True, enable_timing=timing)
 
-    Not run here (no GPU in this project): written against torch.cuda's documented API.
-    """
+
+class CudaAccelerator(Accelerator):
+    """A CUDA device: two copy streams, events, pinned host buffers, the caching
+    allocator's counters for device memory."""
 
     kind = "cuda"
+    models_pinning = True
 
     def __init__(self, device: torch.device, *, pin: bool = True):
         super().__init__(device)
         self.pin = pin
+        self.models_pinning = pin
+        torch.cuda.set_device(device)
         # one stream per direction, like the GPU's two copy engines (and sim's)
         self.streams = {"d2h": torch.cuda.Stream(device=device),
                         "h2d": torch.cuda.Stream(device=device)}  # fmt: skip
+        self._input_pool: dict[tuple, torch.Tensor] = {}
 
-    def host_empty(self, shape, dtype=torch.float32, pin: bool = False) -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype, pin_memory=pin and self.pin)
+    def _pin(self, shape, dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+    def bind_thread(self) -> None:
+        torch.cuda.set_device(self.device)
 
     def _copy(self, dst, src, direction: str, after, dev_tensor):
         compute = torch.cuda.current_stream(self.device)
         stream = self.streams[direction]
-        ready = torch.cuda.Event()
+        ready = _cuda_event()
         ready.record(compute)  # the source (d2h) / the destination's last reader (h2d)
         with torch.cuda.stream(stream):
             stream.wait_event(ready)
             if after is not None:
-                stream.wait_event(after.event)
+                if isinstance(after, CudaEvent):
+                    stream.wait_event(after.event)
+                else:
+                    after.synchronize()
             dst.copy_(src, non_blocking=True)
             # the caching allocator must not reuse the device block before the copy ran
             dev_tensor.record_stream(stream)
-            done = torch.cuda.Event()
+            done = _cuda_event()
             done.record(stream)
         if direction == "d2h":
             self.traffic.d2h_bytes += _nbytes(src)
@@ -462,8 +700,31 @@ class CudaAccelerator(Accelerator):
     def copy_h2d(self, dst, src, after=None):
         return self._copy(dst, src, "h2d", after, dst)
 
+    def to_host(self, src: torch.Tensor) -> torch.Tensor:
+        dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+        self.copy_d2h(dst, src).synchronize()
+        return dst
+
+    def to_device_input(self, t: torch.Tensor) -> torch.Tensor:
+        # A pageable host->device copy waits for the compute stream (a hidden sync per
+        # micro-batch); from a pinned buffer it is queued. The buffer is reused once the
+        # copy that last read it is done.
+        key = (tuple(t.shape), t.dtype)
+        entry = self._input_pool.get(key)
+        if entry is not None:
+            entry[1].synchronize()
+            buf = entry[0]
+        else:
+            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        buf.copy_(t)
+        out = buf.to(self.device, non_blocking=True)
+        done = _cuda_event()
+        done.record(torch.cuda.current_stream(self.device))
+        self._input_pool[key] = (buf, done)
+        return out
+
     def record_compute(self):
-        ev = torch.cuda.Event()
+        ev = _cuda_event()
         ev.record(torch.cuda.current_stream(self.device))
         return CudaEvent(ev)
 
@@ -474,10 +735,25 @@ class CudaAccelerator(Accelerator):
             event.synchronize()
 
     def synchronize(self) -> None:
+        self.syncs.full += 1
         torch.cuda.synchronize(self.device)
+
+    def mark(self):
+        ev = _cuda_event(timing=True)
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def elapsed_ms(self, start, end) -> float:
+        return float(start.elapsed_time(end))
 
     def device_bytes(self) -> int:
         return int(torch.cuda.memory_allocated(self.device))
+
+    def peak_bytes(self) -> int:
+        return int(torch.cuda.max_memory_allocated(self.device))
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
 
     def rng_state(self) -> dict:
         return {"cuda": torch.cuda.get_rng_state(self.device)}
@@ -491,8 +767,8 @@ class CudaAccelerator(Accelerator):
 
 
 def device_synchronize(device: torch.device) -> None:
-    """Wait for all work queued on ``device`` (for timing a phase); a no-op off CUDA, where
-    device work runs synchronously on the calling thread."""
+    """Wait for all work queued on ``device``; a no-op off CUDA. Not for timing: use an
+    accelerator's ``mark``/``elapsed_ms`` (a full sync drains the engine's copy streams)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -510,19 +786,34 @@ def make_accelerator(
     strict: bool = False,
     budget_bytes: int | None = None,
     bandwidth: float | None = None,
+    lag_s: float = 0.0,
+    sim_profile: str | None = None,
+    compute_threads: int | None = None,
+    compute_dtype: torch.dtype = torch.float32,
 ) -> Accelerator:
     """The accelerator for ``kind`` ("cpu", "sim", "cuda"; None = cuda if present, else cpu).
 
-    An Accelerator instance is returned as is (tests pass doubles)."""
+    An Accelerator instance is returned as is (tests pass doubles). ``sim_profile`` (sim):
+    a named GPU box (``zenflow.engine.sim_profiles.PROFILES``); the sim core's compute rate
+    is measured on ``compute_threads`` in ``compute_dtype`` and the link scaled to match."""
     if isinstance(kind, Accelerator):
         return kind
     kind = kind or default_kind()
     if kind == "cpu":
         return CpuAccelerator(budget_bytes=budget_bytes)
     if kind == "sim":
+        latency = SIM_LATENCY_S
+        calibration = None
+        if sim_profile is not None:
+            from zenflow.engine.sim_profiles import calibrate
+
+            calibration = calibrate(sim_profile, compute_threads or 1, compute_dtype)
+            bandwidth = calibration.bandwidth
+            latency = calibration.latency
         return SimAccelerator(
-            strict=strict, budget_bytes=budget_bytes, bandwidth=bandwidth or SIM_BANDWIDTH
-        )
+            strict=strict, budget_bytes=budget_bytes, bandwidth=bandwidth or SIM_BANDWIDTH,
+            latency=latency, lag_s=lag_s, profile=calibration,
+        )  # fmt: skip
     if kind == "cuda":
         if not torch.cuda.is_available():
             raise EngineError(

@@ -5,9 +5,10 @@
   weights it is standard mixed precision: fp32 master copies and moments on the device
   (16 bytes per parameter plus the gradient), cast into the bf16 weights after each step.
 - ``OffloadMode`` is classic ZeRO-Offload: every step every gradient goes to the host in
-  the training dtype, the native CPU AdamW updates the fp32 master, and every weight comes
-  back (2x the model's bytes of traffic per step). The training thread waits for all of it:
-  that wait is the stall ZenFlow removes.
+  the training dtype (streamed during backward, like ZenFlow's, so the comparison is
+  fair), the native CPU AdamW updates the fp32 master, and every weight comes back (2x
+  the model's bytes of traffic per step). The training thread waits for all of it: that
+  wait is the stall ZenFlow removes.
 """
 
 from __future__ import annotations
@@ -16,40 +17,36 @@ import time
 
 import torch
 
-from zenflow.engine.distributed import sum_of_squares
+from zenflow.engine.copies import (
+    DEVICE_BUCKETS,
+    DP_DEVICE_BUCKETS,
+    bucket_elems_for,
+    plan_chunks,
+)
+from zenflow.engine.distributed import norms_of
 from zenflow.engine.host import HostState, HostTask, run_host_tasks
+from zenflow.engine.transport import Transport
 
 
-def full_host_step(e, items, hp, landing=None, images=None) -> None:
-    """One synchronous host AdamW step for ``items`` = [(param, HostState, col_inner)]:
-    gradients to the host, the native kernel on the host cores, weights back to the device.
-    All of it is stall. ``landing`` / ``images``: persistent host buffers per item (the
-    gradient in the training dtype; the bf16 image of the result), else temporaries."""
+def host_full_step(e, items, hp, coef: float, in_place: bool = False) -> None:
+    """One synchronous host AdamW step of whole parameters whose gradients are on the host
+    already: ``items`` = [(param, HostState, col_inner, grad_host, image_host or None)].
+    The kernel scales the gradient by ``coef`` (the step's clipping) in the same pass and
+    writes a bf16 parameter's result into ``image_host``, which goes back to the device;
+    an fp32 parameter's master does. All of it is stall. ``in_place``: the gradients are
+    autograd's own on a CPU device (zero-copy): counted as device-to-host traffic here, as
+    a copy would have been."""
     accel = e.accel
     t0 = time.perf_counter()
     tasks = []
-    events = []
-    for i, (param, st, inner) in enumerate(items):
-        g = param.grad
-        g = torch.zeros_like(param) if g is None else g.detach()
-        bf16 = param.dtype == torch.bfloat16
-        if accel.shared_memory:
-            # The gradient already is host memory: counted as traffic, not copied again; a
-            # bf16 weight receives the result straight from the kernel's bf16 output.
-            accel.traffic.d2h_bytes += g.numel() * g.element_size()
-            grad = g if g.is_contiguous() else g.contiguous()
-            image = param.data if bf16 and param.data.is_contiguous() else None
-        else:
-            grad = landing[i] if landing is not None else accel.host_empty(g.shape, g.dtype)
-            events.append(accel.copy_d2h(grad, g))
-            image = None
-            if bf16:
-                image = images[i] if images is not None else accel.host_empty(g.shape, g.dtype)
-        tasks.append(HostTask(st, grad, 1.0, inner, image))
-    for ev in events:
-        ev.synchronize()
-    run_host_tasks(tasks, e.kernel(), hp.lr, hp, e.host_threads)
-    for (param, st, _), task in zip(items, tasks, strict=True):
+    for param, st, inner, grad, image in items:
+        if in_place:
+            accel.traffic.d2h_bytes += grad.numel() * grad.element_size()
+        if accel.shared_memory and image is None and param.dtype == torch.bfloat16:
+            image = param.data if param.data.is_contiguous() else None
+        tasks.append(HostTask(st, grad, coef, inner, image))
+    run_host_tasks(tasks, e.kernels(), hp.lr, hp, e.host_threads)
+    for (param, st, _, _, _), task in zip(items, tasks, strict=True):
         src = task.param_bf16 if task.param_bf16 is not None else st.master
         if src is param.data:  # written in place by the kernel
             accel.traffic.h2d_bytes += src.numel() * src.element_size()
@@ -64,7 +61,14 @@ def full_host_step(e, items, hp, landing=None, images=None) -> None:
 
 class OffloadMode:
     """ZeRO-Offload: fp32 master and moments of every parameter on the host (data
-    parallel: of the parameters this rank owns; each owner sends its updated weights)."""
+    parallel: of the parameters this rank owns; each owner sends its updated weights).
+
+    Gradients stream like ZenFlow's (``zenflow.engine.streaming``): each leaves the device
+    as soon as it is final, in contiguous chunks copied straight into a pinned landing
+    buffer (the owner's, after an asynchronous reduce with data parallelism), and is freed;
+    micro-batches summed on the host go through pinned staging into an fp32 sum. The step
+    then waits for every copy (the stall ZenFlow removes), runs the native CPU AdamW with
+    the clipping coefficient folded in, and copies every weight back."""
 
     def __init__(self, engine, masters: dict[str, torch.Tensor]):
         self.e = engine
@@ -72,51 +76,166 @@ class OffloadMode:
         dp = engine.dp
         sizes = [s.param.numel() for s in engine.specs]
         self.owners = dp.owners(sizes) if dp.enabled else [0] * len(sizes)
-        self.items = []
-        self.landing = []
-        self.images = []
+        self.owner_of = {s.name: o for s, o in zip(engine.specs, self.owners, strict=True)}
+        self.zero_copy = accel.shared_memory and not engine.stream_grads
+        self.host_gas = engine.gas > 1 and engine.grad_accumulation == "host" and \
+            not self.zero_copy  # fmt: skip
         self.states = {}
+        self.landing: dict[str, torch.Tensor] = {}
+        self.images: dict[str, torch.Tensor | None] = {}
+        self.chunks = {}
+        pin = engine.pin_link
+        bucket = bucket_elems_for(sizes, [max(s.param.shape) for s in engine.specs], None)
+        bucket = max(bucket, 1) if sizes else 1
         for s, owner in zip(engine.specs, self.owners, strict=True):
+            self.chunks[s.name] = plan_chunks(s.param.numel(), bucket)
             if dp.enabled and not dp.owns(owner):
                 continue
             p = s.param
-            master = accel.host_empty(p.shape, torch.float32, engine.pin)
+            master = accel.host_empty(p.shape, torch.float32, False, "host_state")
             master.copy_(masters[s.name])  # init copy: not a step, not counted
-            st = HostState(
+            self.states[s.name] = HostState(
                 master,
-                accel.host_zeros(p.shape, torch.float32, engine.pin),
-                accel.host_zeros(p.shape, torch.float32, engine.pin),
+                accel.host_zeros(p.shape, torch.float32, False, "host_state"),
+                accel.host_zeros(p.shape, torch.float32, False, "host_state"),
             )
-            self.items.append((p, st, 1))
-            self.states[s.name] = st
-            if not accel.shared_memory:
-                self.landing.append(accel.host_empty(p.shape, p.dtype, engine.pin))
+            if not self.zero_copy:
+                land_dtype = torch.float32 if self.host_gas else p.dtype
+                self.landing[s.name] = accel.host_empty(
+                    (p.numel(),), land_dtype, pin and not self.host_gas, "landing"
+                )
+                self.images[s.name] = None
                 if p.dtype == torch.bfloat16:
-                    self.images.append(accel.host_empty(p.shape, p.dtype, engine.pin))
-                else:
-                    self.images.append(None)
+                    self.images[s.name] = accel.host_empty(p.shape, p.dtype, pin, "image")
+        self.transport = None
+        self.staging = {}
+        if not self.zero_copy:
+            count = DP_DEVICE_BUCKETS if dp.enabled else DEVICE_BUCKETS
+            self.transport = Transport(engine, bucket, count, engine.kernels())
+            if self.host_gas:
+                for s in engine.specs:
+                    if s.name in self.states:
+                        self.staging[s.name] = self.transport.staging(
+                            f"chunks:{s.name}", {c: (c[1] - c[0],) for c in self.chunks[s.name]}
+                        )
+        self.events: list = []
+        self.norms: list[torch.Tensor] = []
+        self.chunk_sq: list[torch.Tensor] = []
+        self.got: set[str] = set()
+        self.routed_last: set[str] = set()
 
-    def sync_grads(self, dp) -> float:
+    # -- streaming (zenflow.engine.streaming)
+    def routes(self, spec) -> bool:
+        return not self.zero_copy
+
+    def take_wait(self) -> float:
+        return self.transport.take_wait() if self.transport is not None else 0.0
+
+    def plan_step(self) -> None:
+        self.events, self.norms, self.chunk_sq = [], [], []
+        self.got, self.routed_last = set(), set()
+
+    def route(self, spec, g: torch.Tensor, n: int, last: bool) -> None:
+        dp = self.e.dp
+        name = spec.name
+        owner = self.owner_of[name]
+        if dp.owns(owner) or not dp.enabled:
+            self.got.add(name)
+        if self.host_gas:
+            if last:
+                self.routed_last.add(name)
+            self.transport.send_whole(
+                g, self.chunks[name], owner, sums=self.landing.get(name),
+                staging=self.staging.get(name), first=n == 0,
+                stat=("sq", name) if last else None,
+            )  # fmt: skip
+            return
+        if not dp.enabled:
+            self.norms.append(torch.linalg.vector_norm(g, 2.0).float())
+        self.transport.send_whole(g, self.chunks[name], owner, landing=self.landing.get(name),
+                                  sq_out=self.chunk_sq if dp.enabled else None,
+                                  events=self.events)  # fmt: skip
+
+    def collect(self) -> None:
+        if self.transport is not None:
+            self.transport.complete()
+
+    def norm_terms(self) -> list[torch.Tensor]:
+        if self.chunk_sq:
+            return [*self.norms, torch.stack(self.chunk_sq).sum().sqrt()]
+        return list(self.norms)
+
+    def host_sq(self) -> float:
+        if not self.host_gas:
+            return 0.0
+        acc = self.transport.accumulator
+        for name in self.got - self.routed_last:
+            key, buf = ("sq", name), self.landing[name]
+
+            def total(buf=buf, key=key):
+                acc.sums[key] = float(buf.double().square().sum())
+
+            acc.call(total)
+        t0 = time.perf_counter()
+        acc.drain()
+        self.e.rec.stall_s += time.perf_counter() - t0
+        keys = [k for k in acc.sums if isinstance(k, tuple) and k[0] == "sq"]
+        return sum(acc.sums.pop(k) for k in keys)
+
+    def skip_step(self) -> None:
+        self._wait()
+
+    def _wait(self) -> None:
+        t0 = time.perf_counter()
+        for ev in self.events:
+            ev.synchronize()
+        self.events = []
+        if self.host_gas:
+            self.transport.accumulator.drain()
+        self.e.rec.stall_s += time.perf_counter() - t0
+
+    # -- the whole-gradient data-parallel path (CPU device without streaming)
+    def sync_grads(self, dp) -> list[torch.Tensor]:
         """Each parameter's averaged gradient to its owner only (reduce-scatter)."""
         grads = [s.param.grad for s in self.e.specs]
         dp.reduce_mean_to_owners_(list(zip(grads, self.owners, strict=True)))
-        return sum_of_squares([g for g, o in zip(grads, self.owners, strict=True) if dp.owns(o)])
+        return norms_of([g for g, o in zip(grads, self.owners, strict=True) if dp.owns(o)])
 
-    def step(self, t: int, hp) -> None:
-        items = [it for it in self.items if it[0].grad is not None]
-        idx = [i for i, it in enumerate(self.items) if it[0].grad is not None]
-        landing = [self.landing[i] for i in idx] if self.landing else None
-        images = [self.images[i] for i in idx] if self.images else None
-        full_host_step(self.e, items, hp, landing, images)
-        dp = self.e.dp
+    def step(self, t: int, hp, coef: float, coef_t) -> None:
+        e = self.e
+        if self.zero_copy:
+            items = [(s.param, self.states[s.name], 1, s.param.grad.detach(), None)
+                     for s in e.specs if s.name in self.states and s.param.grad is not None]
+            host_full_step(e, items, hp, 1.0, in_place=True)
+        else:
+            self._wait()
+            items = []
+            for s in e.specs:
+                if s.name not in self.states:
+                    continue
+                if s.name in self.got:
+                    grad = self.landing[s.name].view(s.param.shape)
+                else:  # unused this step: a zero gradient (AdamW still decays and moves)
+                    grad = torch.zeros(s.param.shape, dtype=torch.float32)
+                items.append((s.param, self.states[s.name], 1, grad, self.images[s.name]))
+            host_full_step(e, items, hp, coef)
+        dp = e.dp
         if dp.enabled:  # every owner's updated weights to every rank
-            for s, owner in zip(self.e.specs, self.owners, strict=True):
+            for s, owner in zip(e.specs, self.owners, strict=True):
                 dp.broadcast_(s.param.data, owner)
 
     def resolved(self) -> dict:
-        return {}
+        if self.zero_copy:
+            return {"grad_path": "summed where autograd writes it (CPU device: no copy)"}
+        return {"grad_path": ("streamed during backward" if self.e.stream_grads else
+                              "at the optimizer step") + ": whole gradients in chunks to "
+                "pinned host landing buffers"}  # fmt: skip
 
     def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+            if self.transport.accumulator.error is not None:
+                return self.transport.accumulator.error
         return None
 
 
@@ -148,13 +267,22 @@ class DeviceMode:
             self.optimizer = cls(self.masters, foreach=True, **kw)
             self.impl = "foreach"
 
-    def sync_grads(self, dp) -> float:
+    def routes(self, spec) -> bool:
+        return False  # the gradients stay on the device: the optimizer is there
+
+    def plan_step(self) -> None:
+        return None
+
+    def take_wait(self) -> float:
+        return 0.0
+
+    def sync_grads(self, dp) -> list[torch.Tensor]:
         """Every rank updates every parameter: all gradients averaged everywhere."""
         grads = [s.param.grad for s in self.e.specs]
         dp.allreduce_mean_(grads)
-        return sum_of_squares(grads) if dp.rank == 0 else 0.0
+        return norms_of(grads) if dp.rank == 0 else []
 
-    def step(self, t: int, hp) -> None:
+    def step(self, t: int, hp, coef: float, coef_t) -> None:
         t0 = time.perf_counter()
         for group in self.optimizer.param_groups:
             group["lr"] = hp.lr

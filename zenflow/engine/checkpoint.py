@@ -12,7 +12,8 @@ final; every gradient piece on its way to the host is added). Its result is NOT 
 early: the state records it as "pending" and the loaded engine applies it at the next
 window end, exactly when the uninterrupted run would have. Window sums are stored full
 shape with the selected columns zeroed, so a checkpoint is independent of the transport
-(summed in place on a CPU device, or piece by piece on the host) and of the buffer slot.
+(summed in place on a CPU device, or piece by piece on the host in the compact layout of
+the non-selected columns) and of the buffer slot.
 """
 
 from __future__ import annotations
@@ -82,8 +83,13 @@ def engine_state_dict(engine) -> dict:
             continue
         acc = torch.zeros(w.spec.param.shape, dtype=torch.float32)
         if impl.window_len > 0 and w.nonsel_host is not None:
-            cur = _host(w.acc[impl.slot]) if accel.shared_memory else w.acc[impl.slot]
-            acc.index_copy_(w.cd, w.nonsel_host, cur.index_select(w.cd, w.nonsel_host))
+            if impl.zero_copy:
+                cur = _host(w.acc[impl.slot]).index_select(w.cd, w.nonsel_host)
+            elif w.fresh[impl.slot]:  # no gradient reached it this window yet: zero
+                cur = torch.zeros(w.compact_shape())
+            else:
+                cur = w.acc[impl.slot].view(w.compact_shape())
+            acc.index_copy_(w.cd, w.nonsel_host, cur)
         weights[w.spec.name]["host"] = {
             "master": _host(w.host.master),
             "exp_avg": _host(w.host.exp_avg),
@@ -202,12 +208,16 @@ def load_engine_state(engine, sd: dict) -> None:
         w.host.exp_avg_sq.copy_(h["exp_avg_sq"])
         w.host.steps.counts.copy_(h["steps"])
         w.host.steps.recheck()
-        for a in w.acc:
-            a.zero_()
-        if accel.shared_memory:
+        if impl.zero_copy:
+            for a in w.acc:
+                a.zero_()
             _fill_device(w.acc[0], h["grad_accum_sum"], accel)
         else:
-            w.acc[0].copy_(h["grad_accum_sum"])
+            w.fresh = [True] * len(w.acc)
+            if w.nonsel_host is not None and int(z["window_len"]) > 0:
+                cols = h["grad_accum_sum"].index_select(w.cd, w.nonsel_host)
+                w.acc[0].view(w.compact_shape()).copy_(cols)
+                w.fresh[0] = False
     for d in engine.dense:
         src = z["dense"][d.spec.name]
         if d.master is not None:
@@ -224,9 +234,10 @@ def load_engine_state(engine, sd: dict) -> None:
     # a finished, not yet applied host step: applied at the next window end (its image is
     # packed again from the loaded master, exactly what the worker packed)
     impl.inflight = None
+    impl.last_applied = None
     if p is not None:
         impl.inflight = HostJob(window_start=p["window_start"], submit_step=p["submit_step"])
-        if impl.stream:
+        if not impl.zero_copy:
             for w in impl.zweights:
                 if w.owned:
                     w.pack_image()

@@ -1,16 +1,26 @@
 """The bucketed copy pipeline between the device and the host (separate-memory devices).
 
-Non-selected gradient columns leave the device in *pieces*: a piece is a run of a weight's
-non-selected columns (positions ``c0:c1`` of its sorted non-selected index list) small
-enough that ``rows * (c1 - c0) <= bucket_elems``. Each piece is gathered on the device into
-one of two device buckets (training dtype), copied to a pinned host staging buffer by the
-copy engine, and handed to the host accumulator; updated columns come back the same way in
-reverse (a host image piece -> a device bucket -> scattered into the weight by index).
+Non-selected gradient columns leave the device in *pieces*. A weight's non-selected
+columns, gathered along its column axis, form its *compact* block
+(``W.index_select(column_dim, nonsel)``: ``[rows, n]`` for an nn.Linear, ``[n, other]`` for
+a Conv1D or an embedding); a piece is a run of the compact block's rows, so pieces are
+contiguous, in order, in the compact layout (``Piece.offset``). Each piece is gathered on
+the device into a device bucket (training dtype), copied to a pinned host staging buffer
+on the copy engine, and handed to the host accumulator, which adds it into the window's
+fp32 sum, kept in the same compact layout (a contiguous multiply-add: ``zenflow.ops.
+accumulate_``). Updated columns come back the same way in reverse: the host step writes
+the compact bf16 image of the updated columns, piece by piece it goes to a device bucket
+and is scattered into the weight by index.
 
-Device memory for copies is therefore ``2 * bucket_elems`` elements of the training dtype,
-whatever the model size (ZENFLOW.md 2b: staging "small, per bucket"). Two buckets let the
-gather of piece i+1 overlap the copy of piece i; a bucket is reused only after its last copy
-completed (d2h) or its last scatter ran (h2d): the event rules of ``zenflow.engine.
+A *whole* gradient (warm-up steps, the first selection, the offload engine) goes to the
+host without a gather: its flat storage is cut into contiguous chunks of at most a bucket
+(``plan_chunks``), each copied into a bucket and from there to the host, so the gradient
+can be freed at once and the device never holds more than the buckets in flight.
+
+Device memory for copies is ``buckets * bucket_elems`` elements of the training dtype,
+whatever the model size (ZENFLOW.md 2b: staging "small, per bucket"). Several buckets let
+the gather of piece i+1 overlap the copy of piece i; a bucket is reused only after its last
+copy completed (d2h) or its last scatter ran (h2d): the event rules of ``zenflow.engine.
 accelerator``.
 """
 
@@ -24,22 +34,25 @@ import torch
 from zenflow.engine.accelerator import DONE, Accelerator
 
 DEFAULT_BUCKET_ELEMS = 1 << 22  # 4M elements: 8 MiB of bf16 per device bucket
+DEVICE_BUCKETS = 2  # one copying while the next fills; data parallel keeps more in flight
+DP_DEVICE_BUCKETS = 4
 
 
 @dataclass(frozen=True)
 class Piece:
-    """A block of one weight's non-selected columns, moved as one copy.
+    """Rows ``lo:hi`` of a weight's compact block of non-selected columns, moved as one copy.
 
-    A weight whose columns are its last dim (nn.Linear [out, in], an embedding) is cut by
-    ROWS: rows ``lo:hi`` with all their non-selected columns, so each piece reads and writes
-    whole contiguous rows once. A weight whose columns are dim 0 (Conv1D [in, out]: each
-    column is a contiguous row of storage) is cut by non-selected positions ``lo:hi``.
+    Columns along the last dim (nn.Linear [out, in], columns = in): compact ``[out, n]``,
+    the piece is weight rows ``lo:hi`` with all their non-selected columns. Columns along
+    dim 0 (Conv1D [in, out], an embedding [tokens, dim]): compact ``[n, other]``, the piece
+    is non-selected positions ``lo:hi`` (each a contiguous row of storage).
     """
 
     lo: int
     hi: int
     by_rows: bool
     shape: tuple[int, ...]  # the gathered piece's shape
+    offset: int = 0  # first element in the compact layout
 
     @property
     def numel(self) -> int:
@@ -50,11 +63,15 @@ class Piece:
 
     def select(self, t: torch.Tensor, nonsel: torch.Tensor):
         """(view of ``t``, dim, index): ``view.index_select(dim, index)`` is this piece of a
-        full-shape tensor ``t`` (gradient, weight, master, window sum); ``index_add_`` /
-        ``index_copy_`` on the view write it back in place."""
+        full-shape tensor ``t`` (gradient, weight, master); ``index_copy_`` on the view
+        writes it back in place."""
         if self.by_rows:
             return t[self.lo : self.hi], 1, nonsel
         return t, 0, nonsel[self.lo : self.hi]
+
+    def of(self, compact_flat: torch.Tensor) -> torch.Tensor:
+        """This piece's view of a flat buffer in the compact layout (window sum, image)."""
+        return compact_flat[self.offset : self.offset + self.numel].view(self.shape)
 
 
 def plan_pieces(shape: tuple[int, ...], cd: int, n_nonsel: int, bucket_elems: int) -> list[Piece]:
@@ -65,21 +82,34 @@ def plan_pieces(shape: tuple[int, ...], cd: int, n_nonsel: int, bucket_elems: in
     if cd == len(shape) - 1:  # columns are the last dim: cut by rows
         rows = shape[0]
         per = max(1, bucket_elems // n_nonsel)
-        return [Piece(lo, min(rows, lo + per), True, (min(rows, lo + per) - lo, n_nonsel))
-                for lo in range(0, rows, per)]  # fmt: skip
+        return [
+            Piece(lo, min(rows, lo + per), True, (min(rows, lo + per) - lo, n_nonsel),
+                  lo * n_nonsel)
+            for lo in range(0, rows, per)
+        ]  # fmt: skip
     other = shape[1]
     per = max(1, bucket_elems // other)
-    return [Piece(lo, min(n_nonsel, lo + per), False, (min(n_nonsel, lo + per) - lo, other))
-            for lo in range(0, n_nonsel, per)]  # fmt: skip
+    return [
+        Piece(lo, min(n_nonsel, lo + per), False, (min(n_nonsel, lo + per) - lo, other),
+              lo * other)
+        for lo in range(0, n_nonsel, per)
+    ]  # fmt: skip
 
 
-BUCKET_SHARE = 32  # two buckets hold at most 2/32 of the offloaded elements (~6%)
+def plan_chunks(numel: int, bucket_elems: int) -> list[tuple[int, int]]:
+    """Contiguous (start, end) chunks of a flat tensor of ``numel`` elements, each at most
+    ``bucket_elems`` (a whole gradient copied straight from its storage)."""
+    step = max(1, bucket_elems)
+    return [(s, min(numel, s + step)) for s in range(0, numel, step)]
+
+
+BUCKET_SHARE = 64  # each bucket holds at most 1/64 of the offloaded elements
 
 
 def bucket_elems_for(numels: list[int], units: list[int], requested: int | None) -> int:
     """Elements per copy bucket: the requested size (``reduce_bucket_size``, default 4M),
-    capped at 1/32 of the offloaded elements so small models keep their device copy buffers
-    small (two bf16 buckets: at most 0.125 device bytes per parameter), and never below the
+    capped at 1/64 of the offloaded elements so small models keep their device copy buffers
+    small (two bf16 buckets: at most 1/16 device byte per parameter), and never below the
     largest ``unit`` (the longest row or column: a piece holds at least one)."""
     total = sum(numels)
     want = min(requested or DEFAULT_BUCKET_ELEMS, max(1, total // BUCKET_SHARE), max(numels))
@@ -87,19 +117,21 @@ def bucket_elems_for(numels: list[int], units: list[int], requested: int | None)
 
 
 class DeviceBuckets:
-    """Two device buffers of ``elems`` elements (training dtype) and each one's last event."""
+    """``count`` device buffers of ``elems`` elements (training dtype) and each one's last
+    event, used round robin."""
 
-    def __init__(self, accel: Accelerator, elems: int, dtype: torch.dtype):
+    def __init__(self, accel: Accelerator, elems: int, dtype: torch.dtype, count: int = 2):
         self.accel = accel
-        self._flat = [accel.empty((elems,), dtype, "staging") for _ in range(2)]
-        self._busy = [DONE, DONE]
+        self.elems = elems
+        self._flat = [accel.empty((elems,), dtype, "staging") for _ in range(count)]
+        self._busy = [DONE] * count
         self._next = 0
 
     def take(self, shape) -> tuple[int, torch.Tensor]:
         """The next bucket viewed as ``shape``, after its previous use completed (device
         side: the gather/H2D that reuses it waits for that event)."""
         i = self._next
-        self._next = 1 - i
+        self._next = (i + 1) % len(self._flat)
         self.accel.compute_wait(self._busy[i])
         n = 1
         for s in shape:
@@ -112,27 +144,34 @@ class DeviceBuckets:
     def drain(self) -> None:
         for ev in self._busy:
             ev.synchronize()
-        self._busy = [DONE, DONE]
+        self._busy = [DONE] * len(self._flat)
 
 
 class HostStaging:
-    """Pinned host buffers for device->host pieces: one per piece of a step, so the training
-    thread never waits for the accumulator within a step (the host sums a step's pieces
-    while the device runs the next forward/backward; it waits only when the host falls a
-    whole step behind, for that piece). The accumulator gives each buffer back after adding
-    it. Host bytes: one step's non-selected gradient in the training dtype."""
+    """Pinned host buffers for device->host copies, one per key (a piece of a weight): the
+    training thread never waits for the accumulator within a step (the host sums a step's
+    pieces while the device runs on); it waits only when the host falls a whole step
+    behind, for that piece. The accumulator gives each buffer back after adding it. Host
+    bytes: one step's non-selected gradient in the training dtype."""
 
-    def __init__(self, accel: Accelerator, dtype: torch.dtype, pin: bool, shapes: dict):
-        self._buf = {key: accel.host_empty(shape, dtype, pin) for key, shape in shapes.items()}
+    def __init__(self, accel: Accelerator, dtype: torch.dtype, pin: bool, shapes: dict,
+                 tag: str = "staging"):  # fmt: skip
+        self._buf = {
+            key: accel.host_empty(shape, dtype, pin, tag) for key, shape in shapes.items()
+        }
         self._free = {key: threading.Event() for key in shapes}
         for ev in self._free.values():
             ev.set()
 
     def take(self, key) -> torch.Tensor:
-        """The buffer of piece ``key``, once the accumulator is done with its last use."""
+        """The buffer of ``key``, once the accumulator is done with its last use."""
         self._free[key].wait()
         self._free[key].clear()
         return self._buf[key]
 
     def give(self, key) -> None:
         self._free[key].set()
+
+    def wait_all(self) -> None:
+        for ev in self._free.values():
+            ev.wait()

@@ -35,9 +35,26 @@ def _dist():
 
 
 def sum_of_squares(tensors) -> float:
-    """Sum of squares of ``tensors`` (fp32 per tensor, summed in double): a rank's share of
-    the squared global gradient norm."""
-    return sum(float(torch.linalg.vector_norm(t, 2.0, dtype=torch.float32)) ** 2 for t in tensors)
+    """Sum of squares of ``tensors`` (one fused norm per tensor, ``torch._foreach_norm``,
+    fp32; summed in float64 after ONE device-to-host read): a rank's share of the squared
+    global gradient norm."""
+    tensors = [t for t in tensors if t is not None and t.numel()]
+    if not tensors:
+        return 0.0
+    norms = torch._foreach_norm(tensors, 2.0)
+    return float(torch.stack([n.double() for n in norms]).square().sum())
+
+
+def norms_of(tensors) -> list[torch.Tensor]:
+    """Per-tensor L2 norms (fp32 0-d device tensors, one fused call): terms of the global
+    norm that stay on the device until the step's one read."""
+    tensors = [t for t in tensors if t is not None and t.numel()]
+    if not tensors:
+        return []
+    if tensors[0].device.type == "cuda":
+        return [n.float() for n in torch._foreach_norm(tensors, 2.0)]
+    # off CUDA: torch.linalg.vector_norm per tensor, what clip_grad_norm_ computes there
+    return [torch.linalg.vector_norm(t, 2.0).float() for t in tensors]
 
 
 class DataParallel:
@@ -98,34 +115,63 @@ class DataParallel:
 
     def reduce_mean_to_owners_(self, items: list[tuple[torch.Tensor, int]]) -> None:
         """For (tensor, owner) pairs: the owner's tensor becomes the average over ranks; the
-        others' are left as they are (not to be used). One reduce-scatter per dtype: rank r's
-        chunk is the concatenation of what r owns (padded to a common length)."""
+        others' are left as they are (not to be used). ``reduce_scatter_tensor`` over
+        buckets: each bucket's flat input holds rank r's items at chunk r (padded to the
+        bucket's longest chunk), so the temporaries stay within two buckets whatever the
+        model size."""
         d = _dist()
         by_dtype: dict[torch.dtype, list[tuple[torch.Tensor, int]]] = {}
         for t, owner in items:
             by_dtype.setdefault(t.dtype, []).append((t, owner))
         for dtype, group in by_dtype.items():
-            per_rank = [[t for t, o in group if o == r] for r in range(self.world)]
-            lengths = [sum(t.numel() for t in ts) for ts in per_rank]
-            longest = max(lengths)
-            if longest == 0:
+            per_rank_limit = max(1, BUCKET_BYTES // (self.world * group[0][0].element_size()))
+            bucket: list[tuple[torch.Tensor, int]] = []
+            load = [0] * self.world
+            for t, owner in group:
+                if bucket and load[owner] + t.numel() > per_rank_limit:
+                    self._reduce_scatter_bucket(bucket, load, dtype, d)
+                    bucket, load = [], [0] * self.world
+                bucket.append((t, owner))
+                load[owner] += t.numel()
+            if bucket:
+                self._reduce_scatter_bucket(bucket, load, dtype, d)
+
+    def _reduce_scatter_bucket(self, bucket, load, dtype, d) -> None:
+        longest = max(load)
+        if longest == 0:
+            return
+        device = bucket[0][0].device
+        flat = torch.zeros(self.world * longest, dtype=dtype, device=device)
+        offsets = [r * longest for r in range(self.world)]
+        for t, owner in bucket:
+            n = t.numel()
+            flat[offsets[owner] : offsets[owner] + n].copy_(t.reshape(-1))
+            offsets[owner] += n
+        mine = torch.empty(longest, dtype=dtype, device=device)
+        d.reduce_scatter_tensor(mine, flat, op=d.ReduceOp.SUM)
+        self.bytes_sent += flat.numel() * flat.element_size()
+        mine.mul_(1.0 / self.world)
+        off = 0
+        for t, owner in bucket:
+            if owner != self.rank:
                 continue
-            device = group[0][0].device
-            chunks = []
-            for ts, n in zip(per_rank, lengths, strict=True):
-                flat = torch.zeros(longest, dtype=dtype, device=device)
-                if ts:
-                    flat[:n] = torch.cat([t.reshape(-1) for t in ts])
-                chunks.append(flat)
-            mine = torch.empty(longest, dtype=dtype, device=device)
-            d.reduce_scatter(mine, chunks, op=d.ReduceOp.SUM)
-            self.bytes_sent += longest * self.world * mine.element_size()
-            mine.mul_(1.0 / self.world)
-            off = 0
-            for t in per_rank[self.rank]:
-                n = t.numel()
-                t.copy_(mine[off : off + n].view_as(t))
-                off += n
+            n = t.numel()
+            t.copy_(mine[off : off + n].view_as(t))
+            off += n
+
+    # ------------------------------------------------------------------ in the backward
+    def reduce_async(self, tensor: torch.Tensor, owner: int):
+        """Start summing ``tensor`` into ``owner``'s copy (in place); returns the work. The
+        caller scales by 1/world on the owner once the work is done."""
+        d = _dist()
+        self.bytes_sent += tensor.numel() * tensor.element_size()
+        return d.reduce(tensor, dst=owner, op=d.ReduceOp.SUM, async_op=True)
+
+    def allreduce_async(self, tensor: torch.Tensor):
+        """Start summing ``tensor`` over ranks (in place); returns the work."""
+        d = _dist()
+        self.bytes_sent += tensor.numel() * tensor.element_size()
+        return d.all_reduce(tensor, op=d.ReduceOp.SUM, async_op=True)
 
     def allreduce_sum(self, values: list[float]) -> list[float]:
         """Sum a few numbers over ranks (float64 on the CPU with gloo, else on the device)."""

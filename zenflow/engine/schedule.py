@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from zenflow.config.lr_schedule import lr_at
-from zenflow.engine.accelerator import Accelerator, make_accelerator
+from zenflow.engine.accelerator import OOM_FIX, Accelerator, DeviceOutOfMemory, make_accelerator
 from zenflow.engine.baselines import DeviceMode, OffloadMode
 from zenflow.engine.checkpoint import engine_state_dict, load_engine_state
 from zenflow.engine.device_adam import (
@@ -45,8 +45,9 @@ from zenflow.engine.device_adam import (
     adamw_fused_,
     fused_available,
 )
-from zenflow.engine.distributed import DataParallel
+from zenflow.engine.distributed import DataParallel, norms_of
 from zenflow.engine.host import resolve_kernel
+from zenflow.engine.streaming import GradStream
 from zenflow.engine.selection import DEFAULT_MIN_NUMEL, ParamSpec, classify_params
 from zenflow.engine.stats import StepStats
 from zenflow.engine.zenflow_mode import ZenFlowMode
@@ -79,6 +80,24 @@ class DenseState:
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     step: int = 0
+
+
+def resolve_bf16(value, kind: str | None) -> bool:
+    """``bf16.enabled`` resolved for an accelerator kind: ``"auto"`` (the DeepSpeed / HF
+    convention) is on for sim and for a CUDA device with bf16 support, off on the CPU."""
+    if value != "auto":
+        return bool(value)
+    if kind == "sim":
+        return True
+    if kind in (None, "cuda") and torch.cuda.is_available():
+        return bool(torch.cuda.is_bf16_supported())
+    return False
+
+
+def _cores() -> int:
+    from zenflow.engine.accelerator import cores
+
+    return cores()
 
 
 def _device_matches(param_device: torch.device, device: torch.device) -> bool:
@@ -124,6 +143,9 @@ class ZenFlowEngine:
         sim_strict: bool = False,
         device_budget_bytes: int | None = None,
         ranks_per_node: int = 1,
+        masters: dict[str, torch.Tensor] | None = None,
+        sim_lag_s: float = 0.0,
+        sim_profile: str | None = None,
     ):
         if mode not in MODES:
             raise EngineError(f"mode={mode!r} is not allowed: use one of {', '.join(MODES)}.")
@@ -138,15 +160,24 @@ class ZenFlowEngine:
         self.specs = classify_params(model, min_numel)
         if not self.specs:
             raise EngineError("The model has no trainable parameters (requires_grad=True).")
-        self.bf16 = bool(getattr(config, "bf16", False))
+        kind = accelerator if isinstance(accelerator, str) or accelerator is None else \
+            accelerator.kind  # fmt: skip
+        self.bf16 = resolve_bf16(getattr(config, "bf16", False), kind)
         self.dtype = torch.bfloat16 if self.bf16 else torch.float32
         self._check_dtypes()
+        reserved = 0.5
+        if mode == "zenflow" and config.zenflow is not None:
+            reserved = float(config.zenflow.pt_reserved_cores_perc)
         self.accel = make_accelerator(
             accelerator,
             device=self.specs[0].param.device,
-            pin_memory=bool(getattr(config, "pin_memory", False)),
+            pin_memory=bool(getattr(config, "pin_memory", True)),
             strict=sim_strict,
             budget_bytes=device_budget_bytes,
+            lag_s=sim_lag_s,
+            sim_profile=sim_profile,
+            compute_threads=max(1, round(_cores() * reserved)),
+            compute_dtype=self.dtype,
         )
         self.device = self.accel.device
         # the device-side AdamW (zenflow mode): torch's fused kernel where it has one
@@ -160,8 +191,16 @@ class ZenFlowEngine:
                 f"parameters are on {next(iter(devices))}: move the model first "
                 f"(model.to('{self.device}'))."
             )
-        # The pinned host buffers (CUDA only): offload_optimizer.pin_memory.
-        self.pin = self.accel.kind == "cuda" and bool(getattr(config, "pin_memory", False))
+        # Pinned host buffers for what crosses the link (staging, images, landing):
+        # offload_optimizer.pin_memory; pinned on cuda, modelled (accounted) on sim.
+        self.pin_link = bool(getattr(config, "pin_memory", True))
+        self.pin = self.pin_link and self.accel.models_pinning
+        options = getattr(config, "engine", None)
+        stream_opt = getattr(options, "stream_grads", "auto")
+        self.stream_grads = (not self.accel.shared_memory) if stream_opt == "auto" else \
+            bool(stream_opt)  # fmt: skip
+        self.grad_accumulation = getattr(options, "grad_accumulation", "host")
+        self.gas = max(1, int(getattr(config, "gradient_accumulation_steps", 1) or 1))
         self._host_kernel_arg = host_kernel
         self._kernel = None
         self.kernel_name = "-"
@@ -186,7 +225,7 @@ class ZenFlowEngine:
         self.bucket_request = int(getattr(config, "reduce_bucket_size", 0) or 0) or None
         self.dp = DataParallel()
 
-        masters = self._take_masters_and_cast()
+        masters = self._take_masters_and_cast(masters)
         self.model_bytes = sum(s.param.numel() * s.param.element_size() for s in self.specs)
         self.accel.set_held("weights", sum(p.numel() * p.element_size()
                                            for p in model.parameters()))  # fmt: skip
@@ -214,6 +253,11 @@ class ZenFlowEngine:
             self.dense = [self._dense_state(s, masters[s.name]) for s in self.specs
                           if not s.is_zenflow]  # fmt: skip
             self.impl = ZenFlowMode(self, masters)
+        del masters  # the host state holds its own copies now
+        self.stream = GradStream(
+            self, self.impl, streaming=self.stream_grads and mode != "device", gas=self.gas,
+            on_device_accumulation=self.grad_accumulation == "device",
+        )  # fmt: skip
         self.resolved: dict = {
             "mode": mode,
             "accelerator": self.accel.kind,
@@ -221,12 +265,14 @@ class ZenFlowEngine:
             "device_description": self.accel.describe(),
             "dtype": str(self.dtype).replace("torch.", ""),
             "pinned_host_buffers": self.pin,
+            "stream_grads": self.stream_grads and mode != "device",
+            "grad_accumulation": self.grad_accumulation if self.gas > 1 else None,
             "training_threads": self.training_threads,
             "host_threads": self.host_threads,
             "world_size": self.dp.world,
             "steps_per_epoch": steps_per_epoch,
             **self.impl.resolved(),
-            "host_kernel": "-" if mode == "device" else self.kernel_name_now(),
+            "host_kernel": "-" if mode == "device" else self.kernels().name,
             **({"device_update": self.device_update_name()} if mode == "zenflow" else {}),
             "model_bytes": self.model_bytes,
             "gradient_clipping": self.clip,
@@ -250,10 +296,17 @@ class ZenFlowEngine:
                 f"{', '.join(names)}) are not supported with bf16.enabled={self.bf16}: {fix}."
             )
 
-    def _take_masters_and_cast(self) -> dict[str, torch.Tensor]:
+    def _take_masters_and_cast(self, given) -> dict[str, torch.Tensor]:
         """fp32 host copies of the trainable weights (the masters' initial values), then
-        the model in the training dtype on the device."""
-        masters = {s.name: s.param.detach().float().cpu().clone() for s in self.specs}
+        the model in the training dtype on the device. ``given``: masters taken before the
+        model was cast and moved (``prepare_model``), so the device never holds fp32."""
+        if given is not None:
+            missing = [s.name for s in self.specs if s.name not in given]
+            if missing:
+                raise EngineError(f"masters= lacks {', '.join(missing[:3])}.")
+            masters = {s.name: given[s.name] for s in self.specs}
+        else:
+            masters = {s.name: s.param.detach().float().cpu().clone() for s in self.specs}
         if self.bf16 and any(s.param.dtype != torch.bfloat16 for s in self.specs):
             self.model.to(dtype=torch.bfloat16)  # the same Parameter objects, bf16 data
         return masters
@@ -292,15 +345,13 @@ class ZenFlowEngine:
         epochs = 1 if interval == "auto" or strategy == "auto" else int(interval)
         return epochs * int(steps_per_epoch)
 
-    def kernel(self):
-        """The host CPU Adam op (resolved on first use: the native op builds lazily)."""
+    def kernels(self):
+        """The host ops (CPU Adam, its compact twin, the accumulate), resolved on first use:
+        the native ops build lazily."""
         if self._kernel is None:
-            self._kernel, self.kernel_name = resolve_kernel(self._host_kernel_arg)
+            self._kernel = resolve_kernel(self._host_kernel_arg)
+            self.kernel_name = self._kernel.name
         return self._kernel
-
-    def kernel_name_now(self) -> str:
-        self.kernel()
-        return self.kernel_name
 
     # ------------------------------------------------------------------ mode internals
     @property
@@ -360,8 +411,22 @@ class ZenFlowEngine:
         return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
 
     def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()`` (the hook where data-parallel gradient averaging goes)."""
-        loss.backward()
+        """``loss.backward()``. The gradients leave the device during it (the hooks of
+        ``zenflow.engine.streaming``); calling ``loss.backward()`` directly does the same."""
+        try:
+            loss.backward()
+        except torch.OutOfMemoryError as exc:
+            raise self.out_of_memory("backward", exc) from None
+
+    def out_of_memory(self, phase: str, exc: BaseException) -> DeviceOutOfMemory:
+        """A device out-of-memory error as the user error it is (what, where, the fix)."""
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        held = ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in
+                         sorted(self.accel.held().items(), key=lambda kv: -kv[1])[:3])  # fmt: skip
+        return DeviceOutOfMemory(
+            f"{self.accel.kind} device out of memory during {phase} at step "
+            f"{self.global_step + 1} ({first}; engine state held: {held or 'n/a'}). {OOM_FIX}"
+        )
 
     def zero_grad(self) -> None:
         for s in self.specs:
@@ -381,6 +446,7 @@ class ZenFlowEngine:
         self._closed = True
         err = None
         try:
+            self.stream.close()
             err = self.impl.close()
         finally:
             self.accel.close()
@@ -413,34 +479,37 @@ class ZenFlowEngine:
         load_engine_state(self, sd)
 
     # ------------------------------------------------------------------ the step
-    def _local_norm(self):
-        """Global L2 norm of every gradient present, as float and fp32 tensor. Per tensor
-        the reduction accumulates in fp32 (torch does for bf16 too; a bf16 gradient's norm is
-        then rounded to bf16, 0.4% at most, instead of converting the whole gradient to fp32
-        first, which costs 5x the time); across tensors in fp32."""
+    def _norm_terms(self) -> list[torch.Tensor]:
+        """fp32 device tensors whose squares sum to this rank's share of the squared global
+        norm: the per-tensor norms of the gradients still on the device (the always-important
+        parameters', or every gradient without streaming) and the mode's streamed partials.
+        Data parallel: the whole-gradient path averages here (``sync_grads``); the streamed
+        path averaged in the backward, and only the always-important gradients remain."""
+        impl, dp = self.impl, self.dp
+        routed = [s for s in self.specs if self.stream.mode.routes(s)]
+        whole_path = not routed or getattr(impl, "zero_copy", False)
         present = [s.param.grad for s in self.specs if s.param.grad is not None]
-        if not present:
-            return 0.0, None
-        total = torch.linalg.vector_norm(
-            torch.stack([torch.linalg.vector_norm(g.detach(), 2.0).float() for g in present]),
-            2.0,
-        )
-        return float(total), total
-
-    def _synced_norm(self, loss_f):
-        """Data parallel: average the gradients (each rank gets what it needs), then agree
-        on the global norm and the skip in one small all-reduce."""
-        for s in self.specs:  # every rank takes part in every collective, same shapes
-            if s.param.grad is None:
-                s.param.grad = torch.zeros_like(s.param)
-        sq_partial = self.impl.sync_grads(self.dp)
-        bad_loss = float(loss_f is not None and not math.isfinite(loss_f))
-        sq, bad = self.dp.allreduce_sum([sq_partial, bad_loss])
-        norm = math.sqrt(sq) if math.isfinite(sq) and sq >= 0 else float("nan")
-        return norm, torch.tensor(norm, dtype=torch.float32, device=self.device), bad > 0
+        if dp.enabled:
+            for s in self.specs:  # every rank takes part in every collective, same shapes
+                if s.param.grad is None and not impl.routes(s):
+                    s.param.grad = torch.zeros_like(s.param)
+            if whole_path:
+                return impl.sync_grads(dp)
+            rest = [s.param.grad for s in self.specs if not impl.routes(s)]
+            dp.allreduce_mean_(rest)
+            return (norms_of(rest) if dp.rank == 0 else []) + impl.norm_terms()
+        terms = norms_of(present)
+        if not whole_path:
+            terms += impl.norm_terms()
+        return terms
 
     def step(self, loss=None) -> StepStats:
-        """One optimizer step over the gradients in ``param.grad`` -> :class:`StepStats`."""
+        """One optimizer step over the step's gradients -> :class:`StepStats`.
+
+        One device-to-host read per step (``Accelerator.read``): the loss, the global norm
+        and the auto-interval masses together; everything else stays on the device or on
+        the host. With micro-batches summed on the host the norm's host share is waited for
+        too (a host wait, counted as stall)."""
         if self._closed:
             raise RuntimeError("ZenFlowEngine.step() after close().")
         if self._failed is not None:
@@ -449,43 +518,88 @@ class ZenFlowEngine:
             ) from self._failed
         t_start = time.perf_counter()
         self.rec = StepRecord()
-        self.accel.traffic.reset()
         try:
             if self.mode == "zenflow":
                 self.impl.check_worker()
+            self.stream.finish()
+            self.rec.stall_s += self.stream.wait_s
+            if hasattr(self.impl, "collect"):
+                self.impl.collect()
+        except torch.OutOfMemoryError as exc:
+            raise self.out_of_memory("the gradient routing", exc) from None
         except BaseException as e:
-            self._failed = e
+            if self.mode == "zenflow":
+                self._failed = e
             raise
-        loss_f = None if loss is None else float(loss.detach() if torch.is_tensor(loss) else loss)
         t = self.global_step + 1
         self._lr = lr = float(lr_at(self.config, t))
         hp = AdamHyper(lr, *(getattr(self.hp_base, f) for f in _HP_REST))
-        if self.dp.enabled:
-            grad_norm, total, nonfinite = self._synced_norm(loss_f)
+        terms = self._norm_terms()
+        total = (torch.linalg.vector_norm(torch.stack(terms), 2.0) if terms
+                 else torch.zeros((), dtype=torch.float32, device=self.device))  # fmt: skip
+        auto = self.impl.auto_terms() if hasattr(self.impl, "auto_terms") else []
+        loss_t = loss.detach() if torch.is_tensor(loss) else None
+        reads = [total] + auto + ([loss_t] if loss_t is not None else [])
+        values = self.accel.read(reads)
+        norm_local = values[0]
+        auto_vals = values[1 : 1 + len(auto)]
+        if loss_t is not None:
+            loss_f = values[-1]
         else:
-            grad_norm, total = self._local_norm()
-            nonfinite = loss_f is not None and not math.isfinite(loss_f)
-        present = [s.param.grad for s in self.specs if s.param.grad is not None]
-        self.accel.set_held("grads", sum(g.numel() * g.element_size() for g in present))
+            loss_f = None if loss is None else float(loss)
+        host_sq = self.impl.host_sq() if hasattr(self.impl, "host_sq") else 0.0
+        if auto_vals and hasattr(self.impl, "auto_host_masses"):
+            for i, m in enumerate(self.impl.auto_host_masses()):
+                auto_vals[2 * i + 1] += m
+        bad_loss = float(loss_f is not None and not math.isfinite(loss_f))
+        if self.dp.enabled:
+            sq, bad, *auto_vals = self.dp.allreduce_sum(
+                [norm_local * norm_local + host_sq, bad_loss, *auto_vals]
+            )
+            grad_norm = math.sqrt(sq) if math.isfinite(sq) and sq >= 0 else float("nan")
+            nonfinite = bad > 0
+        else:
+            grad_norm = norm_local
+            if host_sq:
+                sq = norm_local * norm_local + host_sq
+                grad_norm = math.sqrt(sq) if math.isfinite(sq) else float("nan")
+            nonfinite = bool(bad_loss)
         skipped = nonfinite or not math.isfinite(grad_norm)
+        coef, coef_t = 1.0, None
+        if not skipped and self.clip > 0:
+            # fp32, as torch computes it on the device: clamp(clip / (norm + 1e-6), max=1)
+            c = torch.clamp(self.clip / (torch.tensor(grad_norm, dtype=torch.float32) + 1e-6),
+                            max=1.0)  # fmt: skip
+            coef = float(c)
+            if coef < 1.0:  # a multiplication by exactly 1 changes nothing
+                coef_t = torch.full((), coef, dtype=torch.float32, device=self.device)
+        if hasattr(self.impl, "plan") and self.impl.plan is not None:
+            self.impl.plan.gate.set(coef, skipped)
         if skipped:
             self.skipped_steps += 1
+            if hasattr(self.impl, "skip_step"):
+                self.impl.skip_step()
         else:
             try:
-                if self.clip > 0 and total is not None:
-                    coef = torch.clamp(self.clip / (total + 1e-6), max=1.0)
-                    if float(coef) < 1.0:  # a multiplication by exactly 1 changes nothing
-                        for g in present:
-                            g.detach().mul_(coef.to(g.dtype))
+                if coef_t is not None:  # what is still on the device is clipped in place
+                    for s in self.specs:
+                        if s.param.grad is not None:
+                            s.param.grad.detach().mul_(coef_t.to(s.param.grad.dtype))
+                if auto_vals and hasattr(self.impl, "auto_update"):
+                    self.impl.auto_update(auto_vals, coef)
                 with torch.no_grad():
-                    self.impl.step(t, hp)
+                    self.impl.step(t, hp, coef, None if self._whole_clipped() else coef_t)
+            except torch.OutOfMemoryError as exc:
+                raise self.out_of_memory("the optimizer step", exc) from None
             except BaseException as e:
                 if self.mode == "zenflow" and self._failed is None:
                     self._failed = e
                 raise
             self.global_step = t
+        self.stream.reset()
         rec = self.rec
-        return StepStats(
+        syncs = self.accel.syncs
+        stats = StepStats(
             step=t,
             lr=lr,
             loss=loss_f,
@@ -496,6 +610,12 @@ class ZenFlowEngine:
             d2h_bytes=self.accel.traffic.d2h_bytes,
             h2d_bytes=self.accel.traffic.h2d_bytes,
             device_bytes=self.accel.device_bytes(),
+            device_peak_bytes=self.accel.peak_bytes(),
+            pinned_host_bytes=self.accel.pinned_bytes(),
+            host_bytes=sum(self.accel.host_held().values()),
+            full_syncs=syncs.full,
+            d2h_reads=syncs.reads,
+            overlap_share=self.accel.overlap_share(),
             host_update=rec.host_update,
             window_len=rec.window_ended,
             selection_changed=rec.moved,
@@ -504,3 +624,13 @@ class ZenFlowEngine:
             warmup=rec.warmup,
             mode=self.mode,
         )
+        # the next step's figures start here (the trainer's forward/backward included)
+        self.accel.traffic.reset()
+        syncs.reset()
+        self.accel.reset_peak()
+        return stats
+
+    def _whole_clipped(self) -> bool:
+        """Whether the mode's gradients were clipped in place with the rest (whole-gradient
+        paths), so the mode must not scale them again."""
+        return getattr(self.impl, "zero_copy", False) or self.mode == "device"

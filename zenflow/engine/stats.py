@@ -34,6 +34,16 @@ class StepStats:
     h2d_bytes: int = 0  # counted at each host->device copy
     # device memory of weights, grads and engine state (no activations); None: not reported
     device_bytes: int | None = 0
+    # the largest device_bytes during the step, backward included (streamed gradients and
+    # buckets in flight); cuda: the allocator's peak, activations included
+    device_peak_bytes: int | None = None
+    pinned_host_bytes: int | None = None  # page-locked host bytes (modelled on sim)
+    host_bytes: int | None = None  # host bytes of engine state and buffers
+    full_syncs: int = 0  # full device synchronizations since the last step (training thread)
+    d2h_reads: int = 0  # device-to-host reads since the last step (training thread)
+    # share of the link bytes copied since the last step that moved while the device
+    # computed (sim only; None elsewhere)
+    overlap_share: float | None = None
     host_update: bool = False  # a host step was applied (or submitted) at this step
     window_len: int = 0  # length of the window that ended here, 0 if none ended
     selection_changed: int = 0  # columns that changed owner at this step

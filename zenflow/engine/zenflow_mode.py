@@ -4,25 +4,37 @@ Per ZenFlow weight W ([out, in] for nn.Linear, columns along ``cd``), k selected
 
 | where | what |
 |---|---|
-| device | W and its gradient in the training dtype (the model's own tensors) |
-| device | selected columns: fp32 master slice (bf16 only: fp32 W is its own master), |
-|        | exp_avg, exp_avg_sq, int64 step count per column |
-| host   | fp32 master, exp_avg, exp_avg_sq of the whole weight, step count per column |
-| host   | fp32 sum of the window's non-selected gradient (2 slots with overlap) |
-| host   | training-dtype image of the non-selected columns, packed for the copy back |
+| device | W in the training dtype (the model's own tensor); its gradient only while backward |
+|        | computes it: each gradient is routed as soon as it is final and freed |
+| device | selected columns: the step's gradient (training dtype), fp32 master slice (bf16    |
+|        | only: fp32 W is its own master), exp_avg, exp_avg_sq, int64 step count per column |
+| host   | fp32 master, exp_avg, exp_avg_sq of the whole weight, step count per column       |
+| host   | fp32 window sum of the non-selected columns, compact (2 slots with overlap)       |
+| host   | pinned: staging for one step's pieces and the image of the non-selected columns   |
+|        | in the training dtype (what goes back to the device), both compact                |
 
-One step t (after warm-up): the selected columns take an exact AdamW step on the device
-(fp32 master slice, cast into W); the non-selected gradient columns go to the host in
-pieces (``zenflow.engine.copies``: gathered into a device bucket, copied on the copy
-engine, added into the fp32 sum by the accumulator thread), never through the training
-thread's arithmetic. On a CPU device (shared memory) the gradient is instead summed where
-autograd wrote it, with no copy at all (ZENFLOW.md section 7).
+One step t (after warm-up): as backward produces W's gradient (``zenflow.engine.streaming``)
+its selected columns are gathered into the device buffer and its non-selected columns go to
+the host in pieces (``zenflow.engine.copies``: gathered into a device bucket, copied on the
+copy engine, added into the fp32 window sum by the accumulator thread, scaled there by the
+step's clipping coefficient once it is known); the gradient is then freed. The step's
+norm, non-finite check and auto-interval masses come from the pieces as they pass (device
+scalars, read once per step with the loss). Then the selected columns take an exact AdamW
+step on the device (fp32 master slice, cast into W). On a CPU device without streaming the
+gradient is instead summed where autograd wrote it, with no copy at all (ZENFLOW.md
+section 7).
+
+Whole-gradient steps: warm-up steps (a full host AdamW of every ZenFlow weight) and the
+first selection (its column scores need the whole gradient) send the whole gradient to the
+host instead, in contiguous chunks.
 
 At the end of a window (every S steps, or the auto trigger) the host AdamW step of the
-window's mean gradient runs on the worker; with ``overlap_step`` it runs while the next
+window's mean gradient runs on the worker, over the non-selected columns only, writing the
+image of the updated columns in the same pass; with ``overlap_step`` it runs while the next
 window trains and its result reaches W at the end of that next window (non-selected columns
 lag by at most 2S steps; S without overlap). At most one host step is in flight: the
-previous one is waited for and applied before the next is submitted.
+previous one is waited for and applied before the next is submitted, and the next waits
+for the copies that read the previous one's image before it writes the image again.
 
 Step counts: the device counts steps, the host counts windows; each column keeps its own
 count and carries it across a hand-over with its moments, so bias correction stays right
@@ -32,27 +44,29 @@ t and, per column, its host count + 1.
 
 from __future__ import annotations
 
-import functools
 import time
+from dataclasses import dataclass
 
 import torch
 
-from zenflow.engine.baselines import full_host_step
+from zenflow.engine.accelerator import DONE
+from zenflow.engine.baselines import host_full_step
 from zenflow.engine.copies import (
-    DeviceBuckets,
-    HostStaging,
+    DEVICE_BUCKETS,
+    DP_DEVICE_BUCKETS,
     bucket_elems_for,
+    plan_chunks,
     plan_pieces,
 )
 from zenflow.engine.device_adam import adamw_columns_, adamw_fused_
-from zenflow.engine.distributed import sum_of_squares
+from zenflow.engine.distributed import norms_of
 from zenflow.engine.host import (
-    Accumulator,
     ColumnSteps,
     HostJob,
     HostState,
     HostTask,
     HostWorker,
+    StepGate,
     run_host_tasks,
 )
 from zenflow.engine.selection import (
@@ -63,22 +77,36 @@ from zenflow.engine.selection import (
     select_topk,
     split_handover,
 )
+from zenflow.engine.transport import Transport
 
 AUTO_INTERVAL_MAX = 64  # bound of update_interval "auto" (window length 1..64)
+
+
+@dataclass
+class StepPlan:
+    """How the current step routes gradients (made before its first gradient is routed)."""
+
+    t: int
+    whole: bool  # warm-up or first selection: whole gradients to the host
+    score: bool  # a re-selection may follow this step: column scores of the gradient
+    gate: StepGate
+    slot: int
 
 
 class ZfWeight:
     """Engine-owned state of one ZenFlow weight (never glued onto the Parameter)."""
 
-    def __init__(self, spec: ParamSpec, k: int, accel, master_init: torch.Tensor | None,
-                 slots: int, pin: bool, dtype: torch.dtype, bucket_elems: int,
+    def __init__(self, spec: ParamSpec, k: int, mode: ZenFlowMode, master_init,
                  owner: int = 0, owned: bool = True):  # fmt: skip
+        accel = mode.e.accel
         p = spec.param
         self.spec = spec
         self.cd = spec.column_dim
         self.n_cols = spec.n_cols
         self.k = k
         self.rows = p.numel() // self.n_cols
+        self.n_nonsel = self.n_cols - k
+        self.compact_numel = self.rows * self.n_nonsel
         # data parallel: the rank holding this weight's host state (every rank: one rank)
         self.owner = owner
         self.owned = owned
@@ -98,40 +126,65 @@ class ZfWeight:
         self.exp_avg_dev = accel.zeros(shape_k, torch.float32, "optimizer")
         self.exp_avg_sq_dev = accel.zeros(shape_k, torch.float32, "optimizer")
         self.steps_dev = ColumnSteps(accel.zeros((k,), torch.int64, "optimizer"), 0)
+        # the step's gradient of the selected columns (compact, training dtype)
+        self.grad_sel = None
+        if not mode.zero_copy:
+            self.grad_sel = accel.zeros(shape_k, p.dtype, "grads")
         self.pieces = []
-        if not accel.shared_memory:
-            self.pieces = plan_pieces(tuple(p.shape), self.cd, self.n_cols - k, bucket_elems)
+        if not mode.zero_copy:
+            self.pieces = plan_pieces(tuple(p.shape), self.cd, self.n_nonsel, mode.bucket_elems)
+        self.chunks = plan_chunks(p.numel(), mode.bucket_elems)
         self.host: HostState | None = None
-        self.acc: list[torch.Tensor] = []
-        self.image: list[torch.Tensor] = []
-        if not owned:
-            return
-        master = accel.host_empty(p.shape, torch.float32, pin)
-        master.copy_(master_init)  # the initial fp32 weights: not a step, not counted
-        self.host = HostState(
-            master,
-            accel.host_zeros(p.shape, torch.float32, pin),
-            accel.host_zeros(p.shape, torch.float32, pin),
-            ColumnSteps.zeros(self.n_cols, "cpu"),
-        )
-        if accel.shared_memory:  # summed where autograd writes (host memory already)
-            self.acc = [accel.zeros(p.shape, torch.float32, "optimizer") for _ in range(slots)]
-        else:
-            self.acc = [accel.host_zeros(p.shape, torch.float32, pin) for _ in range(slots)]
-            flat = accel.host_empty((self.rows * (self.n_cols - k),), dtype, pin)
-            off = 0  # per piece: a contiguous view of flat, in the piece's shape
-            for pc in self.pieces:
-                self.image.append(flat[off : off + pc.numel].view(pc.shape))
-                off += pc.numel
+        self.acc: list[torch.Tensor] = []  # window sums: compact flat (full shape zero-copy)
+        self.fresh: list[bool] = []  # a slot's next add overwrites it (window start)
+        self.image: torch.Tensor | None = None  # compact flat, training dtype
+        self.step_buf: torch.Tensor | None = None  # a step's micro-batch sum (host gas)
+        # per step: device scalars of this weight's streamed gradient
+        self.sq_ns: torch.Tensor | None = None  # squared norm of the non-selected part
+        self.scores_ns: torch.Tensor | None = None  # column scores of the non-selected part
+        self.scores_full: torch.Tensor | None = None  # first selection: all columns (host)
+        self.norm_whole: torch.Tensor | None = None  # whole-gradient step: its norm
+        self.contrib = 0  # gradients routed this step
+        self.stat_done = False  # host gas: the step sum's squares were totalled in-line
+        self.sel_reduced = False  # data parallel: the selected gradient's all-reduce started
+        self.scores_sel: torch.Tensor | None = None  # column scores of the selected part
+        self.position = 0  # index among the mode's weights
         # auto update interval statistics of the current window (python floats)
         self.sel_mass_sum = 0.0  # sum over steps of (selected mass / k)
         self.nonsel_mass_acc = 0.0  # sum over steps of (non-selected mass / (n - k))
+        if not owned:
+            return
+        pin, dtype = mode.e.pin_link, mode.e.dtype
+        master = accel.host_empty(p.shape, torch.float32, False, "host_state")
+        master.copy_(master_init)  # the initial fp32 weights: not a step, not counted
+        self.host = HostState(
+            master,
+            accel.host_zeros(p.shape, torch.float32, False, "host_state"),
+            accel.host_zeros(p.shape, torch.float32, False, "host_state"),
+            ColumnSteps.zeros(self.n_cols, "cpu"),
+        )
+        if mode.zero_copy:  # summed where autograd writes (host memory already)
+            self.acc = [accel.zeros(p.shape, torch.float32, "optimizer")
+                        for _ in range(mode.slots)]  # fmt: skip
+        else:
+            self.acc = [accel.host_empty((self.compact_numel,), torch.float32, False,
+                                         "window_sums") for _ in range(mode.slots)]  # fmt: skip
+            self.image = accel.host_empty((self.compact_numel,), dtype, pin, "image")
+            if mode.host_gas:
+                self.step_buf = accel.host_empty((self.compact_numel,), torch.float32, False,
+                                                 "step_sums")  # fmt: skip
+        self.fresh = [True] * mode.slots
 
     def set_selection(self, sel_dev: torch.Tensor) -> None:
         self.sel_dev = sel_dev
         self.sel_host = sel_dev.cpu()
         self.nonsel_dev = complement(sel_dev, self.n_cols)
         self.nonsel_host = self.nonsel_dev.cpu()
+
+    def compact_shape(self) -> tuple[int, ...]:
+        shape = list(self.spec.param.shape)
+        shape[self.cd] = self.n_nonsel
+        return tuple(shape)
 
     def grad(self) -> torch.Tensor:
         g = self.spec.param.grad
@@ -140,11 +193,10 @@ class ZfWeight:
         return g.detach()
 
     def pack_image(self) -> None:
-        """Host: the non-selected columns of the master, cast to the training dtype, piece by
-        piece (what the next apply copies to the device)."""
-        for pc, img in zip(self.pieces, self.image, strict=True):
-            src, dim, idx = pc.select(self.host.master, self.nonsel_host)
-            img.copy_(src.index_select(dim, idx))
+        """Host: the non-selected columns of the master in the training dtype, compact (an
+        fp32 weight's image; a bf16 image is written by the Adam pass itself)."""
+        cols = self.host.master.index_select(self.cd, self.nonsel_host)
+        self.image.view(self.compact_shape()).copy_(cols)
 
 
 class ZenFlowMode:
@@ -161,10 +213,15 @@ class ZenFlowMode:
         self.update_interval = None if zf.update_interval == "auto" else int(zf.update_interval)
         self.select_every = engine.select_every
         self.slots = 2 if self.overlap else 1  # double-buffered sums with overlap
+        self.streaming = engine.stream_grads
+        # A CPU device without streaming sums the gradient where autograd writes it.
+        self.zero_copy = accel.shared_memory and not self.streaming
+        gas = engine.gas
+        self.host_gas = gas > 1 and engine.grad_accumulation == "host" and not self.zero_copy
         self.zweights: list[ZfWeight] = []
         zspecs = [s for s in engine.specs if s.is_zenflow]
         self.bucket_elems = bucket_elems_for(
-            [s.param.numel() for s in zspecs], [max(s.param.shape) for s in zspecs],
+            [s.param.numel() for s in zspecs] or [1], [max(s.param.shape) for s in zspecs],
             engine.bucket_request,
         )  # fmt: skip
         dp = engine.dp
@@ -172,41 +229,58 @@ class ZenFlowMode:
         for s, owner in zip(zspecs, owners, strict=True):
             owned = not dp.enabled or dp.owns(owner)
             self.zweights.append(
-                ZfWeight(s, num_selected(s.n_cols, self.topk_ratio), accel,
-                         masters[s.name] if owned else None, self.slots, engine.pin,
-                         engine.dtype, self.bucket_elems, owner, owned)
+                ZfWeight(s, num_selected(s.n_cols, self.topk_ratio), self,
+                         masters[s.name] if owned else None, owner, owned)
             )  # fmt: skip
-        self.stream = not accel.shared_memory and bool(self.zweights)
-        if self.stream:
-            max_piece = max(pc.numel for w in self.zweights for pc in w.pieces) if any(
-                w.pieces for w in self.zweights) else 1  # fmt: skip
-            self.buckets = DeviceBuckets(accel, max_piece, engine.dtype)
-            self.staging = HostStaging(accel, engine.dtype, engine.pin, {
-                (wi, pi): pc.shape
-                for wi, w in enumerate(self.zweights) if w.owned
-                for pi, pc in enumerate(w.pieces)
-            })  # fmt: skip
-            self.accumulator = Accumulator(1)
-        else:
-            self.buckets = self.staging = self.accumulator = None
+        self._by_name = {w.spec.name: w for w in self.zweights}
+        for i, w in enumerate(self.zweights):
+            w.position = i
+        self.kernels = engine.kernels()
+        self.transport = None
+        if not self.zero_copy and self.zweights:
+            count = DP_DEVICE_BUCKETS if dp.enabled else DEVICE_BUCKETS
+            self.transport = Transport(engine, self.bucket_elems, count, self.kernels)
+            self.staging = self.transport.staging(
+                "pieces",
+                {(wi, pi): pc.shape for wi, w in enumerate(self.zweights) if w.owned
+                 for pi, pc in enumerate(w.pieces)},
+            )  # fmt: skip
         # the worker: always on a separate device (host work runs on the host's cores), and
         # on a CPU device only with overlap (else the training thread uses every core)
-        self.worker = HostWorker() if (self.stream or self.overlap) else None
+        self.worker = None
+        if not accel.shared_memory or self.overlap:
+            self.worker = HostWorker(accel.bind_thread)
         self.selected = False
         self.last_select_step = 0
         self.window_len = 0
         self.window_start = self.warmup_rounds + 1
         self.slot = 0
         self.inflight: HostJob | None = None
+        self.last_applied: HostJob | None = None  # its image copies may still be running
         self.host_log: list[HostJob] = []
         self.window_lengths: list[int] = []
         self.max_staleness = 0
+        self.plan: StepPlan | None = None
+        self.first_touch: list[ZfWeight] = []  # weights whose slot this step made non-fresh
+        self._landing: dict[str, torch.Tensor] = {}  # whole-gradient steps: host copies
+        self._landing_events: list = []
+        self._images: dict[str, torch.Tensor] = {}  # warm-up: bf16 results for the device
+        self._whole_sq: dict[str, list] = {}  # data parallel: the owner's chunk squares
 
     # ------------------------------------------------------------------ resolved values
     def resolved(self) -> dict:
         zf = self.e.zf
         n = sum(w.spec.param.numel() for w in self.zweights)
         sel = sum(w.rows * w.k for w in self.zweights)
+        if self.zero_copy:
+            path = "summed where autograd writes it (CPU device: no copy)"
+        else:
+            path = (
+                "streamed during backward: " if self.streaming else "at the optimizer step: "
+            ) + (
+                "selected columns kept on the device, the rest gathered in pieces, copied to "
+                "pinned host staging and summed in fp32 by the host accumulator"
+            )
         return {
             "topk_ratio": self.topk_ratio,
             "update_interval": (
@@ -220,84 +294,346 @@ class ZenFlowMode:
             "full_warm_up_rounds": self.warmup_rounds,
             "overlap_step": self.overlap,
             "auto_ratio": self.auto_ratio,
-            "grad_path": (
-                "pieces gathered on the device, copied to pinned host staging, summed in fp32 "
-                "by the host accumulator"
-                if self.stream
-                else "summed where autograd writes it (CPU device: no copy)"
-            ),  # fmt: skip
-            "bucket_elems": self.bucket_elems if self.stream else None,
+            "grad_path": path,
+            "bucket_elems": None if self.zero_copy else self.bucket_elems,
             "zenflow_weights": len(self.zweights),
             "zenflow_params": n,
             "selected_elements": sel,
             "always_important_params": len(self.e.dense),
         }
 
+    # ------------------------------------------------------------------ routing
+    def routes(self, spec) -> bool:
+        return not self.zero_copy and spec.name in self._by_name
+
+    def take_wait(self) -> float:
+        return self.transport.take_wait() if self.transport is not None else 0.0
+
+    def plan_step(self) -> None:
+        """Decide how this step's gradients travel (before the first one is routed)."""
+        if self.transport is not None:
+            self.transport.accumulator.check()
+        e = self.e
+        t = e.global_step + 1
+        whole = t <= self.warmup_rounds or not self.selected
+        # A re-selection follows a window end once select_every steps have passed; with a
+        # fixed interval the window end is known now, with "auto" it may end any step.
+        due = t - self.last_select_step >= self.select_every
+        ends = self.update_interval is None or self.window_len + 1 >= self.update_interval
+        self.plan = StepPlan(t, whole, (not whole) and due and ends, StepGate(), self.slot)
+        self.first_touch = []
+        self._whole_sq = {}
+        for w in self.zweights:
+            w.contrib = 0
+            w.stat_done = False
+            w.sel_reduced = False
+            w.sq_ns = None
+            w.scores_ns = None
+            w.scores_sel = None
+            w.norm_whole = None
+
+    def route(self, spec, g: torch.Tensor, n: int, last: bool) -> None:
+        w = self._by_name[spec.name]
+        if self.plan.whole:
+            self._route_whole(w, g, n, last)
+        else:
+            self._route_split(w, g, n, last)
+        w.contrib += 1
+
+    def _route_split(self, w: ZfWeight, g: torch.Tensor, n: int, last: bool) -> None:
+        """Selected columns into the device buffer, the rest in pieces to the host."""
+        tr, plan, dp = self.transport, self.plan, self.e.dp
+        if n == 0:
+            torch.index_select(g, w.cd, w.sel_dev, out=w.grad_sel)
+        else:
+            w.grad_sel.add_(g.index_select(w.cd, w.sel_dev))
+        if dp.enabled and last:
+            work = dp.allreduce_async(w.grad_sel)
+            tr.after_reduce(work, None, lambda w=w: w.grad_sel.mul_(1.0 / dp.world))
+            w.sel_reduced = True
+        stats_on_device = not self.host_gas
+        # column scores: for a re-selection, and for the auto interval's masses (summed
+        # per column first, as the whole gradient's scores would be)
+        scoring = plan.score or self.update_interval is None
+        overwrite_acc = w.owned and w.fresh[plan.slot]
+        for pi, pc in enumerate(w.pieces):
+            i, bucket = tr.take_bucket(pc.shape)
+            src, dim, idx = pc.select(g, w.nonsel_dev)
+            torch.index_select(src, dim, idx, out=bucket)
+
+            def onward(w=w, pi=pi, pc=pc, i=i, bucket=bucket):
+                if dp.enabled and w.owned:
+                    bucket.mul_(1.0 / dp.world)
+                if stats_on_device and w.owned:
+                    sq = torch.linalg.vector_norm(bucket, 2.0, dtype=torch.float32).square()
+                    w.sq_ns = sq if w.sq_ns is None else w.sq_ns + sq
+                    if scoring:
+                        self._score_piece(w, pc, bucket)
+                if not w.owned:
+                    tr.buckets.mark(i, self.e.accel.record_compute())
+                    return
+                if self.host_gas:
+                    stat = None
+                    if last:
+                        stat = ("sq", w.spec.name)
+                        w.stat_done = True
+                    tr.send_piece(i, bucket, self.staging, (w.position, pi),
+                                  pc.of(w.step_buf), None, n == 0, stat)  # fmt: skip
+                else:
+                    tr.send_piece(i, bucket, self.staging, (w.position, pi),
+                                  pc.of(w.acc[plan.slot]), plan.gate, overwrite_acc)  # fmt: skip
+
+            if dp.enabled:
+                tr.after_reduce(dp.reduce_async(bucket, w.owner), i, onward)
+            else:
+                onward()
+        if overwrite_acc and not self.host_gas:
+            w.fresh[plan.slot] = False
+            self.first_touch.append(w)
+
+    def _score_piece(self, w: ZfWeight, pc, bucket: torch.Tensor) -> None:
+        """Column scores (squared L2 per column) of a non-selected piece, on the device."""
+        if w.scores_ns is None:
+            w.scores_ns = torch.zeros(w.n_nonsel, dtype=torch.float32, device=bucket.device)
+        sq = bucket.float().square()
+        if pc.by_rows:  # rows lo:hi of every non-selected column
+            w.scores_ns.add_(sq.sum(dim=0))
+        else:  # non-selected columns lo:hi, whole
+            w.scores_ns[pc.lo : pc.hi].add_(sq.sum(dim=1))
+
+    def _route_whole(self, w: ZfWeight, g: torch.Tensor, n: int, last: bool) -> None:
+        """The whole gradient to its owner's host (warm-up, first selection), through the
+        buckets: into a landing buffer, or summed in fp32 there (micro-batches on the host)."""
+        tr, dp, name = self.transport, self.e.dp, w.spec.name
+        if not dp.enabled and not self.host_gas:
+            w.norm_whole = torch.linalg.vector_norm(g, 2.0).float()
+        if w.owned and name not in self._landing:
+            dtype = torch.float32 if self.host_gas else g.dtype
+            self._landing[name] = self.e.accel.host_empty((g.numel(),), dtype, False, "landing")
+        sq_out = None
+        if dp.enabled and not self.host_gas:
+            sq_out = self._whole_sq.setdefault(name, [])
+        if self.host_gas:
+            staging = None
+            if w.owned:
+                staging = tr.staging(f"whole:{name}", {c: (c[1] - c[0],) for c in w.chunks},
+                                     pin=False, tag="landing")  # fmt: skip
+            if last:
+                w.stat_done = True
+            tr.send_whole(g, w.chunks, w.owner, sums=self._landing.get(name), staging=staging,
+                          first=n == 0, stat=("sq", name) if last else None)  # fmt: skip
+        else:
+            tr.send_whole(g, w.chunks, w.owner, landing=self._landing.get(name),
+                          sq_out=sq_out, events=self._landing_events)  # fmt: skip
+
+    # ------------------------------------------------------------------ the step's figures
+    def collect(self) -> None:
+        """After the last gradient of the step was routed: finish the reductions in flight
+        and make sure every weight has a (possibly zero) selected gradient."""
+        if self.transport is not None:
+            self.transport.complete()
+        if self.zero_copy or self.plan is None:
+            return
+        if self.plan.whole:
+            return
+        for w in self.zweights:
+            if w.contrib == 0:
+                w.grad_sel.zero_()  # unused this step: a zero gradient
+        if self.e.dp.enabled:
+            # weights whose hook never saw a last micro-batch (unused in one, or in all):
+            # their selected gradients are averaged here, in weight order on every rank
+            late = [w.grad_sel for w in self.zweights if not w.sel_reduced]
+            if late:
+                self.e.dp.allreduce_mean_(late)
+
+    def norm_terms(self) -> list[torch.Tensor]:
+        """fp32 device tensors whose squares sum to this rank's share of the squared global
+        norm (per-tensor norms where a tensor exists, else square roots of partial sums)."""
+        if self.zero_copy or self.plan is None:
+            return []
+        dp = self.e.dp
+        lead = not dp.enabled or dp.rank == 0
+        terms = []
+        for w in self.zweights:
+            if self.plan.whole:
+                if w.norm_whole is not None:
+                    terms.append(w.norm_whole)
+                elif self._whole_sq.get(w.spec.name):
+                    terms.append(torch.stack(self._whole_sq[w.spec.name]).sum().sqrt())
+                continue
+            if lead:
+                terms.append(torch.linalg.vector_norm(w.grad_sel, 2.0).float())
+            if w.sq_ns is not None:
+                terms.append(w.sq_ns.sqrt())
+        return terms
+
+    def host_sq(self) -> float:
+        """The squared norm summed on the host (micro-batches summed there): waits for the
+        accumulator to finish the step's pieces."""
+        if not self.host_gas or self.plan is None or self.transport is None:
+            return 0.0
+        acc = self.transport.accumulator
+        for w in self.zweights:  # weights whose sums were not totalled in-line
+            if w.owned and w.contrib and not w.stat_done:
+                buf = self._landing.get(w.spec.name) if self.plan.whole else w.step_buf
+                key = ("sq", w.spec.name)
+
+                def total(buf=buf, key=key):
+                    acc.sums[key] = float(buf.double().square().sum())
+
+                acc.call(total)
+        t0 = time.perf_counter()
+        acc.drain()
+        self.e.rec.stall_s += time.perf_counter() - t0
+        sums = acc.sums
+        out = sum(v for k, v in sums.items() if isinstance(k, tuple) and k[0] == "sq")
+        for k in [k for k in sums if isinstance(k, tuple) and k[0] == "sq"]:
+            del sums[k]
+        return out
+
+    def auto_terms(self) -> list[torch.Tensor]:
+        """Per weight: selected and non-selected squared masses of the step (device scalars,
+        unclipped; ``auto_update`` scales them by the coefficient squared)."""
+        if self.update_interval is not None or self.zero_copy or self.plan is None:
+            return []
+        if self.plan.whole or not self.zweights:
+            return []
+        dp = self.e.dp
+        lead = not dp.enabled or dp.rank == 0
+        zero = torch.zeros((), dtype=torch.float32, device=self.e.device)
+        out = []
+        for w in self.zweights:
+            out.append(column_scores(w.grad_sel, w.cd).sum() if lead else zero)
+            if self.host_gas or not w.owned:
+                out.append(zero)  # host gas: from the host sums (see auto_host_masses)
+            elif w.scores_ns is not None:
+                out.append(w.scores_ns.sum())
+            else:
+                out.append(w.sq_ns if w.sq_ns is not None else zero)
+        return out
+
+    def auto_host_masses(self) -> list[float]:
+        """Host gas: the non-selected masses per weight from the step sums (waited for)."""
+        if not self.host_gas or self.update_interval is not None or self.plan is None:
+            return []
+        if self.plan.whole:
+            return []
+        acc = self.transport.accumulator
+        out: list[float] = []
+        for w in self.zweights:
+            if not (w.owned and w.contrib):
+                out.append(0.0)
+                continue
+            key = ("mass", w.spec.name)
+
+            def total(w=w, key=key):
+                acc.sums[key] = float(w.step_buf.double().square().sum())
+
+            acc.call(total)
+            out.append(key)
+        acc.drain()
+        return [acc.sums.pop(k) if isinstance(k, tuple) else k for k in out]
+
+    def skip_step(self) -> None:
+        """The step is skipped (non-finite): its pieces are dropped by the gate; slots this
+        step would have started stay fresh; whole-gradient copies are discarded."""
+        for w in self.first_touch:
+            w.fresh[self.plan.slot] = True
+        self._drop_landing()
+
+    def _wait_landing(self) -> None:
+        t0 = time.perf_counter()
+        for ev in self._landing_events:
+            ev.synchronize()
+        self._landing_events = []
+        if self.host_gas and self.transport is not None:
+            self.transport.accumulator.drain()
+        self.e.rec.stall_s += time.perf_counter() - t0
+
+    def _drop_landing(self) -> None:
+        self._wait_landing()
+        if self.host_gas and self.transport is not None:
+            for w in self.zweights:
+                self.transport.drop_staging(f"whole:{w.spec.name}")
+
     # ------------------------------------------------------------------ the step
-    def step(self, t: int, hp) -> None:
+    def step(self, t: int, hp, coef: float, coef_t) -> None:
         e = self.e
         if t <= self.warmup_rounds:
-            self._warmup_step(hp)
+            self._warmup_step(hp, coef)
             self.window_start = t + 1
             return
-        if not self.selected:
-            self._select(t)
+        if self.zero_copy:
+            if not self.selected:
+                self._select(t, [column_scores(w.grad(), w.cd) for w in self.zweights])
+        elif self.plan.whole:  # the first selection, from the whole gradient on the host
+            self._first_selection(t, coef)
+        else:
+            self._fold_step_sums()
+            if self.plan.score:  # before the clipping scales the selected gradient
+                for w in self.zweights:
+                    w.scores_sel = column_scores(w.grad_sel, w.cd)
         t0 = time.perf_counter()
-        for w in self.zweights:
-            self._device_update(w, hp)
+        self._device_update(hp, coef_t)
         e.dense_update(hp)
         e.rec.devopt_s += time.perf_counter() - t0
-        self._accumulate()
-        self.window_len += 1
-        if self._window_ends():
-            reselect = t - self.last_select_step >= self.select_every
-            self._end_window(t, hp, sync=reselect or not self.overlap)
-            if reselect:
-                self._select(t)
-
-    def _device_update(self, w: ZfWeight, hp) -> None:
-        p = w.spec.param.data
-        g_sel = w.grad().index_select(w.cd, w.sel_dev).float()
-        w.steps_dev.increment()
-        x = p.index_select(w.cd, w.sel_dev) if w.master_sel is None else w.master_sel
-        if w.steps_dev.uniform is not None:
-            adamw_fused_([x], [g_sel], [w.exp_avg_dev], [w.exp_avg_sq_dev], w.steps_dev.uniform,
-                         hp, fused=self.e.fused_device_adam)  # fmt: skip
-        else:
-            adamw_columns_(x, g_sel, w.exp_avg_dev, w.exp_avg_sq_dev, w.steps_dev.counts, w.cd,
-                           hp)  # fmt: skip
-        p.index_copy_(w.cd, w.sel_dev, x if w.master_sel is None else x.to(p.dtype))
-
-    def _accumulate(self) -> None:
-        e = self.e
-        if self.stream:
-            t0 = time.perf_counter()
-            for wi, w in enumerate(self.zweights):
-                if not w.owned:
-                    continue
-                g = w.grad()
-                acc = w.acc[self.slot]
-                for pi, pc in enumerate(w.pieces):
-                    i, bucket = self.buckets.take(pc.shape)
-                    src, dim, idx = pc.select(g, w.nonsel_dev)
-                    torch.index_select(src, dim, idx, out=bucket)
-                    staged = self.staging.take((wi, pi))
-                    ev = e.accel.copy_d2h(staged, bucket)
-                    self.buckets.mark(i, ev)
-                    dst, dim, idx = pc.select(acc, w.nonsel_host)
-                    release = functools.partial(self.staging.give, (wi, pi))
-                    self.accumulator.add(ev, staged, dst, dim, idx, release)
-            e.rec.transfer_s += time.perf_counter() - t0
-        else:
+        if self.zero_copy:
             for w in self.zweights:
                 if w.owned:
                     w.acc[self.slot].add_(w.grad())
-        if self.update_interval is None:
-            self._auto_stats()
+            if self.update_interval is None:
+                self._auto_stats_zero_copy()
+        self.window_len += 1
+        if self._window_ends():
+            reselect = t - self.last_select_step >= self.select_every
+            scores = self._reselect_scores() if reselect else None
+            self._end_window(t, hp, sync=reselect or not self.overlap)
+            if reselect:
+                self._select(t, scores)
 
-    def _auto_stats(self) -> None:
+    def _device_update(self, hp, coef_t) -> None:
+        """AdamW of every weight's selected columns on the device: one fused call per step
+        count (one, unless columns were handed over with other counts)."""
+        groups: dict[int, list] = {}
+        for w in self.zweights:
+            p = w.spec.param.data
+            if self.zero_copy:
+                g = w.grad().index_select(w.cd, w.sel_dev)
+            else:
+                g = w.grad_sel
+                if coef_t is not None:
+                    g.mul_(coef_t.to(g.dtype))
+            g = g.float()
+            w.steps_dev.increment()
+            x = p.index_select(w.cd, w.sel_dev) if w.master_sel is None else w.master_sel
+            if w.steps_dev.uniform is not None:
+                groups.setdefault(w.steps_dev.uniform, []).append((w, x, g))
+            else:
+                adamw_columns_(x, g, w.exp_avg_dev, w.exp_avg_sq_dev, w.steps_dev.counts, w.cd,
+                               hp)  # fmt: skip
+                p.index_copy_(w.cd, w.sel_dev, x if w.master_sel is None else x.to(p.dtype))
+        for step, items in groups.items():
+            adamw_fused_([x for _, x, _ in items], [g for _, _, g in items],
+                         [w.exp_avg_dev for w, _, _ in items],
+                         [w.exp_avg_sq_dev for w, _, _ in items], step, hp,
+                         fused=self.e.fused_device_adam)  # fmt: skip
+            for w, x, _ in items:
+                p = w.spec.param.data
+                p.index_copy_(w.cd, w.sel_dev, x if w.master_sel is None else x.to(p.dtype))
+
+    def auto_update(self, values: list[float], coef: float) -> None:
+        """Fold one step's masses (``auto_terms`` read, in order; ``auto_host_masses``
+        already merged) into the window statistics. Mass = squared L2 norm, clipped."""
+        c2 = coef * coef
+        for i, w in enumerate(self.zweights):
+            w.sel_mass_sum += c2 * values[2 * i] / w.k
+            if w.n_cols > w.k:
+                w.nonsel_mass_acc += c2 * values[2 * i + 1] / (w.n_cols - w.k)
+
+    def _auto_stats_zero_copy(self) -> None:
         """Per weight: selected mass per column (summed over the window's steps, averaged at
-        the vote) and accumulated non-selected mass per column. Mass = squared L2 norm."""
+        the vote) and accumulated non-selected mass per column, from the whole (clipped)
+        gradient: the CPU path's statistics, one read for all weights."""
         if not self.zweights:
             return
         dp = self.e.dp
@@ -308,13 +644,10 @@ class ZenFlowMode:
             # the non-selected part is averaged on its owner only
             vals.append(s[w.sel_dev].sum() * float(dp.rank == 0 or not dp.enabled))
             vals.append(s[w.nonsel_dev].sum() * float(w.owned))
-        vals = torch.stack(vals).tolist()
+        vals = self.e.accel.read(vals)
         if dp.enabled:
             vals = dp.allreduce_sum(vals)
-        for i, w in enumerate(self.zweights):
-            w.sel_mass_sum += vals[2 * i] / w.k
-            if w.n_cols > w.k:
-                w.nonsel_mass_acc += vals[2 * i + 1] / (w.n_cols - w.k)
+        self.auto_update(vals, 1.0)
 
     def _window_ends(self) -> bool:
         if self.update_interval is not None:
@@ -329,9 +662,10 @@ class ZenFlowMode:
         return votes / len(self.zweights) >= self.auto_ratio
 
     # ------------------------------------------------------------------ data parallel
-    def sync_grads(self, dp) -> float:
-        """Average this step's gradients across ranks; return the squares this rank is the
-        single holder of (their all-reduced sum is the squared global norm).
+    def sync_grads(self, dp) -> list[torch.Tensor]:
+        """The zero-copy path's data parallelism (CPU device, whole gradients): average
+        this step's gradients across ranks; return the norm terms this rank is the single
+        holder of.
 
         Until the first selection, and during warm-up, every gradient is all-reduced (every
         rank needs all of it). After: the always-important params and the selected columns
@@ -341,7 +675,7 @@ class ZenFlowMode:
         grads = [s.param.grad for s in self.e.specs]
         if not self.selected or t <= self.warmup_rounds:  # every rank needs all of it
             dp.allreduce_mean_(grads)
-            return sum_of_squares(grads) if dp.rank == 0 else 0.0
+            return norms_of(grads) if dp.rank == 0 else []
         shared = [d.spec.param.grad for d in self.e.dense]
         sel, nonsel = [], []
         for w in self.zweights:
@@ -357,13 +691,13 @@ class ZenFlowMode:
             if w.owned:
                 g.index_copy_(w.cd, w.nonsel_dev, gn)
                 mine.append(gn)
-        return (sum_of_squares(shared + sel) if dp.rank == 0 else 0.0) + sum_of_squares(mine)
+        return (norms_of(shared + sel) if dp.rank == 0 else []) + norms_of(mine)
 
     # ------------------------------------------------------------------ host steps
     def check_worker(self) -> None:
         """Surface a failed host step or accumulation now (the step after it failed)."""
-        if self.accumulator is not None:
-            self.accumulator.check()
+        if self.transport is not None:
+            self.transport.accumulator.check()
         job = self.inflight
         if job is None or job.future is None or not job.future.done():
             return
@@ -388,18 +722,21 @@ class ZenFlowMode:
         e = self.e
         t0 = time.perf_counter()
         dp = e.dp
+        job.copies = []
         for w in self.zweights:
             p = w.spec.param.data
-            if self.stream:
-                for i_pc, pc in enumerate(w.pieces):
-                    i, bucket = self.buckets.take(pc.shape)
+            if not self.zero_copy:
+                for pc in w.pieces:
+                    i, bucket = self.transport.take_bucket(pc.shape)
                     if w.owned:
-                        e.accel.compute_wait(e.accel.copy_h2d(bucket, w.image[i_pc]))
+                        ev = e.accel.copy_h2d(bucket, pc.of(w.image))
+                        job.copies.append(ev)
+                        e.accel.compute_wait(ev)
                     if dp.enabled:  # the owner's result to every rank's device
                         dp.broadcast_(bucket, w.owner)
                     dst, dim, idx = pc.select(p, w.nonsel_dev)
                     dst.index_copy_(dim, idx, bucket)
-                    self.buckets.mark(i, e.accel.record_compute())
+                    self.transport.buckets.mark(i, e.accel.record_compute())
             else:  # shared memory: the gather is the copy (counted at the weight's dtype)
                 if w.owned:
                     vals = w.host.master.index_select(w.cd, w.nonsel_host).to(p.dtype)
@@ -412,6 +749,7 @@ class ZenFlowMode:
                     dp.broadcast_(vals, w.owner)
                 p.index_copy_(w.cd, w.nonsel_dev, vals)
         job.applied_step = t
+        self.last_applied = job
         # Staleness: the oldest gradient in this update is from job.window_start; the device
         # sees it at the end of step t. With overlap t is the end of the NEXT window, so
         # non-selected columns lag by at most 2S steps (S without overlap).
@@ -423,34 +761,48 @@ class ZenFlowMode:
         """The host step of the window just ended (n steps) and what it must wait for."""
         slot = self.slot
         tasks = []
+        bf16_image = self.e.dtype == torch.bfloat16
         for w in self.zweights:
             w.sel_mass_sum = 0.0
             w.nonsel_mass_acc = 0.0
             if not w.owned:
                 continue
-            acc = w.acc[slot]
+            if self.zero_copy:
+                acc = w.acc[slot]
 
-            def after(w=w, acc=acc):
-                if self.stream:
-                    w.pack_image()
-                acc.zero_()
+                def after(acc=acc):
+                    acc.zero_()
 
-            # Selected columns of master/moments are updated too (one flat pass is faster
-            # than gather/scatter) but never observed: they reach the device only by index
-            # (non-selected columns) and a column leaving the device overwrites its master,
-            # moments and count at the hand-over. Their sum is zeroed so the result does not
-            # depend on the transport (the CPU path sums whole gradients).
-            if not self.stream:
+                # Selected columns of master/moments are updated too (one flat pass is
+                # faster than gather/scatter) but never observed: they reach the device only
+                # by index (non-selected columns) and a column leaving the device overwrites
+                # its master, moments and count at the hand-over.
                 acc.index_fill_(w.cd, w.sel_dev, 0.0)
-            tasks.append(HostTask(w.host, acc, 1.0 / n, w.col_inner, None, after))
+                tasks.append(HostTask(w.host, acc, 1.0 / n, w.col_inner, None, after))
+                continue
+            fresh = w.fresh[slot]
+            w.fresh[slot] = True  # the slot's next window starts by overwriting it
+            if fresh:  # no gradient reached this weight in the window: its sum is zero
+                w.acc[slot].zero_()
+            tasks.append(HostTask(
+                w.host, w.acc[slot], 1.0 / n, w.col_inner,
+                w.image if bf16_image else None,
+                None if bf16_image else w.pack_image,
+                index=w.nonsel_host, column_dim=w.cd,
+            ))  # fmt: skip
         before = None
-        if self.stream:
-            fence = self.accumulator.fence()
-            acc_check = self.accumulator.check
+        if self.transport is not None:
+            fence = self.transport.accumulator.fence()
+            acc_check = self.transport.accumulator.check
+            # the copies that read the last applied job's images must be done before this
+            # job writes the images again (the GPU may run behind the host)
+            pending_copies = list(self.last_applied.copies) if self.last_applied else []
 
             def before():
                 fence.wait()
                 acc_check()
+                for ev in pending_copies:
+                    ev.synchronize()
 
         return tasks, before
 
@@ -461,9 +813,9 @@ class ZenFlowMode:
         tasks, before = self._window_tasks(n)
         job = HostJob(window_start=self.window_start, submit_step=t, buffer_slot=self.slot)
         self.host_log.append(job)
-        kernel = e.kernel()
+        kernels = self.kernels
         nt = e.host_threads
-        run = lambda: run_host_tasks(tasks, kernel, hp.lr, hp, nt, job, before)  # noqa: E731
+        run = lambda: run_host_tasks(tasks, kernels, hp.lr, hp, nt, job, before)  # noqa: E731
         if self.worker is not None:
             self.worker.submit(job, run)
             self.inflight = job
@@ -489,13 +841,13 @@ class ZenFlowMode:
 
     def drain(self) -> None:
         """Wait for background work without applying it (checkpoints, close)."""
-        if self.accumulator is not None:
-            self.accumulator.drain()
+        if self.transport is not None:
+            self.transport.accumulator.drain()
         if self.inflight is not None and self.inflight.future is not None:
             self.worker.wait(self.inflight)
 
     # ------------------------------------------------------------------ warm-up
-    def _warmup_step(self, hp) -> None:
+    def _warmup_step(self, hp, coef: float) -> None:
         """Full synchronous update: ZenFlow weights by the host AdamW, the rest on device."""
         e = self.e
         e.rec.warmup = True
@@ -504,13 +856,115 @@ class ZenFlowMode:
         e.rec.devopt_s += time.perf_counter() - t0
         # device counts start when a column is selected: it carries the host's count
         owned = [w for w in self.zweights if w.owned]
-        full_host_step(e, [(w.spec.param, w.host, w.col_inner) for w in owned], hp)
+        if self.zero_copy:
+            items = [(w.spec.param, w.host, w.col_inner, w.grad(), None) for w in owned]
+            host_full_step(e, items, hp, 1.0, in_place=True)
+        else:
+            self._wait_landing()
+            items = []
+            for w in owned:
+                p = w.spec.param
+                image = None
+                if p.dtype == torch.bfloat16:
+                    if w.spec.name not in self._images:
+                        self._images[w.spec.name] = e.accel.host_empty(
+                            p.shape, p.dtype, False, "landing")
+                    image = self._images[w.spec.name]
+                items.append((p, w.host, w.col_inner, self._landing_grad(w), image))
+            host_full_step(e, items, hp, coef)
         if e.dp.enabled:  # each owner's updated weights to every rank
             for w in self.zweights:
                 e.dp.broadcast_(w.spec.param.data, w.owner)
 
+    def _landing_grad(self, w: ZfWeight) -> torch.Tensor:
+        land = self._landing.get(w.spec.name)
+        if land is None:  # no gradient this step
+            return torch.zeros(w.spec.param.shape, dtype=torch.float32)
+        return land.view(w.spec.param.shape)
+
+    def _release_landing(self) -> None:
+        """Landing buffers live while whole-gradient steps remain (warm-up, the first
+        selection), then go back to the allocator."""
+        if self.selected:
+            self._landing.clear()
+            self._images.clear()
+            if self.transport is not None:
+                for w in self.zweights:
+                    self.transport.drop_staging(f"whole:{w.spec.name}")
+
     # ------------------------------------------------------------------ selection
-    def _select(self, t: int) -> None:
+    def _fold_step_sums(self) -> None:
+        """Host gas: each weight's step sum (its micro-batches) into the window sum, scaled
+        by the step's coefficient (queued after the gate is set)."""
+        if not self.host_gas:
+            return
+        acc, slot = self.transport.accumulator, self.plan.slot
+        for w in self.zweights:
+            if w.owned and w.contrib:
+                acc.add(DONE, w.step_buf, w.acc[slot], self.plan.gate, w.fresh[slot], None)
+                if w.fresh[slot]:
+                    w.fresh[slot] = False
+                    self.first_touch.append(w)
+
+    def _first_selection(self, t: int, coef: float) -> None:
+        """The first selection, from the whole gradient on its owner's host: score, select,
+        hand over; then the selected columns' gradient goes to the device buffer and the
+        rest into the window sum, as a streamed step would have left them."""
+        e, dp = self.e, self.e.dp
+        self._wait_landing()
+        scores = []
+        for w in self.zweights:
+            if w.owned:
+                g = self._landing_grad(w)
+                scores.append(column_scores(g, w.cd).to(e.device))
+            else:
+                scores.append(torch.zeros(w.n_cols, dtype=torch.float32, device=e.device))
+        self._select(t, scores)  # data parallel: the scores are all-reduced in place
+        if self.update_interval is None:  # the step's masses, from the same scores
+            masses = []
+            for w, sc in zip(self.zweights, scores, strict=True):
+                masses += [sc[w.sel_dev].sum(), sc[w.nonsel_dev].sum()]
+            self.auto_update(e.accel.read(masses), coef)
+        acc = self.transport.accumulator
+        for w in self.zweights:
+            if w.owned:
+                g = self._landing_grad(w)
+                sel = g.index_select(w.cd, w.sel_host).to(w.grad_sel.dtype)
+                e.accel.compute_wait(e.accel.copy_h2d(w.grad_sel, sel))
+                ns = g.index_select(w.cd, w.nonsel_host).reshape(-1).contiguous()
+                dst = w.acc[self.slot]
+                acc.add(DONE, ns, dst, self.plan.gate, True, None)
+                w.fresh[self.slot] = False
+            if dp.enabled:
+                dp.broadcast_(w.grad_sel, w.owner)
+        acc.drain()
+        self._release_landing()
+
+    def _reselect_scores(self) -> list[torch.Tensor]:
+        """Column scores of this step's whole gradient, per weight, on the device: the
+        selected part from the device buffer, the non-selected part from the pieces (the
+        device, as they passed) or from the step's sums (the host, micro-batches summed
+        there). Data parallel: the owner's scores; the other ranks add zeros."""
+        out = []
+        e = self.e
+        for w in self.zweights:
+            if self.zero_copy:
+                out.append(column_scores(w.grad(), w.cd))
+                continue
+            scores = torch.zeros(w.n_cols, dtype=torch.float32, device=e.device)
+            if w.owned:
+                scores[w.sel_dev] = w.scores_sel
+                if self.host_gas:
+                    self.transport.accumulator.drain()
+                    compact = w.step_buf.view(w.compact_shape())
+                    ns_scores = column_scores(compact, w.cd)
+                    scores[w.nonsel_dev] = ns_scores.to(e.device)
+                elif w.scores_ns is not None:
+                    scores[w.nonsel_dev] = w.scores_ns
+            out.append(scores)
+        return out
+
+    def _select(self, t: int, scores: list[torch.Tensor]) -> None:
         """(Re)select columns and hand ownership over by index.
 
         Preconditions: no host step in flight and the device holds every host result
@@ -523,13 +977,12 @@ class ZenFlowMode:
         e = self.e
         dp = e.dp
         t0 = time.perf_counter()
-        for w in self.zweights:
-            scores = column_scores(w.grad(), w.cd)
+        for w, s in zip(self.zweights, scores, strict=True):
             if dp.enabled:  # the owner scores the averaged gradient; the others add zeros
                 if not w.owned:
-                    scores.zero_()
-                dp.allreduce_scores_(scores, w.spec.param.numel())
-            e.rec.moved += self._hand_over(w, select_topk(scores, w.k))
+                    s.zero_()
+                dp.allreduce_scores_(s, w.spec.param.numel())
+            e.rec.moved += self._hand_over(w, select_topk(s, w.k))
         self.selected = True
         self.last_select_step = t
         e.rec.stall_s += time.perf_counter() - t0
@@ -550,7 +1003,7 @@ class ZenFlowMode:
                 (host.exp_avg, w.exp_avg_dev.index_select(cd, out_pos)),
                 (host.exp_avg_sq, w.exp_avg_sq_dev.index_select(cd, out_pos)),
             ):
-                dst.index_copy_(cd, out_h, accel.to_host(val))
+                dst.index_copy_(cd, out_h, accel.to_host(val).to(torch.float32))
             host.steps.counts[out_h] = accel.to_host(w.steps_dev.counts[out_pos])
         in_h = in_cols.cpu()
         n_in = int(in_cols.numel())
@@ -608,8 +1061,10 @@ class ZenFlowMode:
         finally:
             if self.worker is not None:
                 self.worker.close()
-            if self.accumulator is not None:
-                self.accumulator.close()
-                if err is None and self.accumulator.error is not None:
-                    err = self.accumulator.error
+            if self.transport is not None:
+                self.transport.close()
+                if err is None and self.transport.accumulator.error is not None:
+                    err = self.transport.accumulator.error
         return err
+
+

@@ -186,7 +186,8 @@ def accumulate_(
     sumsq: bool = False,
     num_threads: int = 0,
 ) -> float:
-    """``dst = scale * src`` (``overwrite``) or ``dst = fma(scale, src, dst)``, in place on
+    """``dst = scale * src`` (``overwrite``) or ``dst += scale * src`` (the product rounded
+    to fp32 first, as clipping a gradient and then summing it), in place on
     contiguous CPU tensors (``dst`` fp32, ``src`` fp32 or bf16, same numel), on
     ``num_threads`` threads (0 = OpenMP default; the result does not depend on it). Returns
     the sum of squares of ``dst`` afterwards (float64) when ``sumsq``, else 0.0. Releases the

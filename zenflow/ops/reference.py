@@ -166,13 +166,15 @@ def accumulate_reference_(
     num_threads: int = 0,
 ) -> float:
     """The native ``accumulate_`` in plain PyTorch: ``dst = scale * src`` (overwrite) or
-    ``dst += scale * src``; returns the sum of squares of ``dst`` afterwards (float64) when
-    ``sumsq``, else 0. The native op fuses the multiply-add (one rounding), so the two
-    agree to an fp32 ulp per call."""
+    ``dst += scale * src`` with the product rounded to fp32 first; returns the sum of
+    squares of ``dst`` afterwards (float64) when ``sumsq``, else 0. Bit for bit the native
+    op's ``dst``."""
     del num_threads
     x = src.reshape(dst.shape).float()
+    if scale != 1.0:
+        x = x * torch.tensor(scale, dtype=torch.float32)
     if overwrite:
-        torch.mul(x, scale, out=dst)
+        dst.copy_(x)
     else:
-        dst.add_(x, alpha=scale)
+        dst.add_(x)
     return float(dst.double().square().sum()) if sumsq else 0.0

@@ -1,0 +1,160 @@
+"""Moving gradients from the device to the host, for the modes that offload (ZenFlow's
+non-selected columns, whole gradients during warm-up and in the offload engine).
+
+One ``Transport`` per engine holds the device buckets, the pinned staging buffers, the
+accumulator thread and, with data parallelism, the reductions in flight. Two kinds of
+movement:
+
+- ``send_piece``: a gathered piece (a bucket) goes to pinned staging on the copy engine and
+  the accumulator adds it into an fp32 sum (a window sum, or a step's micro-batch sum);
+- ``send_whole``: a whole gradient goes to a host landing buffer in contiguous chunks, each
+  through a device bucket (the gradient is freed at once; only buckets are in flight).
+
+Data parallel (``zenflow.engine.distributed``): a piece is summed into its owner rank's
+bucket by an asynchronous reduce issued from the backward hook, so the reductions overlap
+backward as DDP's do; the owner copies it to the host once the reduce completed. Work in
+flight is completed in issue order (every rank issues the same collectives in the same
+order: hooks fire in the same order on every rank), before its bucket is reused and at
+the step (``complete``).
+
+Waiting is timed: a hook that waits for a free bucket, a staging buffer or a reduction is
+the pipeline stalling backward (``take_wait``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import torch
+
+from zenflow.engine.copies import DeviceBuckets, HostStaging
+from zenflow.engine.host import Accumulator
+
+
+class Transport:
+    def __init__(self, engine, bucket_elems: int, buckets: int, kernels):
+        e = engine
+        self.e = e
+        self.accel = e.accel
+        self.dp = e.dp
+        self.dtype = e.dtype
+        self.pin = e.pin_link
+        self.bucket_elems = bucket_elems
+        self.buckets = DeviceBuckets(e.accel, bucket_elems, e.dtype, buckets)
+        self.accumulator = Accumulator(kernels.accumulate, e.host_threads, e.accel.bind_thread)
+        self._staging: dict = {}
+        self._pending: deque = deque()  # (work, bucket index or None, continuation)
+        self._bucket_pending: dict[int, int] = {}  # bucket -> serial of its pending item
+        self._serial = 0
+        self._done_serial = 0
+        self.wait_s = 0.0
+
+    # ------------------------------------------------------------------ buffers
+    def staging(self, group: str, shapes: dict, pin: bool | None = None, tag: str = "staging"):
+        """The pinned host buffers of ``group`` (created once: key -> shape)."""
+        if group not in self._staging:
+            self._staging[group] = HostStaging(
+                self.accel, self.dtype, self.pin if pin is None else pin, shapes, tag
+            )
+        return self._staging[group]
+
+    def drop_staging(self, group: str) -> None:
+        st = self._staging.pop(group, None)
+        if st is not None:
+            st.wait_all()
+
+    def take_bucket(self, shape):
+        i = self.buckets._next
+        if i in self._bucket_pending:  # a reduction still reads it: finish up to there
+            self.complete(upto=self._bucket_pending[i])
+        t0 = time.perf_counter()
+        out = self.buckets.take(shape)
+        self.wait_s += time.perf_counter() - t0
+        return out
+
+    def take_staging(self, staging: HostStaging, key) -> torch.Tensor:
+        t0 = time.perf_counter()
+        buf = staging.take(key)
+        self.wait_s += time.perf_counter() - t0
+        return buf
+
+    def take_wait(self) -> float:
+        w, self.wait_s = self.wait_s, 0.0
+        return w
+
+    # ------------------------------------------------------------------ movement
+    def send_piece(self, bucket_i: int, bucket: torch.Tensor, staging: HostStaging, key, dst,
+                   gate, overwrite: bool, stat=None) -> None:  # fmt: skip
+        """Copy a gathered ``bucket`` to ``staging[key]``, then add it into ``dst`` (fp32,
+        the piece's compact view) with the step's ``gate``."""
+        staged = self.take_staging(staging, key)
+        ev = self.accel.copy_d2h(staged, bucket)
+        self.buckets.mark(bucket_i, ev)
+        self.accumulator.add(ev, staged, dst, gate, overwrite, lambda: staging.give(key), stat)
+
+    def send_whole(self, g: torch.Tensor, chunks, owner: int, *, landing=None, sums=None,
+                   staging=None, first: bool = True, stat=None, sq_out: list | None = None,
+                   events: list | None = None) -> None:  # fmt: skip
+        """A whole gradient ``g`` to its owner's host, chunk by chunk through the device
+        buckets (so the gradient itself is free at once and only buckets are in flight):
+        into ``landing`` (flat, training dtype; the copy events go to ``events``), or, with
+        ``sums`` (flat fp32), through ``staging`` into that sum (``first``: overwrite).
+        Data parallel: each chunk is reduced into the owner's bucket first; the owner's
+        chunk squares go to ``sq_out`` (the averaged gradient's norm)."""
+        dp, accel = self.dp, self.accel
+        flat = g.reshape(-1)
+        for lo, hi in chunks:
+            i, bucket = self.take_bucket((hi - lo,))
+            bucket.copy_(flat[lo:hi])
+
+            def onward(i=i, bucket=bucket, lo=lo, hi=hi):
+                if dp.enabled:
+                    if not dp.owns(owner):
+                        self.buckets.mark(i, accel.record_compute())
+                        return
+                    bucket.mul_(1.0 / dp.world)
+                    if sq_out is not None:
+                        sq_out.append(
+                            torch.linalg.vector_norm(bucket, 2.0, dtype=torch.float32).square()
+                        )
+                if sums is None:
+                    ev = accel.copy_d2h(landing[lo:hi], bucket)
+                    self.buckets.mark(i, ev)
+                    events.append(ev)
+                    return
+                key = (lo, hi)
+                staged = self.take_staging(staging, key)
+                ev = accel.copy_d2h(staged, bucket)
+                self.buckets.mark(i, ev)
+                self.accumulator.add(ev, staged, sums[lo:hi], None, first,
+                                     lambda: staging.give(key), stat)  # fmt: skip
+
+            if dp.enabled:
+                self.after_reduce(dp.reduce_async(bucket, owner), i, onward)
+            else:
+                onward()
+
+    # ------------------------------------------------------------------ data parallel
+    def after_reduce(self, work, bucket_i: int | None, continuation) -> None:
+        """Queue ``continuation`` to run once ``work`` (a collective reading bucket
+        ``bucket_i``, or None) completed."""
+        self._serial += 1
+        self._pending.append((self._serial, work, bucket_i, continuation))
+        if bucket_i is not None:
+            self._bucket_pending[bucket_i] = self._serial
+
+    def complete(self, upto: int | None = None) -> None:
+        """Finish the collectives in flight (in issue order) up to serial ``upto`` (all)."""
+        while self._pending and (upto is None or self._pending[0][0] <= upto):
+            serial, work, bucket_i, continuation = self._pending.popleft()
+            t0 = time.perf_counter()
+            if work is not None:
+                work.wait()
+            self.wait_s += time.perf_counter() - t0
+            if bucket_i is not None and self._bucket_pending.get(bucket_i) == serial:
+                del self._bucket_pending[bucket_i]
+            continuation()
+
+    def close(self) -> None:
+        self.accumulator.close()
