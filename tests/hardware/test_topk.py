@@ -160,8 +160,11 @@ def test_memory_table_matches_the_estimate(census, bf16, fp32_state):
     budget = Budget(10**12, 10**12, False, "test", "test")
     for r in rows[::11] + rows[-1:]:
         sel, cols = census.selected(r.topk)
-        # The selected columns' fp32 state (master + moments, or moments) and a step count each.
-        assert r.selected_bytes == sel * fp32_state + cols * 8
+        # The selected columns' fp32 state (master + moments, or moments), their gradient in
+        # the training dtype and a step count each.
+        dt = 2 if bf16 else 4
+        scratch = max(census.largest_selected(r.topk), sel // 64) * 4 if bf16 else 0
+        assert r.selected_bytes == sel * (fp32_state + dt) + cols * 8 + scratch
         est = check(layout(census, "zenflow", dataclasses.replace(s, topk_ratio=r.topk)),
                     s, budget, "zenflow", census.params)  # fmt: skip
         assert r.device_bytes == est.device_bytes

@@ -616,7 +616,9 @@ def _parse_zero(
             'must be "cpu" when a zenflow block is present',
             'set offload_optimizer.device to "cpu" (or remove the zenflow block)',
         )
-    pin = r.boolean(offload, "pin_memory", "zero_optimization.offload_optimizer.pin_memory", False)
+    # Default true (DeepSpeed's is false): pageable staging makes every device->host copy of
+    # a gradient piece a synchronous one on CUDA. Only what crosses the link is pinned.
+    pin = r.boolean(offload, "pin_memory", "zero_optimization.offload_optimizer.pin_memory", True)
     return zenflow, stage, device, pin
 
 

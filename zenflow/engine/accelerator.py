@@ -155,6 +155,7 @@ class Accelerator:
         self._host: dict[str, int] = defaultdict(int)  # holder tag -> host bytes
         self._pinned = 0
         self._peak = 0
+        self._peak_held: dict[str, int] = {}
         self._lock = threading.Lock()
 
     # ---------------------------------------------------------------- device memory
@@ -170,7 +171,9 @@ class Accelerator:
                     f"held (largest holders: {top}). {OOM_FIX}"
                 )
             self._held[tag] += nbytes
-            self._peak = max(self._peak, total)
+            if total > self._peak:
+                self._peak = total
+                self._peak_held = {k: v for k, v in self._held.items() if v}
 
     def _unaccount(self, tag: str, nbytes: int) -> None:
         with self._lock:
@@ -206,9 +209,17 @@ class Accelerator:
         with self._lock:
             return max(self._peak, sum(self._held.values()))
 
+    def peak_held(self) -> dict[str, int]:
+        """Device bytes per holder at the moment of the peak (accounting backends)."""
+        with self._lock:
+            if sum(self._held.values()) >= self._peak:
+                return {k: v for k, v in self._held.items() if v}
+            return dict(self._peak_held)
+
     def reset_peak(self) -> None:
         with self._lock:
             self._peak = sum(self._held.values())
+            self._peak_held = {k: v for k, v in self._held.items() if v}
 
     def empty(self, shape, dtype, tag: str) -> torch.Tensor:
         """An uninitialised device tensor, accounted under ``tag``."""

@@ -20,7 +20,7 @@ import torch
 from zenflow.engine.copies import (
     DEVICE_BUCKETS,
     DP_DEVICE_BUCKETS,
-    bucket_elems_for,
+    chunk_bucket_elems,
     plan_chunks,
 )
 from zenflow.engine.distributed import norms_of
@@ -85,8 +85,7 @@ class OffloadMode:
         self.images: dict[str, torch.Tensor | None] = {}
         self.chunks = {}
         pin = engine.pin_link
-        bucket = bucket_elems_for(sizes, [max(s.param.shape) for s in engine.specs], None)
-        bucket = max(bucket, 1) if sizes else 1
+        bucket = chunk_bucket_elems(sum(sizes), max(sizes, default=1), engine.bucket_request)
         for s, owner in zip(engine.specs, self.owners, strict=True):
             self.chunks[s.name] = plan_chunks(s.param.numel(), bucket)
             if dp.enabled and not dp.owns(owner):

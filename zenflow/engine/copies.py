@@ -116,6 +116,14 @@ def bucket_elems_for(numels: list[int], units: list[int], requested: int | None)
     return max(want, max(units, default=1), 1)
 
 
+def chunk_bucket_elems(total: int, largest: int, requested: int | None = None) -> int:
+    """Elements per bucket when buckets carry whole gradients in flat chunks (the offload
+    engine): the same cap as ``bucket_elems_for`` (1/64 of the elements, at most the
+    largest gradient), with no row to keep whole."""
+    return max(1, min(requested or DEFAULT_BUCKET_ELEMS, max(1, total // BUCKET_SHARE),
+                      max(1, largest)))  # fmt: skip
+
+
 class DeviceBuckets:
     """``count`` device buffers of ``elems`` elements (training dtype) and each one's last
     event, used round robin."""

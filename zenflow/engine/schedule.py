@@ -221,6 +221,7 @@ class ZenFlowEngine:
         self._closed = False
         self._failed: BaseException | None = None
         self.rec = StepRecord()
+        self.last_peak_held: dict[str, int] = {}  # device bytes per holder at the last peak
         self._torch_threads_orig = torch.get_num_threads()
         self.bucket_request = int(getattr(config, "reduce_bucket_size", 0) or 0) or None
         self.dp = DataParallel()
@@ -625,6 +626,7 @@ class ZenFlowEngine:
             mode=self.mode,
         )
         # the next step's figures start here (the trainer's forward/backward included)
+        self.last_peak_held = self.accel.peak_held()
         self.accel.traffic.reset()
         syncs.reset()
         self.accel.reset_peak()

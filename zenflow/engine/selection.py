@@ -4,7 +4,8 @@ A ZenFlow weight is a 2-D trainable tensor with at least ``min_numel`` elements.
 *columns* are its input features (ZENFLOW.md section 2): ``W[:, j]`` for ``nn.Linear``
 (weight ``[out, in]``, ``column_dim=1``), but ``W[j, :]`` for transformers' ``Conv1D``
 (GPT-2 stores ``[in, out]``: ``column_dim=0``). ``nn.Embedding`` weights ``[num, dim]`` are
-scored by embedding dimension (``column_dim=1``), like any other matrix. Everything else
+scored by rows (tokens, ``column_dim=0``: a lookup is a Linear on a one-hot token; see
+``column_axis``). Everything else
 (1-D params, small tensors) is "always important": updated fully on the device every step.
 
 Importance of column j = squared L2 norm of the gradient column, ``sum_i G[i, j]**2``. It is
@@ -90,10 +91,30 @@ def num_selected(n_cols: int, topk_ratio: float) -> int:
     return max(1, min(n_cols, math.ceil(topk_ratio * n_cols - 1e-9)))
 
 
+SCORE_CHUNK = 1 << 20  # elements widened to fp32 at a time when scoring a large gradient
+
+
 def column_scores(grad: torch.Tensor, column_dim: int) -> torch.Tensor:
-    """Squared L2 norm of every gradient column, fp32, shape ``[n_cols]``."""
-    g = grad.float()
-    return (g * g).sum(dim=1 - column_dim)
+    """Squared L2 norm of every gradient column, fp32, shape ``[n_cols]``.
+
+    A gradient larger than ``SCORE_CHUNK`` elements is scored in chunks of rows, so the fp32
+    temporaries stay small whatever the weight's size (an 8B model's embedding would need
+    two 4 GB ones at once)."""
+    if grad.numel() <= SCORE_CHUNK:
+        g = grad.float()
+        return (g * g).sum(dim=1 - column_dim)
+    rows = max(1, SCORE_CHUNK // grad.shape[1])
+    if column_dim == 1:  # columns along dim 1: sum the chunks' partial column sums
+        out = torch.zeros(grad.shape[1], dtype=torch.float32, device=grad.device)
+        for r0 in range(0, grad.shape[0], rows):
+            g = grad[r0 : r0 + rows].float()
+            out += (g * g).sum(dim=0)
+        return out
+    out = torch.empty(grad.shape[0], dtype=torch.float32, device=grad.device)
+    for r0 in range(0, grad.shape[0], rows):  # columns along dim 0: each is a row
+        g = grad[r0 : r0 + rows].float()
+        out[r0 : r0 + rows] = (g * g).sum(dim=1)
+    return out
 
 
 def allreduce_scores_(scores: torch.Tensor) -> torch.Tensor:

@@ -236,6 +236,13 @@ class ZenFlowMode:
         for i, w in enumerate(self.zweights):
             w.position = i
         self.kernels = engine.kernels()
+        # fp32 scratch of the device update (bf16 models): the largest weight's selected
+        # gradient, or 1/64 of all of them, whichever is more
+        self._scratch = None
+        if not self.zero_copy and engine.dtype != torch.float32 and self.zweights:
+            shares = [w.rows * w.k for w in self.zweights]
+            self._scratch = accel.empty((max(max(shares), sum(shares) // 64),), torch.float32,
+                                        "grads")  # fmt: skip
         self.transport = None
         if not self.zero_copy and self.zweights:
             count = DP_DEVICE_BUCKETS if dp.enabled else DEVICE_BUCKETS
@@ -592,34 +599,69 @@ class ZenFlowMode:
                 self._select(t, scores)
 
     def _device_update(self, hp, coef_t) -> None:
-        """AdamW of every weight's selected columns on the device: one fused call per step
-        count (one, unless columns were handed over with other counts)."""
-        groups: dict[int, list] = {}
+        """AdamW of every weight's selected columns on the device: fused calls over batches
+        of weights with the same step count (one batch unless columns were handed over with
+        other counts). A bf16 model's selected gradients are widened to fp32 batch by batch
+        into one accounted scratch buffer (about 1/64 of the selected elements), so the
+        optimizer step never holds an fp32 copy of all of them at once."""
+        groups: dict[int, list[ZfWeight]] = {}
         for w in self.zweights:
-            p = w.spec.param.data
-            if self.zero_copy:
-                g = w.grad().index_select(w.cd, w.sel_dev)
-            else:
-                g = w.grad_sel
-                if coef_t is not None:
-                    g.mul_(coef_t.to(g.dtype))
-            g = g.float()
+            if not self.zero_copy and coef_t is not None:
+                w.grad_sel.mul_(coef_t.to(w.grad_sel.dtype))
             w.steps_dev.increment()
-            x = p.index_select(w.cd, w.sel_dev) if w.master_sel is None else w.master_sel
             if w.steps_dev.uniform is not None:
-                groups.setdefault(w.steps_dev.uniform, []).append((w, x, g))
+                groups.setdefault(w.steps_dev.uniform, []).append(w)
             else:
+                g = self._sel_grad_fp32(w)
+                x = self._sel_param(w)
                 adamw_columns_(x, g, w.exp_avg_dev, w.exp_avg_sq_dev, w.steps_dev.counts, w.cd,
                                hp)  # fmt: skip
-                p.index_copy_(w.cd, w.sel_dev, x if w.master_sel is None else x.to(p.dtype))
-        for step, items in groups.items():
-            adamw_fused_([x for _, x, _ in items], [g for _, _, g in items],
-                         [w.exp_avg_dev for w, _, _ in items],
-                         [w.exp_avg_sq_dev for w, _, _ in items], step, hp,
-                         fused=self.e.fused_device_adam)  # fmt: skip
-            for w, x, _ in items:
-                p = w.spec.param.data
-                p.index_copy_(w.cd, w.sel_dev, x if w.master_sel is None else x.to(p.dtype))
+                self._write_sel(w, x)
+        for step, ws in groups.items():
+            batch: list[ZfWeight] = []
+            used = 0
+            for w in ws + [None]:
+                n = 0 if w is None else w.rows * w.k
+                if w is None or (batch and self._scratch is not None
+                                 and used + n > self._scratch.numel()):  # fmt: skip
+                    if batch:
+                        self._fused_batch(batch, step, hp)
+                    batch, used = [], 0
+                if w is not None:
+                    batch.append(w)
+                    used += n
+
+    def _sel_param(self, w: ZfWeight) -> torch.Tensor:
+        """The fp32 values the selected columns' AdamW updates (compact)."""
+        p = w.spec.param.data
+        return p.index_select(w.cd, w.sel_dev) if w.master_sel is None else w.master_sel
+
+    def _write_sel(self, w: ZfWeight, x: torch.Tensor) -> None:
+        p = w.spec.param.data
+        p.index_copy_(w.cd, w.sel_dev, x if w.master_sel is None else x.to(p.dtype))
+
+    def _sel_grad_fp32(self, w: ZfWeight, offset: int = 0) -> torch.Tensor:
+        """The selected gradient in fp32: the whole gradient's columns (CPU zero-copy), the
+        buffer itself (an fp32 model), or widened into the scratch at ``offset``."""
+        if self.zero_copy:
+            return w.grad().index_select(w.cd, w.sel_dev).float()
+        if w.grad_sel.dtype == torch.float32:
+            return w.grad_sel
+        n = w.rows * w.k
+        out = self._scratch[offset : offset + n].view(w.shape_k)
+        out.copy_(w.grad_sel)
+        return out
+
+    def _fused_batch(self, batch: list[ZfWeight], step: int, hp) -> None:
+        xs, gs, off = [], [], 0
+        for w in batch:
+            xs.append(self._sel_param(w))
+            gs.append(self._sel_grad_fp32(w, off))
+            off += w.rows * w.k
+        adamw_fused_(xs, gs, [w.exp_avg_dev for w in batch], [w.exp_avg_sq_dev for w in batch],
+                     step, hp, fused=self.e.fused_device_adam)  # fmt: skip
+        for w, x in zip(batch, xs, strict=True):
+            self._write_sel(w, x)
 
     def auto_update(self, values: list[float], coef: float) -> None:
         """Fold one step's masses (``auto_terms`` read, in order; ``auto_host_masses``

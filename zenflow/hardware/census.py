@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from zenflow.engine.copies import bucket_elems_for
+from zenflow.engine.copies import bucket_elems_for, chunk_bucket_elems
 from zenflow.engine.selection import DEFAULT_MIN_NUMEL, classify_params, num_selected
 from zenflow.errors import UserInputError
 
@@ -82,6 +82,7 @@ class ParamCensus:
     zenflow_weights: tuple[tuple[int, int], ...]  # (rows, n_cols) of every ZenFlow weight
     largest_numel: int  # largest trainable param (sets the staging bucket)
     arch: ArchShape | None = None
+    tied_numel: int = 0  # the largest ZenFlow weight used by two modules (a tied LM head)
 
     @property
     def zenflow_params(self) -> int:  # Pz
@@ -95,6 +96,30 @@ class ParamCensus:
             None,
         )
 
+    @property
+    def bucket_elements_all(self) -> int:
+        """B of the offload engine: its buckets carry whole gradients of every param."""
+        return chunk_bucket_elems(self.params, self.largest_numel)
+
+    @property
+    def largest_zenflow_numel(self) -> int:
+        """L: the gradient elements the ZenFlow stream has in flight at the peak of backward:
+        the largest gradient while it is produced, plus, with a tied weight (an embedding
+        reused as the LM head), that weight's gradient, which autograd holds from the head's
+        backward to the embedding's (the whole backward)."""
+        sizes = sorted((r * c for r, c in self.zenflow_weights), reverse=True)
+        if not sizes:
+            return 0
+        if self.tied_numel:
+            others = list(sizes)
+            others.remove(self.tied_numel)
+            return self.tied_numel + (others[0] if others else 0)
+        return sizes[0]
+
+    def largest_selected(self, topk_ratio: float) -> int:
+        """The largest one weight's selected elements (rows x k)."""
+        return max((r * num_selected(c, topk_ratio) for r, c in self.zenflow_weights), default=0)
+
     def selected(self, topk_ratio: float) -> tuple[int, int]:
         """(S, sum of k): selected elements and selected columns over all ZenFlow weights."""
         s = cols = 0
@@ -107,17 +132,23 @@ class ParamCensus:
 
 def census_of(model, *, name: str, source: str, arch: ArchShape | None = None) -> ParamCensus:
     """Count ``model``'s trainable params with the engine's own classification."""
-    params = dense = largest = 0
+    params = dense = largest = tied = 0
     weights = []
+    uses: dict[int, int] = {}
+    for module in model.modules():
+        for _, p in module.named_parameters(recurse=False):
+            uses[id(p)] = uses.get(id(p), 0) + 1
     for spec in classify_params(model, DEFAULT_MIN_NUMEL):
         n = spec.param.numel()
         params += n
         largest = max(largest, n)
         if spec.is_zenflow:
             weights.append((n // spec.n_cols, spec.n_cols))
+            if uses.get(id(spec.param), 0) > 1:
+                tied = max(tied, n)
         else:
             dense += n
-    return ParamCensus(name, source, params, dense, tuple(weights), largest, arch)
+    return ParamCensus(name, source, params, dense, tuple(weights), largest, arch, tied)
 
 
 def _arch_of(config, num_labels: int, causal_lm: bool) -> ArchShape | None:

@@ -9,8 +9,16 @@ detected memory); ``preflight`` is that check as ``zfctl finetune`` runs it.
 Notation (as in ZENFLOW.md section 2b): P = trainable params, Pz = params of ZenFlow weights
 (2-D, >= ``DEFAULT_MIN_NUMEL`` elements, scored by columns), Pd = P - Pz (dense params),
 S = selected elements (sum over ZenFlow weights of rows x k), N = Pz - S, dt = bytes of the
-training dtype (2 bf16, 4 fp32), B = elements of one staging bucket, slots = accumulator
-slots (2 with ``overlap_step``).
+training dtype (2 bf16, 4 fp32), B = elements of one staging bucket, nb = device buckets
+(2; 4 with data parallelism), L = elements of the largest gradient the stream routes (the
+one being produced during backward), slots = window-sum slots (2 with ``overlap_step``).
+
+The layout is the streamed one (``zfctl.stream_grads``, on for a separate device): every
+gradient leaves the device as backward produces it, so the device holds the selected
+columns' gradient (S), the always-important parameters' (Pd), the one in flight (L) and the
+buckets, at the peak of backward. Without streaming, or with micro-batches summed on the
+device (``zfctl.grad_accumulation: "device"``), it holds the whole gradient (P) instead.
+Only what crosses the link is pinned: staging, images, landing buffers.
 
 Every item has a category the engine's own memory accounting uses: on the device "weights",
 "grads", "optimizer" (fp32 master slices, moments, step counts), "staging" (copy buckets)
@@ -25,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from zenflow.engine.copies import DEVICE_BUCKETS, DP_DEVICE_BUCKETS
 from zenflow.errors import UserInputError
 from zenflow.hardware.census import (
     ArchShape,
@@ -49,7 +58,6 @@ ENGINE_TITLES = {
 }
 DEVICE_CATEGORIES = ("weights", "grads", "optimizer", "staging", "activations")
 HOST_CATEGORIES = ("master_moments", "accumulators", "staging")
-DEVICE_BUCKETS = 2  # double-buffered device buckets: one copying while the next fills
 
 
 class WillNotFitError(UserInputError):
@@ -94,9 +102,28 @@ class Settings:
     topk_ratio: float = 0.1
     bf16: bool = True
     overlap_step: bool = False  # a second accumulator slot while the host step runs
-    pin_memory: bool = True  # host buffers pinned (only with a separate device)
+    pin_memory: bool = True  # link buffers pinned (only with a separate device)
     micro_batch: int = 8
     seq_len: int = 128
+    stream_grads: bool = True  # gradients leave the device during backward
+    grad_accumulation: str = "host"  # where micro-batches are summed ("host" or "device")
+    gradient_accumulation_steps: int = 1
+    gradient_checkpointing: bool = False  # activations recomputed in backward
+    world_size: int = 1  # data-parallel ranks: more device buckets in flight
+    warmup: bool = False  # full_warm_up_rounds > 0: warm-up images on the host
+
+    @property
+    def whole_grads(self) -> bool:
+        """Whether the device holds whole gradients (no streaming, or micro-batches summed
+        in them)."""
+        return not self.stream_grads or (
+            self.gradient_accumulation_steps > 1 and self.grad_accumulation == "device"
+        )
+
+    @property
+    def host_sums(self) -> bool:
+        """Micro-batches summed on the host in fp32."""
+        return self.gradient_accumulation_steps > 1 and not self.whole_grads
 
     @property
     def dtype_bytes(self) -> int:
@@ -112,13 +139,18 @@ def settings_from_config(config=None, **overrides: Any) -> Settings:
     keyword overrides that are not None win. Without a config: bf16, topk 0.1."""
     values: dict[str, Any] = {}
     if config is not None:
-        values["bf16"] = bool(config.bf16)
+        # bf16 "auto" resolves on for a separate device (what the estimate is about)
+        values["bf16"] = config.bf16 == "auto" or bool(config.bf16)
         values["pin_memory"] = bool(config.pin_memory)
         if config.train_micro_batch_size_per_gpu:
             values["micro_batch"] = int(config.train_micro_batch_size_per_gpu)
+        values["gradient_accumulation_steps"] = int(config.gradient_accumulation_steps)
+        values["grad_accumulation"] = config.engine.grad_accumulation
+        values["stream_grads"] = config.engine.stream_grads in (True, "auto")
         if config.zenflow is not None:
             values["topk_ratio"] = float(config.zenflow.topk_ratio)
             values["overlap_step"] = bool(config.zenflow.overlap_step)
+            values["warmup"] = int(config.zenflow.full_warm_up_rounds) > 0
     values.update({k: v for k, v in overrides.items() if v is not None})
     if not 0 < values.get("topk_ratio", 0.1) <= 1:
         raise EstimateError(f"--topk-ratio must be in (0, 1], got {values['topk_ratio']}.")
@@ -134,24 +166,32 @@ class Item:
     what: str
     bytes: int
     formula: str
+    pinned: bool = False  # a host buffer that crosses the link (page-locked when pinning)
 
 
 def activation_bytes(arch: ArchShape | None, s: Settings) -> tuple[int | None, str]:
     """Activation memory of one micro-batch (an estimate) and its formula.
 
     Transformer blocks: Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
-    Transformer Models"), no recomputation, s*b*h*(34 + 5*a*s/h) bytes per layer at 2-byte
-    activations, scaled by dt/2. Head: fp32 logits and their gradient, b*s*vocab*4*2 for a
-    causal LM, b*num_labels*4*2 for a classifier.
+    Transformer Models"), s*b*h*(34 + 5*a*s/h) bytes per layer at 2-byte activations, scaled
+    by dt/2. With activation checkpointing (``gradient_checkpointing``: transformers
+    recomputes each layer in backward from its input) every layer keeps only its input,
+    s*b*h*dt, and one layer's full activations exist at a time, while it is recomputed.
+    Head: fp32 logits and their gradient, b*s*vocab*4*2 for a causal LM, b*num_labels*4*2
+    for a classifier.
     """
     if arch is None:
         return None, "unknown for this architecture (no hidden_size/heads/layers in its config)"
-    b, seq, h, a = s.micro_batch, s.seq_len, arch.hidden, arch.heads
-    per_layer = seq * b * h * (34 + 5 * a * seq / h) * s.dtype_bytes / 2
+    b, seq, h, a, dt = s.micro_batch, s.seq_len, arch.hidden, arch.heads, s.dtype_bytes
+    per_layer = seq * b * h * (34 + 5 * a * seq / h) * dt / 2
     if arch.causal_lm:
         head, head_f = b * seq * arch.vocab * 4 * 2, "b*s*vocab*8"
     else:
         head, head_f = b * arch.num_labels * 4 * 2, "b*labels*8"
+    if s.gradient_checkpointing:
+        body = arch.layers * seq * b * h * dt + per_layer
+        formula = f"L*s*b*h*dt + s*b*h*(34+5*a*s/h)*dt/2 (checkpointed) + {head_f}"
+        return int(body + head), formula
     formula = f"L*s*b*h*(34+5*a*s/h)*dt/2 + {head_f}"
     return int(arch.layers * per_layer + head), formula
 
@@ -176,41 +216,74 @@ def layout(census: ParamCensus, mode: str, s: Settings) -> list[Item]:
     def dev(cat: str, what: str, n: int, formula: str) -> None:
         items.append(Item("device", cat, what, int(n), formula))
 
-    def host(cat: str, what: str, n: int, formula: str) -> None:
-        items.append(Item("host", cat, what, int(n), formula))
+    def host(cat: str, what: str, n: int, formula: str, pinned: bool = False) -> None:
+        items.append(Item("host", cat, what, int(n), formula, pinned))
 
-    # Every engine: the model's weights and their gradients, in the training dtype.
+    nb = DP_DEVICE_BUCKETS if s.world_size > 1 else DEVICE_BUCKETS
+    gas = s.gradient_accumulation_steps
+    # Every engine: the model's weights in the training dtype.
     dev("weights", f"weights ({dn})", P * dt, f"P*{dt}")
-    dev("grads", f"gradients ({dn})", P * dt, f"P*{dt}")
     if mode == "device":  # plain mixed-precision AdamW, everything on the device
+        dev("grads", f"gradients ({dn})", P * dt, f"P*{dt}")
         dev("optimizer", "exp_avg + exp_avg_sq (fp32)", P * 8, "P*8")
         if s.bf16:
             dev("optimizer", "master weights (fp32)", P * 4, "P*4")
     elif mode == "offload":  # ZeRO-Offload: the whole optimizer on the host
-        # gradients are copied straight from autograd's buffers and weights straight back
-        # into the model's: no device buckets
+        Lo = census.largest_numel
+        if s.whole_grads:
+            dev("grads", f"gradients ({dn}, whole)", P * dt, f"P*{dt}")
+        else:
+            dev("grads", f"the gradient being streamed (largest, {dn})", Lo * dt, f"L*{dt}")
+        Bo = census.bucket_elements_all
+        dev("staging", f"copy buckets ({nb}, {dn})", nb * Bo * dt, f"{nb}*B*{dt}")
         host("master_moments", "master + exp_avg + exp_avg_sq (fp32)", P * 12, "P*12")
-        # every step's gradient lands here (device->host copy) before the CPU Adam reads it
-        host("accumulators", f"gradient landing buffer ({dn})", P * dt, f"P*{dt}")
+        if s.host_sums:  # micro-batches land in pinned staging, summed in fp32
+            host("staging", f"device->host staging ({dn})", P * dt, f"P*{dt}", True)
+            host("accumulators", "micro-batch gradient sums (fp32)", P * 4, "P*4")
+        else:  # every step's gradient lands here before the CPU Adam reads it
+            host("staging", f"gradient landing buffer ({dn})", P * dt, f"P*{dt}", True)
         if s.bf16:  # fp32: the master itself is copied back, no image needed
-            host("staging", "bf16 image of the updated weights", P * 2, "P*2")
+            host("staging", "bf16 image of the updated weights", P * 2, "P*2", True)
     else:  # zenflow
+        Lz = census.largest_zenflow_numel
+        if s.whole_grads:
+            dev("grads", f"gradients ({dn}, whole)", P * dt, f"P*{dt}")
+        else:
+            dev("grads", f"always-important params' gradients ({dn})", Pd * dt, f"Pd*{dt}")
+            dev("grads", f"the gradient being streamed (largest, {dn})", Lz * dt, f"L*{dt}")
+        # the step's gradient of the selected columns, compact, until the optimizer step
+        dev("grads", f"selected columns' gradient ({dn})", S * dt, f"S*{dt}")
+        if s.bf16:  # the optimizer step widens it to fp32 batch by batch, in one scratch
+            scratch = max(census.largest_selected(s.topk_ratio), S // 64)
+            dev("grads", "fp32 scratch of the selected columns' update", scratch * 4,
+                "4*max(largest rows*k, S/64)")  # fmt: skip
         # selected columns and dense params update exactly in fp32 on the device
         sel_what = "master + moments (fp32)" if s.bf16 else "exp_avg + exp_avg_sq (fp32)"
         dev("optimizer", f"selected columns: {sel_what}", S * fp32_state, f"S*{fp32_state}")
         dev("optimizer", f"dense params: {sel_what}", Pd * fp32_state, f"Pd*{fp32_state}")
         # an integer step per selected column: bias correction survives hand-overs
         dev("optimizer", "per-column step counts (int64)", K * 8, "8*sum(k)")
-        dev("staging", f"copy buckets ({DEVICE_BUCKETS}, {dn})", DEVICE_BUCKETS * B * dt,
-            f"{DEVICE_BUCKETS}*B*{dt}")  # fmt: skip
+        dev("staging", f"copy buckets ({nb}, {dn})", nb * B * dt, f"{nb}*B*{dt}")
         # full-shape host state: a column may move to the host at any re-selection
         host("master_moments", "ZenFlow weights: master + moments (fp32)", Pz * 12, "Pz*12")
-        host("accumulators", f"gradient accumulators (fp32, {slots} slot{'s' * (slots > 1)})",
-             Pz * 4 * slots, f"Pz*4*{slots}")  # fmt: skip
-        # the host step's result, cast once, is what the host->device copy reads
-        host("staging", f"{dn} image of the non-selected columns", N * dt, f"N*{dt}")
+        host("accumulators", f"window sums of the non-selected columns (fp32, {slots} "
+             f"slot{'s' * (slots > 1)})", N * 4 * slots, f"N*4*{slots}")  # fmt: skip
+        if s.host_sums:
+            host("accumulators", "micro-batch sums of the non-selected columns (fp32)", N * 4,
+                 "N*4")  # fmt: skip
+        # the host step writes the updated columns' image in the same pass; it is what the
+        # host->device copy reads
+        host("staging", f"{dn} image of the non-selected columns", N * dt, f"N*{dt}", True)
         # one pinned staging buffer per piece of a step: a step's non-selected gradient
-        host("staging", f"device->host staging, one step's pieces ({dn})", N * dt, f"N*{dt}")
+        host("staging", f"device->host staging, one step's pieces ({dn})", N * dt, f"N*{dt}",
+             True)  # fmt: skip
+        # the first selection (and warm-up) see the whole gradient on the host, then the
+        # buffers go back to the allocator
+        land_dt = 4 if s.host_sums else dt
+        host("accumulators", "whole-gradient landing (first selection and warm-up only)",
+             Pz * land_dt, f"Pz*{land_dt}")  # fmt: skip
+        if s.warmup and s.bf16:
+            host("staging", "warm-up: bf16 image of the updated weights", Pz * 2, "Pz*2")
     act, formula = activation_bytes(census.arch, s)
     if act is not None:
         dev("activations", "activations (estimate)", act, formula)
@@ -339,9 +412,11 @@ def check(items: list[Item], s: Settings, budget: Budget, mode: str, params: int
     """Pinned bytes and shortfall of one engine's items against the budget."""
     dev = sum(i.bytes for i in items if i.side == "device")
     host = sum(i.bytes for i in items if i.side == "host")
-    # Pinned: every host buffer, when pin_memory is on and there is a separate device to copy
-    # to by DMA (on the CPU there is nothing to pin for).
-    pinned = host if s.pin_memory and not budget.device_is_host else 0
+    # Pinned: the buffers that cross the link, when pin_memory is on and there is a separate
+    # device to copy to by DMA (on the CPU there is nothing to pin for).
+    pinned = 0
+    if s.pin_memory and not budget.device_is_host:
+        pinned = sum(i.bytes for i in items if i.side == "host" and i.pinned)
     short: dict[str, int] = {}
     if budget.device_is_host:  # one memory: both sides must fit the available RAM together
         if dev + host > budget.host_bytes:

@@ -84,9 +84,11 @@ def headroom(row: TopkMemory, budget: MemoryBudget) -> int:
 
 
 def is_selected_item(item) -> bool:
-    """An estimate ``Item`` that grows with the selected columns: their fp32 state (formula
-    ``S*...``) or their per-column step counts (``8*sum(k)``)."""
-    return item.side == "device" and (item.formula.startswith("S*") or "sum(k)" in item.formula)
+    """An estimate ``Item`` that grows with the selected columns: their fp32 state and
+    gradient (formula ``S*...``), the update's fp32 scratch (``rows*k``) or their per-column
+    step counts (``8*sum(k)``)."""
+    f = item.formula
+    return item.side == "device" and (f.startswith("S*") or "sum(k)" in f or "rows*k" in f)
 
 
 def memory_table(census, settings, grid: tuple[float, ...] = TOPK_GRID) -> tuple[TopkMemory, ...]:
