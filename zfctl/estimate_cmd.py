@@ -59,6 +59,34 @@ def estimate(
         typer.Option(min=1, help="Micro-batch for the activations. Default: the config's, else 8."),
     ] = None,
     seq_len: Annotated[int, typer.Option(min=1, help="Tokens per example.")] = 128,
+    gradient_checkpointing: Annotated[
+        bool,
+        typer.Option(
+            "--gradient-checkpointing",
+            help="Activations recomputed in backward (zfctl finetune --gradient-checkpointing): "
+            "each layer keeps only its input.",
+        ),
+    ] = False,
+    gradient_accumulation_steps: Annotated[
+        int | None,
+        typer.Option(min=1, help="Micro-batches per step. Default: the config's, else 1."),
+    ] = None,
+    grad_accumulation: Annotated[
+        str | None,
+        typer.Option(
+            help='Where micro-batches are summed (zfctl.grad_accumulation): "host" (streamed '
+            'each micro-batch, least device memory) or "device" (a whole gradient on the '
+            "device). Default: the config's, else host.",
+        ),
+    ] = None,
+    stream_grads: Annotated[
+        bool | None,
+        typer.Option(
+            "--stream-grads/--no-stream-grads",
+            help="Gradients leave the device during backward (zfctl.stream_grads). Default: "
+            "on for a separate device.",
+        ),
+    ] = None,
     head: Annotated[
         str, typer.Option(help="classification (what zfctl finetune trains) or causal-lm.")
     ] = "classification",
@@ -86,11 +114,16 @@ def estimate(
         from zenflow.config import load_config
 
         cfg = load_config(config)
+    if grad_accumulation is not None and grad_accumulation not in ("host", "device"):
+        raise user_error(f"--grad-accumulation {grad_accumulation!r}: use host or device.")
     dev = est.parse_size(device_mem, "--device-mem") if device_mem is not None else None
     hst = est.parse_size(host_mem, "--host-mem") if host_mem is not None else None
     settings = est.settings_from_config(
         cfg, topk_ratio=topk_ratio, bf16=bf16, overlap_step=overlap_step,
         micro_batch=micro_batch, seq_len=seq_len,
+        gradient_checkpointing=gradient_checkpointing,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        grad_accumulation=grad_accumulation, stream_grads=stream_grads,
     )  # fmt: skip
     census = est.resolve_census(model, head=head, num_labels=num_labels)
     data = est.estimate(census, settings, est.detect_budget(dev, hst), head=head).to_json()

@@ -37,8 +37,15 @@ def header_lines(data: dict) -> list[str]:
         f"elements in {data['selected_columns']:,} columns.",
         f"{data['dtype']} weights and grads; overlap_step "
         f"{'on' if data['overlap_step'] else 'off'}; pin_memory "
-        f"{'on' if data['pin_memory'] else 'off'}; activations for micro-batch "
-        f"{data['micro_batch']}, sequence {data['seq_len']}.",
+        f"{'on' if data['pin_memory'] else 'off'} (link buffers only); gradients "
+        + ("streamed off the device during backward" if data.get("stream_grads", True)
+           else "whole on the device until the step")
+        + (f", {data['gradient_accumulation_steps']} micro-batches summed on the "
+           f"{data['grad_accumulation']}" if data.get("gradient_accumulation_steps", 1) > 1
+           else "")
+        + f"; activations for micro-batch {data['micro_batch']}, sequence {data['seq_len']}"
+        + (", recomputed in backward" if data.get("gradient_checkpointing") else "")
+        + ".",
     ]
     if data["device_is_host"]:
         lines.append(
@@ -67,7 +74,10 @@ def verdict(data: dict, eng: dict) -> str:
             f"host {fmt_bytes(eng['host_bytes'])} of {fmt_bytes(data['host_mem'])}"
         )
     if eng["fits"]:
-        return f"{need}: [green]fits[/green]"
+        where = {"device": "device", "host": "host", "memory": "RAM"}
+        spare = ", ".join(f"{fmt_bytes(v)} {where[k]} to spare"
+                          for k, v in eng.get("spare_bytes", {}).items())  # fmt: skip
+        return f"{need}: [green]fits[/green]" + (f" ({spare})" if spare else "")
     where = {"device": "device", "host": "host", "memory": "RAM"}
     short = ", ".join(f"{where[k]} short by {fmt_bytes(v)}" for k, v in eng["short_bytes"].items())
     return f"{need}: [bold red]does NOT fit[/bold red] ({short})"
@@ -118,8 +128,16 @@ def summary_table(data: dict) -> Table:
     table.add_column("B/param", justify="right", no_wrap=True)
     table.add_column("fits", no_wrap=True)
     table.add_column("largest holders")
+    side = "memory" if data["device_is_host"] else "device"
     for mode, eng in data["engines"].items():
-        fits = "[green]yes[/green]" if eng["fits"] else "[bold red]NO[/bold red]"
+        if eng["fits"]:
+            left = eng.get("spare_bytes", {}).get(side)
+            fits = "[green]yes[/green]" + (f", {fmt_bytes(left)} spare" if left is not None else "")
+        else:
+            fits = "[bold red]NO[/bold red]"
+            missing = eng["short_bytes"].get(side)
+            if missing is not None:
+                fits += f", short {fmt_bytes(missing)}"
         table.add_row(
             mode, fmt_bytes(eng["device_bytes"]), fmt_bytes(eng["host_bytes"]),
             fmt_bytes(eng["pinned_bytes"]), f"{eng['bytes_per_param']:.2f}", fits,
@@ -135,9 +153,12 @@ def activation_note(data: dict) -> str:
         return f"Activations: {act['formula']}; not included."
     return (
         f"Activations ({fmt_bytes(act['bytes'])} on the device, every engine alike) are an "
-        f"estimate: {act['formula']} (Korthikanti et al. 2022, no recomputation). B/param is "
-        "the device state (weights, grads, optimizer, staging) per trainable param. Not "
-        "counted: the framework's own overhead (CUDA context, allocator fragmentation)."
+        f"estimate: {act['formula']} (Korthikanti et al. 2022, "
+        + ("each layer recomputed in backward" if data.get("gradient_checkpointing")
+           else "no recomputation")
+        + "). B/param is the device state (weights, grads, optimizer, staging) per "
+        "trainable param, at the peak of a step (backward included). Not counted: the "
+        "framework's own overhead (CUDA context, allocator fragmentation)."
     )
 
 

@@ -148,6 +148,21 @@ def finetune(
             "one per GPU with --device cuda). Multi-node: run torchrun yourself.",
         ),
     ] = 1,
+    gradient_checkpointing: Annotated[
+        bool,
+        typer.Option(
+            "--gradient-checkpointing",
+            help="Recompute activations in backward (transformers' activation "
+            "checkpointing): far less activation memory for about a third more compute.",
+        ),
+    ] = False,
+    sim_profile: Annotated[
+        str | None,
+        typer.Option(
+            help="With --device sim: scale the simulated link so compute:link matches a GPU "
+            "box (h100-pcie5, a100-pcie4, rtx4090); the scaling is printed with the run.",
+        ),
+    ] = None,
 ) -> None:
     """Fine-tune MODEL on a GLUE task with the ZenFlow engine (or a comparison engine)."""
     from zenflow.config import load_config, parse_set_args
@@ -173,6 +188,17 @@ def finetune(
             f"--config {config}: no such file; write one with `zfctl init --output {config}`."
         )
     cfg = load_config(config or template_path("zenflow"), overrides=parse_set_args(set_ or []))
+    if sim_profile is not None:
+        from zenflow.engine.sim_profiles import PROFILES
+
+        if device != "sim":
+            raise user_error("--sim-profile needs --device sim (it scales the simulated link).")
+        _choice("--sim-profile", sim_profile, tuple(PROFILES))
+    device_mem_bytes = None
+    if device_mem is not None:
+        from zenflow.hardware.estimate import parse_size
+
+        device_mem_bytes = parse_size(device_mem, "--device-mem")
     out = Console(highlight=False)
     if sample_data:
         if task != "sst2":
@@ -195,7 +221,9 @@ def finetune(
         from zenflow.train.data import get_task
 
         preflight(model, mode=engine, config=cfg, micro_batch=micro_batch, seq_len=seq_len,
-                  num_labels=get_task(task).num_labels, device_mem=device_mem)  # fmt: skip
+                  num_labels=get_task(task).num_labels, device_mem=device_mem,
+                  gradient_checkpointing=gradient_checkpointing,
+                  separate_device=device != "cpu")  # fmt: skip
     spec = RunSpec(
         model=model, task=task, config=cfg, init=init,
         data_dir=str(data_dir) if data_dir is not None else None, engine_mode=engine,
@@ -203,6 +231,8 @@ def finetune(
         seed=seed, run_dir=run_dir, runs_root=runs_root, resume=resume, eval_every=eval_every,
         max_eval_samples=max_eval_samples, hw_json=hw_json, checkpoint_every=checkpoint_every,
         overwrite=overwrite, device=device, config_given=config is not None or bool(set_),
+        gradient_checkpointing=gradient_checkpointing, sim_profile=sim_profile,
+        device_mem=device_mem_bytes,
     )  # fmt: skip
     if rank != 0:  # data parallel: rank 0 reports; the others say only their own error
         renderer = _SilentRenderer()

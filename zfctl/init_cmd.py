@@ -90,7 +90,12 @@ def init(
         float | None, typer.Option(help="Global gradient-norm clipping (0 = off).")
     ] = None,
     bf16: Annotated[
-        bool | None, typer.Option("--bf16/--no-bf16", help="bf16 autocast on the device.")
+        bool | None,
+        typer.Option(
+            "--bf16/--no-bf16",
+            help='bf16 weights, gradients and autocast (default: the template\'s "auto": on '
+            "for a CUDA GPU with bf16 and for sim, off on the CPU).",
+        ),
     ] = None,
     scheduler: Annotated[
         str | None,

@@ -107,7 +107,7 @@ def tune_hw(
     device = tune_run.resolve_device(device, dev_mem)  # refused here, before measuring
     config_doc = tuning.read_config_document(config) if config is not None else None
     if bf16 is None:
-        bf16 = config_bf16(config_doc) if config_doc is not None else True
+        bf16 = config_bf16(config_doc, device) if config_doc is not None else device != "cpu"
     err = Console(stderr=True)
     settings = tune_run.TuneSettings(
         model=model or (measure.BUILTIN_SMALL if quick else "gpt2"),
@@ -136,13 +136,15 @@ def tune_hw(
         render_config_update(out, config, update, write)
 
 
-def config_bf16(doc: dict) -> bool:
-    """The config document's bf16.enabled, as zenflow's parser reads it."""
+def config_bf16(doc: dict, device: str | None = None) -> bool:
+    """The config document's bf16.enabled, as zenflow's parser reads it ("auto" resolved
+    for ``device``, as the engine resolves it)."""
     import copy
 
     from zenflow.config import load_config
+    from zenflow.engine.schedule import resolve_bf16
 
-    return bool(load_config(copy.deepcopy(doc)).bf16)
+    return resolve_bf16(load_config(copy.deepcopy(doc)).bf16, device)
 
 
 def render(console: Console, result: dict) -> None:

@@ -128,7 +128,9 @@ def test_defaults_filled():
 def test_empty_config_is_plain_training():
     cfg = load_config({})
     assert cfg.zenflow is None
-    assert (cfg.zero_stage, cfg.offload_device, cfg.pin_memory) == (0, "none", False)
+    # pin_memory defaults to true (DeepSpeed's default is false): pageable staging would make
+    # every device->host copy synchronous; only what crosses the link is pinned
+    assert (cfg.zero_stage, cfg.offload_device, cfg.pin_memory) == (0, "none", True)
     assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu) == (None, None)
     assert cfg.gradient_accumulation_steps == 1
 

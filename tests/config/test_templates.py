@@ -35,7 +35,8 @@ def test_template_accepted_by_load_config(path):
     assert cfg.scheduler.type == "WarmupLR"
     assert cfg.scheduler.params["warmup_max_lr"] == cfg.optimizer.lr
     assert (cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (8, 1)
-    assert cfg.gradient_clipping == 1.0 and cfg.bf16 is False and cfg.steps_per_print == 10
+    # bf16 "auto": on for a CUDA GPU with bf16 and for sim, off on the CPU (resolve_bf16)
+    assert cfg.gradient_clipping == 1.0 and cfg.bf16 == "auto" and cfg.steps_per_print == 10
     # written back, the template keeps its meaning
     assert load_config(cfg.to_json_dict()) == cfg
 
@@ -73,7 +74,9 @@ def test_template_accepted_by_deepspeed(path, ds_config_cls):
     assert ds.optimizer_name == ours.optimizer.type.lower()
     assert ds.optimizer_params["lr"] == ours.optimizer.lr
     assert ds.scheduler_name == ours.scheduler.type
-    assert ds.bfloat16_config.enabled == ours.bf16
+    # "auto" is HF's convention: DeepSpeed 0.19.6 reads it without an error (as off); zfctl
+    # hands DeepSpeed the value resolved for the device (deepspeed_engine.deepspeed_config)
+    assert ours.bf16 == "auto" and ds.bfloat16_config.enabled in (True, False)
     zf = ds.zero_config.zenflow
     if ours.zenflow is None:
         assert zf is None
@@ -89,8 +92,10 @@ def test_template_accepted_by_deepspeed(path, ds_config_cls):
 def test_to_json_dict_of_template_accepted_by_deepspeed(path, ds_config_cls):
     """What `zfctl init` writes (the template after overrides, resolved) DeepSpeed reads."""
     ours = load_config(path, {"optimizer.params.lr": 1e-4, "train_micro_batch_size_per_gpu": 4})
-    out = ours.to_json_dict(resolved={"update_interval": 2})
+    out = ours.to_json_dict(resolved={"update_interval": 2, "bf16": True})
+    assert out["bf16"]["enabled"] is True  # "auto" resolved, as a run saves it
     ds = ds_config_cls(json.loads(json.dumps(out)))
+    assert ds.bfloat16_config.enabled is True
     assert ds.optimizer_params["lr"] == 1e-4
     assert ds.train_micro_batch_size_per_gpu == 4
     assert ds.scheduler_params == dict(ours.scheduler.params)

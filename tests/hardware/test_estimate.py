@@ -229,10 +229,12 @@ def test_parse_size_rejects(text):
 def test_settings_from_the_config():
     cfg = load_config(TEMPLATE)
     s = est.settings_from_config(cfg)
+    assert cfg.bf16 == "auto"  # resolved on: the estimate is about a separate device
     assert (s.topk_ratio, s.bf16, s.overlap_step, s.pin_memory, s.micro_batch) == (
-        cfg.zenflow.topk_ratio, cfg.bf16, cfg.zenflow.overlap_step, cfg.pin_memory,
+        cfg.zenflow.topk_ratio, True, cfg.zenflow.overlap_step, cfg.pin_memory,
         cfg.train_micro_batch_size_per_gpu,
     )  # fmt: skip
+    assert (s.stream_grads, s.gradient_accumulation_steps, s.grad_accumulation) == (True, 1, "host")
     s2 = est.settings_from_config(cfg, bf16=True, topk_ratio=0.02, micro_batch=None)
     assert (s2.bf16, s2.topk_ratio, s2.micro_batch) == (True, 0.02, s.micro_batch)
     assert est.settings_from_config() == Settings()

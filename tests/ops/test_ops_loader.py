@@ -120,6 +120,9 @@ def test_import_builds_nothing(tmp_path):
 def test_failed_build_names_log_and_fallback(tmp_path, monkeypatch):
     src = tmp_path / "csrc"
     src.mkdir()
+    real = loader.csrc_dir()
+    for name in loader.SOURCE_FILES + loader.HEADER_FILES:
+        (src / name).write_text((real / name).read_text())
     (src / "cpu_adam.cpp").write_text("#error zenflow test: deliberately broken source\n")
     monkeypatch.setattr(loader, "csrc_dir", lambda: src)
     monkeypatch.delitem(loader._state, "cleared_lock", raising=False)  # restored after

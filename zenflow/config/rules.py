@@ -657,7 +657,10 @@ def validate(raw: Mapping, source: str, world_size: int) -> Config:
     bf16_key = "bf16" if raw.get("bf16") is not None else "bfloat16"
     bf16_block = r.obj(raw, bf16_key, bf16_key) or {}
     r.ignore_unknown(bf16_block, ("enabled",), bf16_key)
-    bf16 = r.boolean(bf16_block, "enabled", f"{bf16_key}.enabled", False)
+    if bf16_block.get("enabled") == "auto":  # the DeepSpeed / HF convention: by the device
+        bf16 = "auto"
+    else:
+        bf16 = r.boolean(bf16_block, "enabled", f"{bf16_key}.enabled", False)
 
     fp16_block = r.obj(raw, "fp16", "fp16") or {}
     r.ignore_unknown(fp16_block, ("enabled",), "fp16")
@@ -669,7 +672,7 @@ def validate(raw: Mapping, source: str, world_size: int) -> Config:
             "fp16 is not supported by the zenflow engine",
             'use bf16 instead: "bf16": {"enabled": true} and "fp16": {"enabled": false}',
         )
-        if bf16:
+        if bf16 is True:
             r.problem("bf16.enabled", True, "bf16 and fp16 cannot both be enabled", "disable fp16")
 
     steps_per_print = r.integer(raw, "steps_per_print", "steps_per_print", 10, 1)

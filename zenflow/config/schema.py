@@ -296,8 +296,10 @@ class Config:
     """Backward passes per optimizer step (resolved, >= 1)."""
     gradient_clipping: float
     """Global gradient-norm clip; 0.0 = off. Default 1.0, as DeepSpeed 0.19.6."""
-    bf16: bool
-    """bf16 autocast (``bf16.enabled``)."""
+    bf16: bool | str
+    """bf16 weights, gradients and autocast (``bf16.enabled``): true, false or "auto" (the
+    DeepSpeed / HF convention: on for a CUDA device with bf16 and for sim, off on the CPU;
+    resolved by the engine, ``zenflow.engine.schedule.resolve_bf16``)."""
     fp16: bool
     """Always False: fp16 is rejected as not supported by the engine."""
     steps_per_print: int
@@ -328,8 +330,8 @@ class Config:
         value over it in its normalised form (full zenflow block, full scheduler params,
         optimizer type spelled "AdamW"/"Adam"). With ``resolved`` (e.g.
         ``{"update_interval": 4, "select_strategy": "epoch", "select_interval": 1}``), zenflow
-        fields whose value is ``"auto"`` are replaced by the resolved value; keys that are not
-        zenflow field names are skipped.
+        fields whose value is ``"auto"`` are replaced by the resolved value, and so is
+        ``bf16.enabled`` ("auto") by ``resolved["bf16"]``; other keys are skipped.
         """
         out: dict[str, Any] = copy.deepcopy(dict(self.raw))
         for key in _BATCH_KEYS:
@@ -346,7 +348,10 @@ class Config:
         out["wall_clock_breakdown"] = self.wall_clock_breakdown
         out.pop("bfloat16", None)
         out["bf16"] = {**_as_dict(self.raw.get("bf16") or self.raw.get("bfloat16"))}
-        out["bf16"]["enabled"] = self.bf16
+        bf16 = self.bf16
+        if bf16 == "auto" and resolved is not None and isinstance(resolved.get("bf16"), bool):
+            bf16 = resolved["bf16"]
+        out["bf16"]["enabled"] = bf16
         if isinstance(self.raw.get("fp16"), Mapping):
             out["fp16"] = {**self.raw["fp16"], "enabled": False}
 

@@ -342,6 +342,7 @@ class EngineEstimate:
     pinned_bytes: int
     short: dict[str, int]  # side ("device", "host" or "memory") -> bytes missing
     params: int
+    spare: dict[str, int] = dataclasses.field(default_factory=dict)  # side -> bytes left
 
     @property
     def fits(self) -> bool:
@@ -393,6 +394,7 @@ class EngineEstimate:
             "pinned_bytes": self.pinned_bytes,
             "fits": self.fits,
             "short_bytes": dict(self.short),
+            "spare_bytes": dict(self.spare),
             "device_state_bytes": self.device_state_bytes,
             "bytes_per_param": self.bytes_per_param,
             "holders": self.holders(),
@@ -419,14 +421,12 @@ def check(items: list[Item], s: Settings, budget: Budget, mode: str, params: int
         pinned = sum(i.bytes for i in items if i.side == "host" and i.pinned)
     short: dict[str, int] = {}
     if budget.device_is_host:  # one memory: both sides must fit the available RAM together
-        if dev + host > budget.host_bytes:
-            short["memory"] = dev + host - budget.host_bytes
+        left = {"memory": budget.host_bytes - dev - host}
     else:
-        if dev > budget.device_bytes:
-            short["device"] = dev - budget.device_bytes
-        if host > budget.host_bytes:
-            short["host"] = host - budget.host_bytes
-    return EngineEstimate(mode, tuple(items), pinned, short, params)
+        left = {"device": budget.device_bytes - dev, "host": budget.host_bytes - host}
+    short = {k: -v for k, v in left.items() if v < 0}
+    spare = {k: v for k, v in left.items() if v >= 0}
+    return EngineEstimate(mode, tuple(items), pinned, short, params, spare)
 
 
 @dataclass(frozen=True)
@@ -464,6 +464,10 @@ class Estimate:
             "pin_memory": s.pin_memory,
             "micro_batch": s.micro_batch,
             "seq_len": s.seq_len,
+            "stream_grads": s.stream_grads,
+            "gradient_accumulation_steps": s.gradient_accumulation_steps,
+            "grad_accumulation": s.grad_accumulation,
+            "gradient_checkpointing": s.gradient_checkpointing,
             "activations": {"bytes": act, "formula": formula, "is_estimate": True},
         }
 
@@ -578,6 +582,8 @@ def preflight(
     num_labels: int = 2,
     device_mem: str | int | None = None,
     host_mem: str | int | None = None,
+    gradient_checkpointing: bool = False,
+    separate_device: bool = True,
 ) -> Estimate | None:
     """Refuse a run that cannot fit (``WillNotFitError``: the shortfall and the fix).
 
@@ -590,7 +596,12 @@ def preflight(
         census = resolve_census(model, num_labels=num_labels)
     except EstimateError:
         return None
-    s = settings_from_config(config, micro_batch=micro_batch, seq_len=seq_len)
+    s = settings_from_config(config, micro_batch=micro_batch, seq_len=seq_len,
+                             gradient_checkpointing=gradient_checkpointing)  # fmt: skip
+    if not separate_device:  # the CPU device: bf16 "auto" is off, no streaming
+        s = dataclasses.replace(
+            s, bf16=config is not None and config.bf16 is True, stream_grads=False
+        )
     result = estimate(census, s, detect_budget(dev, hst))
     if mode == "deepspeed":  # DeepSpeed's own ZenFlow or ZeRO-Offload: the same layouts
         mode = "zenflow" if config is not None and config.zenflow is not None else "offload"

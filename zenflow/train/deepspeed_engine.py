@@ -146,6 +146,10 @@ def deepspeed_config(config, *, steps_per_epoch: int | None = None) -> tuple[dic
             "--micro-batch)."
         )
     out = config.to_json_dict()
+    if config.bf16 == "auto":  # DeepSpeed takes a bool: resolved for where it runs
+        from zenflow.engine.schedule import resolve_bf16
+
+        out["bf16"]["enabled"] = resolve_bf16("auto", None)
     out.pop("train_batch_size", None)
     out["train_micro_batch_size_per_gpu"] = int(micro)
     out["gradient_accumulation_steps"] = 1
@@ -209,6 +213,7 @@ class DeepSpeedAdapter:
         self.device = device
         ds_config, notes = deepspeed_config(config, steps_per_epoch=steps_per_epoch)
         self.ds_config = ds_config
+        self._bf16 = bool(ds_config["bf16"]["enabled"])
 
         accel = "cuda" if device.type == "cuda" else "cpu"
         if os.environ.get("DS_ACCELERATOR", accel) != accel:
@@ -307,7 +312,7 @@ class DeepSpeedAdapter:
             else "nothing to do: every offload step is complete",
             "model_bytes": self.model_bytes,
             "gradient_clipping": config.gradient_clipping,
-            "bf16": config.bf16,
+            "bf16": self._bf16,
             **notes,
         }
         if zenflow is not None:  # the trainer's header reads these top-level keys

@@ -50,6 +50,9 @@ class RunSpec:
     device: str | None = None  # cpu | cuda | sim (a simulated GPU); None: cuda if present
     nproc: int = 1  # data-parallel ranks (torchrun's WORLD_SIZE): recorded for the resume
     config_given: bool = True  # False: no --config/--set (a resume then takes the run's)
+    gradient_checkpointing: bool = False  # recompute activations in backward (transformers')
+    sim_profile: str | None = None  # sim: scale the link to a named GPU box
+    device_mem: int | None = None  # sim: the simulated device's memory budget (bytes)
 
 
 # Fields that define the trajectory: a resumed run takes them from the saved run.
@@ -195,9 +198,12 @@ def merge_resumed_spec(spec: RunSpec, run_dir: Path) -> RunSpec:
         changes["config"] = dataclasses.replace(
             load_config(saved["config_input"]), source=saved.get("config_source", "<dict>")
         )
-    for name in ("max_steps", "epochs", "eval_every", "max_eval_samples", "checkpoint_every"):
+    for name in ("max_steps", "epochs", "eval_every", "max_eval_samples", "checkpoint_every",
+                 "sim_profile", "device_mem"):  # fmt: skip
         if getattr(spec, name) is None and saved.get(name) is not None:
             changes[name] = saved[name]
+    if not spec.gradient_checkpointing and saved.get("gradient_checkpointing"):
+        changes["gradient_checkpointing"] = True
     if spec.max_steps is not None or spec.epochs is not None:  # a new extent replaces the old
         changes["max_steps"], changes["epochs"] = spec.max_steps, spec.epochs
     return dataclasses.replace(spec, **changes)
@@ -218,6 +224,10 @@ def resume_command(spec: RunSpec, run_dir: Path) -> str:
         args += ["--device", spec.device]
     if spec.nproc > 1:
         args += ["--nproc", str(spec.nproc)]
+    if spec.gradient_checkpointing:
+        args += ["--gradient-checkpointing"]
+    if spec.sim_profile is not None:
+        args += ["--sim-profile", spec.sim_profile]
     for flag, name in (
         ("--max-steps", "max_steps"), ("--epochs", "epochs"), ("--micro-batch", "micro_batch"),
         ("--lr", "lr"), ("--eval-every", "eval_every"),

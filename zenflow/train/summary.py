@@ -73,7 +73,7 @@ def run_header(run, start_step: int, start_counts: dict | None = None) -> dict:
         "resumed_from": str(run.resumed_from) if run.resumed_from else None,
         "lr": cfg.optimizer.lr,
         "scheduler": cfg.scheduler.type,
-        "bf16": cfg.bf16,
+        "bf16": run.engine.resolved.get("bf16", cfg.bf16),  # "auto" resolved for the device
         "gradient_clipping": cfg.gradient_clipping,
         "zenflow": zf,
         "engine_resolved": dict(run.engine.resolved),
@@ -180,7 +180,7 @@ def run_summary(run, lines: list[dict], wall_s: float, status: str) -> dict:
             "gradient_accumulation_steps": run.gas,
             "seq_len": run.spec.seq_len,
             "gradient_clipping": cfg.gradient_clipping,
-            "bf16": cfg.bf16,
+            "bf16": run.engine.resolved.get("bf16", cfg.bf16),
             "zenflow": zenflow_settings(cfg, run.spec.engine_mode, run.engine.resolved),
             "engine_resolved": dict(run.engine.resolved),
         },

@@ -208,7 +208,10 @@ class _Run:
         self.sources = {**resolved.sources, "data": self.task_data.source}
         self.tokenizer = resolved.tokenizer
         self.device = device_for(self.device_kind, self.par)
-        self.model = resolved.model.to(self.device)
+        self.masters = None
+        self.model = self._place_model(resolved.model)
+        if spec.gradient_checkpointing:
+            self._enable_checkpointing()
         self.params = count_params(self.model)
         self.encoded = encode(self.task_data, resolved.tokenizer, spec.seq_len)
         # Data parallel: each step reads micro_batch x world samples of the epoch order and
@@ -223,6 +226,34 @@ class _Run:
         else:
             self.total_steps = max(1, math.ceil((spec.epochs or 1.0) * self.spe))
         self.eval_batch = 2 * self.micro_batch
+
+    def _place_model(self, model):
+        """The model on its device in the training dtype. bf16 (``bf16.enabled``, "auto"
+        resolved for the device) is cast on the host first, after the fp32 masters were
+        taken there, so the device never holds an fp32 copy of the model."""
+        from zenflow.engine.schedule import resolve_bf16
+
+        self.bf16 = resolve_bf16(self.config.bf16, self.device_kind)
+        if self.bf16 and self.spec.engine_mode in ("zenflow", "offload", "device"):
+            torch = self.torch
+            self.masters = {n: p.detach().to(torch.float32, copy=True)
+                            for n, p in model.named_parameters() if p.requires_grad}  # fmt: skip
+            model = model.to(dtype=torch.bfloat16)
+        return model.to(self.device)
+
+    def _enable_checkpointing(self) -> None:
+        """transformers' own activation recomputation, non-re-entrant (the streamed
+        gradients' hooks then fire once per parameter per backward)."""
+        if not getattr(self.model, "supports_gradient_checkpointing", False):
+            raise UserInputError(
+                f"--gradient-checkpointing: {type(self.model).__name__} does not support "
+                "activation checkpointing in transformers; run without it."
+            )
+        self.model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False}
+        )
+        if getattr(self.model.config, "use_cache", None):
+            self.model.config.use_cache = False  # a cache is never used in training
 
     # -- checkpoint
     def checkpoint_state(self, step, epoch, index, rng, wall_s, *, snapshot=False) -> dict:
@@ -416,7 +447,10 @@ class _Run:
             self.engine = ZenFlowEngine(
                 self.model, self.config, mode=spec.engine_mode, steps_per_epoch=self.spe,
                 accelerator=self.device_kind, ranks_per_node=self.par.local_world,
+                masters=self.masters, sim_profile=spec.sim_profile,
+                device_budget_bytes=spec.device_mem if self.device_kind == "sim" else None,
             )  # fmt: skip
+            self.masters = None  # the engine's host state holds them now
         # The training forward goes through DeepSpeed's engine (its backward hooks need it).
         self.train_module = getattr(self.engine, "train_module", self.model)
         zf_cfg = self.config.zenflow
@@ -446,6 +480,15 @@ class _Run:
             self.engine.close()
             if self.monitor is not None:
                 self.monitor.close()
+
+    def _out_of_memory(self, exc: BaseException):
+        """The device ran out of memory in forward or backward: the user error it is."""
+        out_of_memory = getattr(self.engine, "out_of_memory", None)
+        if out_of_memory is not None:
+            return out_of_memory("forward/backward", exc)
+        from zenflow.engine.accelerator import OOM_FIX, DeviceOutOfMemory
+
+        return DeviceOutOfMemory(f"device out of memory in forward/backward ({exc}). {OOM_FIX}")
 
     def _recovery_hint(self) -> str:
         if self.last_checkpoint is not None:
@@ -505,10 +548,15 @@ class _Run:
                 self.metrics_file = open(self.run_dir / runs.METRICS_FILE, "a", encoding="utf-8")
         else:  # rank > 0 writes no metrics
             self.metrics_file = open(os.devnull, "w", encoding="utf-8")
-        from zenflow.engine.accelerator import device_synchronize
+        # Phase timing on the device's timeline (CUDA events; wall clock elsewhere): never a
+        # full synchronize, which would drain the engine's copy streams every micro-batch.
+        accel = getattr(self.engine, "accel", None)
+        mark = accel.mark if accel is not None else time.perf_counter
+        to_device = accel.to_device_input if accel is not None else (
+            lambda t: t.to(self.device))  # fmt: skip
 
-        def sync():  # phase timing: wait for the device's queued work (CUDA)
-            device_synchronize(self.device)
+        def elapsed_ms(a, b) -> float:
+            return accel.elapsed_ms(a, b) if accel is not None else (b - a) * 1e3
 
         def session_wall() -> float:
             return wall_before + time.perf_counter() - self.t_session
@@ -534,7 +582,7 @@ class _Run:
                     raise KeyboardInterrupt
                 while step < self.total_steps:
                     t_step = time.perf_counter()
-                    fwd_ms = bwd_ms = 0.0
+                    marks = []
                     losses = []
                     for _ in range(self.gas):
                         if index >= self.epoch_samples:
@@ -544,34 +592,39 @@ class _Run:
                                 self.encoded.train, self.global_micro, spec.seed, epoch, index
                             )
                         index, batch = next(it)
-                        batch = {k: v[rows].to(self.device) for k, v in batch.items()}
-                        sync()
-                        t0 = time.perf_counter()
-                        with self.engine.autocast():
-                            out = self.train_module(**batch)
-                        loss = out.loss.float()
-                        sync()
-                        t1 = time.perf_counter()
-                        self.engine.backward(loss / self.gas)
-                        sync()
-                        t2 = time.perf_counter()
-                        fwd_ms += (t1 - t0) * 1e3
-                        bwd_ms += (t2 - t1) * 1e3
+                        batch = {k: to_device(v[rows]) for k, v in batch.items()}
+                        m0, w0 = mark(), time.perf_counter()
+                        try:
+                            with self.engine.autocast():
+                                out = self.train_module(**batch)
+                            loss = out.loss.float()
+                            m1 = mark()
+                            self.engine.backward(loss / self.gas)
+                        except torch.OutOfMemoryError as exc:
+                            raise self._out_of_memory(exc) from None
+                        m2, w2 = mark(), time.perf_counter()
+                        marks.append((m0, m1, m2))
+                        if accel is not None:  # the device computed (the overlap figure)
+                            accel.note_compute(w0, w2)
                         losses.append(loss.detach())
                     mean_loss = torch.stack(losses).mean()
                     in_engine_step = stops.critical = True
                     stats = self.engine.step(mean_loss)
                     in_engine_step = stops.critical = False
+                    # the step's one read waited for backward: the marks are complete
+                    fwd_ms = sum(elapsed_ms(a, b) for a, b, _ in marks)
+                    bwd_ms = sum(elapsed_ms(b, c) for _, b, c in marks)
                     self.engine.zero_grad()
                     step += 1
                     wall_ms = (time.perf_counter() - t_step) * 1e3
                     step_times.append(wall_ms / 1e3)
+                    step_loss = stats.loss if stats.loss is not None else float(mean_loss)
                     stats = dataclasses.replace(
                         stats,
                         step=step,
                         forward_ms=fwd_ms,
                         backward_ms=bwd_ms,
-                        loss=mean_over_ranks(float(mean_loss), self.par),
+                        loss=mean_over_ranks(step_loss, self.par),
                     )
                     sps = per_step_samples / (wall_ms / 1e3)
                     ep = epoch + index / self.epoch_samples
