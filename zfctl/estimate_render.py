@@ -38,11 +38,17 @@ def header_lines(data: dict) -> list[str]:
         f"{data['dtype']} weights and grads; overlap_step "
         f"{'on' if data['overlap_step'] else 'off'}; pin_memory "
         f"{'on' if data['pin_memory'] else 'off'} (link buffers only); gradients "
-        + ("streamed off the device during backward" if data.get("stream_grads", True)
-           else "whole on the device until the step")
-        + (f", {data['gradient_accumulation_steps']} micro-batches summed on the "
-           f"{data['grad_accumulation']}" if data.get("gradient_accumulation_steps", 1) > 1
-           else "")
+        + (
+            "streamed off the device during backward"
+            if data.get("stream_grads", True)
+            else "whole on the device until the step"
+        )
+        + (
+            f", {data['gradient_accumulation_steps']} micro-batches summed on the "
+            f"{data['grad_accumulation']}"
+            if data.get("gradient_accumulation_steps", 1) > 1
+            else ""
+        )
         + f"; activations for micro-batch {data['micro_batch']}, sequence {data['seq_len']}"
         + (", recomputed in backward" if data.get("gradient_checkpointing") else "")
         + ".",
@@ -154,8 +160,11 @@ def activation_note(data: dict) -> str:
     return (
         f"Activations ({fmt_bytes(act['bytes'])} on the device, every engine alike) are an "
         f"estimate: {act['formula']} (Korthikanti et al. 2022, "
-        + ("each layer recomputed in backward" if data.get("gradient_checkpointing")
-           else "no recomputation")
+        + (
+            "each layer recomputed in backward"
+            if data.get("gradient_checkpointing")
+            else "no recomputation"
+        )
         + "). B/param is the device state (weights, grads, optimizer, staging) per "
         "trainable param, at the peak of a step (backward included). Not counted: the "
         "framework's own overhead (CUDA context, allocator fragmentation)."

@@ -50,6 +50,9 @@ def test_flags_change_the_estimate(cli):
     fp32 = estimate_json(cli, "gpt2", *BOX, "--no-bf16")
     lower = estimate_json(cli, "gpt2", *BOX, "--topk-ratio", "0.01")
     overlap = estimate_json(cli, "gpt2", *BOX, "--overlap-step")
+    host_gas = estimate_json(cli, "gpt2", *BOX, "--gradient-accumulation-steps", "2")
+    device_gas = estimate_json(cli, "gpt2", *BOX, "--gradient-accumulation-steps", "2",
+                               "--grad-accumulation", "device")  # fmt: skip
     p = base["params"]
     assert fp32["dtype"] == "fp32"
     assert fp32["engines"]["device"]["holders"]["device"]["weights"] == 4 * p
@@ -57,7 +60,12 @@ def test_flags_change_the_estimate(cli):
     z, zl = base["engines"]["zenflow"], lower["engines"]["zenflow"]
     assert zl["holders"]["device"]["optimizer"] < z["holders"]["device"]["optimizer"]
     acc = base["engines"]["zenflow"]["holders"]["host"]["accumulators"]
-    assert overlap["engines"]["zenflow"]["holders"]["host"]["accumulators"] == 2 * acc
+    # one window sum with or without overlap (the next window's first write waits)
+    assert overlap["engines"]["zenflow"]["holders"]["host"]["accumulators"] == acc
+    # micro-batches summed on the host: a second fp32 sum; on the device: a whole gradient
+    assert host_gas["engines"]["zenflow"]["holders"]["host"]["accumulators"] == 2 * acc
+    zg, zd = host_gas["engines"]["zenflow"], device_gas["engines"]["zenflow"]
+    assert zd["holders"]["device"]["grads"] > zg["holders"]["device"]["grads"] + p
 
 
 def test_config_supplies_the_settings(cli, tmp_path):

@@ -344,7 +344,6 @@ def test_optimizer_parsed_and_normalised():
         ("gradient_accumulation_steps", True),
         ("gradient_clipping", -1.0),
         ("gradient_clipping", "auto"),
-        ("bf16.enabled", "auto"),
         ("bf16.enabled", 1),
         ("fp16.enabled", "false"),
         ("steps_per_print", 0),

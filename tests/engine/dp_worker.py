@@ -4,9 +4,13 @@
 
 SPEC: mode, accelerator, zenflow block (or null), steps, optional "resume_from" (a state
 file to load first) / "save_after" (write the state after that many steps and stop),
-"fail_rank" / "fail_step" (raise there). Each rank trains on its slice of the same global
-batches; WORLD=1 trains on whole batches. Writes the parameters, the selected columns after
-every step, the window lengths and the engine's score-traffic counters to OUT.
+"fail_rank" / "fail_step" (raise there), "stream_grads" / "grad_accumulation" (the zfctl
+block's keys, left out: its defaults) and "gas" (gradient_accumulation_steps: the rank's
+slice in that many micro-batches of loss / gas; default 1). Each rank trains on its slice of
+the same global batches; WORLD=1 trains on whole batches. Writes the parameters, the
+selected columns after every step, the window lengths and the engine's score-traffic
+counters to OUT. With ZENFLOW_TEST_SIM_LAG set (conftest's docstring; importing conftest
+applies it) the rank's sim runs in strict + lag mode.
 """
 
 from __future__ import annotations
@@ -38,7 +42,12 @@ def main() -> None:
         )  # fmt: skip
     torch.manual_seed(0)  # the same model on every rank
     model = MLP()
-    cfg = make_config(spec["zenflow"], clip=1.0)
+    gas = spec.get("gas", 1)
+    extra = {"gradient_accumulation_steps": gas} if gas > 1 else {}
+    zfctl = {k: spec[k] for k in ("stream_grads", "grad_accumulation") if k in spec}
+    if zfctl:
+        extra["zfctl"] = zfctl
+    cfg = make_config(spec["zenflow"], clip=1.0, **extra)
     engine = ZenFlowEngine(
         model, cfg, mode=spec["mode"], accelerator=spec["accelerator"], sim_strict=True,
         host_kernel="reference", min_numel=1000,
@@ -56,9 +65,13 @@ def main() -> None:
         if spec.get("fail_rank") == rank and spec.get("fail_step") == i:
             raise ValueError(f"rank {rank} broke at step {i}")
         x, y = batches[i]
-        sl = slice(rank * per_rank, (rank + 1) * per_rank)
-        loss = model(x[sl], y[sl])
-        engine.backward(loss)
+        n = per_rank // gas
+        for m in range(gas):
+            sl = slice(rank * per_rank + m * n, rank * per_rank + (m + 1) * n)
+            loss = model(x[sl], y[sl])
+            if gas > 1:
+                loss = loss / gas
+            engine.backward(loss)
         engine.step(loss)
         engine.zero_grad()
         selected.append({w.spec.name: w.sel_host.tolist() for w in engine.zweights
@@ -71,6 +84,7 @@ def main() -> None:
         "params": {n: p.detach().clone() for n, p in model.named_parameters()},
         "selected": selected,
         "window_lengths": engine.window_lengths,
+        "stream_grads": engine.stream_grads,
         "owned": [w.spec.name for w in engine.zweights if w.owned],
         "host_bytes": sum(
             t.numel() * t.element_size()

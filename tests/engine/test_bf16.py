@@ -130,3 +130,15 @@ def test_zenflow_bf16_matches_reference_kernel_one_step_windows(accelerator):
     assert sum(s.selection_changed for s in stats[1:]) > 0
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         assert torch.equal(p, q)
+
+
+def test_bf16_auto_resolves_per_device():
+    """bf16.enabled "auto" (the DeepSpeed/HF convention): on for sim, off for a CPU device,
+    on for CUDA only where the GPU has bf16; explicit values pass through."""
+    from zenflow.engine.schedule import resolve_bf16
+
+    assert resolve_bf16("auto", "sim") is True
+    assert resolve_bf16("auto", "cpu") is False
+    cuda_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    assert resolve_bf16("auto", "cuda") is cuda_bf16
+    assert resolve_bf16(True, "cpu") is True and resolve_bf16(False, "sim") is False

@@ -88,11 +88,11 @@ def test_census_uses_the_conv1d_column_axis():
                 "offload": (P * 2 + L * 2 + 2 * BO * 2, P * 16),
                 # device: 2P weights + grads (dense 2Pd, in flight 2L, selected 2S, fp32
                 #   scratch 4*SCR) + S*12 + Pd*12 + 8*sum k + 2*B*2
-                # host: Pz*12 + N*4*2 slots + N*2 image + N*2 staging + Pz*2 landing
+                # host: Pz*12 + N*4 window sum (one, overlap or not) + N*2 image + N*2
+                #   staging; whole gradients land in the window sum (k <= 1/2: no landing)
                 "zenflow": (
-                    P * 2 + PD * 2 + L * 2 + S * 2 + 4 * SCR + S * 12 + PD * 12 + 8 * K
-                    + 2 * B * 2,
-                    PZ * 12 + N * 8 + N * 2 + N * 2 + PZ * 2,
+                    P * 2 + PD * 2 + L * 2 + S * 2 + 4 * SCR + S * 12 + PD * 12 + 8 * K + 2 * B * 2,
+                    PZ * 12 + N * 4 + N * 2 + N * 2,
                 ),
             },
         ),
@@ -104,7 +104,7 @@ def test_census_uses_the_conv1d_column_axis():
                 "offload": (P * 4 + L * 4 + 2 * BO * 4, P * 12 + P * 4),
                 "zenflow": (
                     P * 4 + PD * 4 + L * 4 + S * 4 + S * 8 + PD * 8 + 8 * K + 2 * B * 4,
-                    PZ * 12 + N * 4 + N * 4 + N * 4 + PZ * 4,
+                    PZ * 12 + N * 4 + N * 4 + N * 4,
                 ),
             },
         ),
@@ -116,8 +116,26 @@ def test_layout_matches_the_hand_computation(settings, expected):
         assert sides(c, mode, settings) == (dev, host), mode
     # the numbers themselves, once, for the bf16 + overlap case
     if settings.bf16:
-        assert sides(c, "zenflow", settings) == (66400, 303744)
+        assert sides(c, "zenflow", settings) == (66400, 235264)
         assert sides(c, "offload", settings) == (42056, 199168)
+
+
+def test_whole_gradients_land_in_their_own_buffers_only_when_k_is_over_half():
+    """The first selection and warm-up put whole gradients on the host. They land in the
+    weight's window sum / link buffer (2 x N elements) when that holds the whole weight;
+    with more than half the columns selected the weight needs a landing buffer (and, bf16
+    warm-up, an image) of its own."""
+    c = mlp_census()
+    # topk 0.6: W1 keeps ceil(38.4) = 39 of 64 columns (2*25 < 64: crowded), W2 77 of 128
+    # (2*51 < 128: crowded): every ZenFlow weight lands in buffers of its own
+    assert c.crowded_numel(0.6) == PZ and c.crowded_numel(0.5) == 0
+    s = Settings(bf16=True, topk_ratio=0.6, warmup=True)
+    items = est.layout(c, "zenflow", s)
+    landing = [i for i in items if "landing" in i.what]
+    assert [i.bytes for i in landing] == [PZ * 2]
+    assert sum(i.bytes for i in items if "warm-up: bf16 image" in i.what) == PZ * 2
+    half = est.layout(c, "zenflow", Settings(bf16=True, topk_ratio=0.5, warmup=True))
+    assert not [i for i in half if "landing" in i.what or "warm-up" in i.what]
 
 
 def test_holders_group_items_by_engine_category():
@@ -134,7 +152,7 @@ def test_holders_group_items_by_engine_category():
     }
     assert h["host"] == {
         "master_moments": PZ * 12,
-        "accumulators": N * 4 * 2 + PZ * 2,
+        "accumulators": N * 4,
         "staging": N * 2 + N * 2,
     }
     assert e.largest_holders(1) == [("host", "master_moments", PZ * 12)]
@@ -180,6 +198,26 @@ def test_seven_billion_on_the_meta_device():
     assert 2.0 < per_param["offload"] < 2.05  # bf16 weights + the gradient in flight
     assert per_param["device"] == 16.0
     assert resolve_census("llama-13b").params == 12_852_034_560
+
+
+def test_architectures_come_from_the_registry_finetune_uses():
+    """`zfctl estimate NAME` and `zfctl finetune NAME` read one table
+    (zenflow.config.architectures); the 1B and 0.5B shapes tie their LM head."""
+    from zenflow.config import architecture_names
+
+    assert est.preset_names() == architecture_names()
+    assert {"llama-1b", "llama-7b", "llama-13b", "qwen2-0.5b", "gpt2"} <= set(est.preset_names())
+    q = resolve_census("qwen2-0.5b")
+    assert q.source == "built-in architecture qwen2-0.5b (Qwen2Config)"
+    assert q.params == 494_034_560  # Qwen2.5-0.5B's 494,032,768 + a 896 x 2 classifier
+    assert q.arch == ArchShape(hidden=896, heads=14, layers=24, vocab=151936, num_labels=2,
+                               causal_lm=False)  # fmt: skip
+    assert q.tied_numel == 0  # the classifier has no LM head to tie
+    # causal-lm: the embedding doubles as the LM head (tied), counted once and marked tied
+    assert resolve_census("qwen2-0.5b", head="causal-lm").tied_numel == 151936 * 896
+    one = resolve_census("llama-1b", head="causal-lm")
+    assert one.params == 1_235_814_400 and one.tied_numel == 128256 * 2048
+    assert resolve_census("llama-7b", head="causal-lm").tied_numel == 0  # untied
 
 
 def test_unknown_model_and_bad_directory(tmp_path):
@@ -248,7 +286,7 @@ def test_settings_from_the_config():
 def test_fits_on_a_separate_device_and_pins_the_host_side():
     c = mlp_census()
     s = Settings(bf16=True, overlap_step=True)
-    dev, host = 66400, 303744  # zenflow, from the hand computation
+    dev, host = 66400, 235264  # zenflow, from the hand computation
     exact = est.estimate(c, s, Budget(dev, host, False, "d", "h")).engines["zenflow"]
     # pinned: only what crosses the link, the image and the staging (N*2 each)
     assert exact.fits and exact.pinned_bytes == N * 2 + N * 2
@@ -261,7 +299,7 @@ def test_fits_on_a_separate_device_and_pins_the_host_side():
 def test_when_the_device_is_the_cpu_both_sides_share_the_ram():
     c = mlp_census()
     s = Settings(bf16=True, overlap_step=True)
-    total = 66400 + 303744
+    total = 66400 + 235264
     fits = est.estimate(c, s, Budget(total, total, True, "cpu", "h")).engines["zenflow"]
     assert fits.fits and fits.pinned_bytes == 0  # nothing to pin for without a device
     short = est.estimate(c, s, Budget(total - 7, total - 7, True, "cpu", "h")).engines["zenflow"]

@@ -23,7 +23,7 @@ from zenflow.engine.copies import (
     chunk_bucket_elems,
     plan_chunks,
 )
-from zenflow.engine.distributed import norms_of
+from zenflow.engine.distributed import grad_norm, norms_of
 from zenflow.engine.host import HostState, HostTask, run_host_tasks
 from zenflow.engine.transport import Transport
 
@@ -118,7 +118,7 @@ class OffloadMode:
                             f"chunks:{s.name}", {c: (c[1] - c[0],) for c in self.chunks[s.name]}
                         )
         self.events: list = []
-        self.norms: list[torch.Tensor] = []
+        self.norms: dict[str, torch.Tensor] = {}  # per gradient, summed in parameter order
         self.chunk_sq: list[torch.Tensor] = []
         self.got: set[str] = set()
         self.routed_last: set[str] = set()
@@ -131,7 +131,7 @@ class OffloadMode:
         return self.transport.take_wait() if self.transport is not None else 0.0
 
     def plan_step(self) -> None:
-        self.events, self.norms, self.chunk_sq = [], [], []
+        self.events, self.norms, self.chunk_sq = [], {}, []
         self.got, self.routed_last = set(), set()
 
     def route(self, spec, g: torch.Tensor, n: int, last: bool) -> None:
@@ -150,7 +150,7 @@ class OffloadMode:
             )  # fmt: skip
             return
         if not dp.enabled:
-            self.norms.append(torch.linalg.vector_norm(g, 2.0).float())
+            self.norms[name] = grad_norm(g)
         self.transport.send_whole(g, self.chunks[name], owner, landing=self.landing.get(name),
                                   sq_out=self.chunk_sq if dp.enabled else None,
                                   events=self.events)  # fmt: skip
@@ -160,9 +160,11 @@ class OffloadMode:
             self.transport.complete()
 
     def norm_terms(self) -> list[torch.Tensor]:
+        # in parameter order, so the streamed and the whole-gradient paths sum alike
+        norms = [self.norms[s.name] for s in self.e.specs if s.name in self.norms]
         if self.chunk_sq:
-            return [*self.norms, torch.stack(self.chunk_sq).sum().sqrt()]
-        return list(self.norms)
+            return [*norms, torch.stack(self.chunk_sq).sum().sqrt()]
+        return norms
 
     def host_sq(self) -> float:
         if not self.host_gas:
@@ -203,8 +205,11 @@ class OffloadMode:
     def step(self, t: int, hp, coef: float, coef_t) -> None:
         e = self.e
         if self.zero_copy:
-            items = [(s.param, self.states[s.name], 1, s.param.grad.detach(), None)
-                     for s in e.specs if s.name in self.states and s.param.grad is not None]
+            items = [
+                (s.param, self.states[s.name], 1, s.param.grad.detach(), None)
+                for s in e.specs
+                if s.name in self.states and s.param.grad is not None
+            ]
             host_full_step(e, items, hp, 1.0, in_place=True)
         else:
             self._wait()

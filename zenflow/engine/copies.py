@@ -162,12 +162,15 @@ class HostStaging:
     behind, for that piece. The accumulator gives each buffer back after adding it. Host
     bytes: one step's non-selected gradient in the training dtype."""
 
-    def __init__(self, accel: Accelerator, dtype: torch.dtype, pin: bool, shapes: dict,
-                 tag: str = "staging"):  # fmt: skip
-        self._buf = {
-            key: accel.host_empty(shape, dtype, pin, tag) for key, shape in shapes.items()
-        }
-        self._free = {key: threading.Event() for key in shapes}
+    def __init__(self, accel: Accelerator | None, dtype: torch.dtype, pin: bool, shapes: dict,
+                 tag: str = "staging", views: dict | None = None):  # fmt: skip
+        if views is not None:  # views of buffers the caller owns (a weight's link buffer)
+            self._buf = dict(views)
+        else:
+            self._buf = {
+                key: accel.host_empty(shape, dtype, pin, tag) for key, shape in shapes.items()
+            }
+        self._free = {key: threading.Event() for key in self._buf}
         for ev in self._free.values():
             ev.set()
 

@@ -41,20 +41,27 @@ def sum_of_squares(tensors) -> float:
     tensors = [t for t in tensors if t is not None and t.numel()]
     if not tensors:
         return 0.0
-    norms = torch._foreach_norm(tensors, 2.0)
+    norms = torch._foreach_norm(tensors, 2.0, dtype=torch.float32)
     return float(torch.stack([n.double() for n in norms]).square().sum())
 
 
 def norms_of(tensors) -> list[torch.Tensor]:
     """Per-tensor L2 norms (fp32 0-d device tensors, one fused call): terms of the global
-    norm that stay on the device until the step's one read."""
+    norm that stay on the device until the step's one read. Accumulated in fp32 whatever
+    the gradients' dtype: a bf16 norm keeps 8 significant bits, and the streamed pieces'
+    norms are fp32 (``grad_norm``)."""
     tensors = [t for t in tensors if t is not None and t.numel()]
     if not tensors:
         return []
     if tensors[0].device.type == "cuda":
-        return [n.float() for n in torch._foreach_norm(tensors, 2.0)]
-    # off CUDA: torch.linalg.vector_norm per tensor, what clip_grad_norm_ computes there
-    return [torch.linalg.vector_norm(t, 2.0).float() for t in tensors]
+        return list(torch._foreach_norm(tensors, 2.0, dtype=torch.float32))
+    # off CUDA: one norm per tensor, what clip_grad_norm_ computes there
+    return [grad_norm(t) for t in tensors]
+
+
+def grad_norm(t: torch.Tensor) -> torch.Tensor:
+    """The L2 norm of one gradient (or piece), accumulated in fp32: a 0-d fp32 tensor."""
+    return torch.linalg.vector_norm(t, 2.0, dtype=torch.float32)
 
 
 class DataParallel:

@@ -315,8 +315,9 @@ class StepGate:
 class Accumulator:
     """A thread adding gradient pieces into fp32 sums (compact layout), in order.
 
-    ``add(event, src, dst, gate, overwrite, release, stat)``: wait for the copy ``event``,
-    then for ``gate`` (None: no coefficient, e.g. a micro-batch into its step's sum), then
+    ``add(event, src, dst, gate, overwrite, release, stat, wait)``: wait for the copy
+    ``event`` (and ``wait``: the host step reading ``dst``), then for ``gate`` (None: no
+    coefficient, e.g. a micro-batch into its step's sum), then
     ``dst = coef * src`` (``overwrite``) or ``dst += coef * src``, in fp32, on ``threads``
     host threads; then ``release()`` (the staging buffer back to its pool). A skipped step's
     pieces are dropped. ``stat``: a key under which the sum of squares of ``dst`` after the
@@ -338,8 +339,10 @@ class Accumulator:
         self._thread = threading.Thread(target=self._run, name="zenflow-accum", daemon=True)
         self._thread.start()
 
-    def add(self, event, src, dst, gate, overwrite, release, stat=None) -> None:
-        self._q.put(("add", event, src, dst, gate, overwrite, release, stat))
+    def add(self, event, src, dst, gate, overwrite, release, stat=None, wait=None) -> None:
+        """Queue an add; ``wait``: an event to wait for before ``dst`` is written (the host
+        step still reading the window sum)."""
+        self._q.put(("add", event, src, dst, gate, overwrite, release, stat, wait))
 
     def call(self, fn: Callable[[], None]) -> None:
         self._q.put(("call", fn))
@@ -368,10 +371,12 @@ class Accumulator:
                 except BaseException as e:  # kept; the training thread re-raises it
                     self.error = e
                 continue
-            _, event, src, dst, gate, overwrite, release, stat = item
+            _, event, src, dst, gate, overwrite, release, stat, wait = item
             try:
                 if self.error is None:
                     event.synchronize()
+                    if wait is not None:
+                        wait.wait()
                     scale = 1.0
                     if gate is not None:
                         gate.wait()

@@ -47,9 +47,9 @@ from zenflow.engine.device_adam import (
 )
 from zenflow.engine.distributed import DataParallel, norms_of
 from zenflow.engine.host import resolve_kernel
-from zenflow.engine.streaming import GradStream
 from zenflow.engine.selection import DEFAULT_MIN_NUMEL, ParamSpec, classify_params
 from zenflow.engine.stats import StepStats
+from zenflow.engine.streaming import GradStream
 from zenflow.engine.zenflow_mode import ZenFlowMode
 from zenflow.errors import EngineError
 
@@ -585,7 +585,7 @@ class ZenFlowEngine:
                 if coef_t is not None:  # what is still on the device is clipped in place
                     for s in self.specs:
                         if s.param.grad is not None:
-                            s.param.grad.detach().mul_(coef_t.to(s.param.grad.dtype))
+                            s.param.grad.detach().mul_(coef_t)  # in fp32, rounded once
                 if auto_vals and hasattr(self.impl, "auto_update"):
                     self.impl.auto_update(auto_vals, coef)
                 with torch.no_grad():

@@ -29,6 +29,7 @@ from collections import deque
 import torch
 
 from zenflow.engine.copies import DeviceBuckets, HostStaging
+from zenflow.engine.distributed import grad_norm
 from zenflow.engine.host import Accumulator
 
 
@@ -51,12 +52,15 @@ class Transport:
         self.wait_s = 0.0
 
     # ------------------------------------------------------------------ buffers
-    def staging(self, group: str, shapes: dict, pin: bool | None = None, tag: str = "staging"):
-        """The pinned host buffers of ``group`` (created once: key -> shape)."""
+    def staging(self, group: str, shapes: dict | None = None, pin: bool | None = None,
+                tag: str = "staging", views: dict | None = None):  # fmt: skip
+        """The pinned host buffers of ``group``, created once: key -> shape, or key -> a
+        view of a buffer the caller owns."""
         if group not in self._staging:
             self._staging[group] = HostStaging(
-                self.accel, self.dtype, self.pin if pin is None else pin, shapes, tag
-            )
+                self.accel, self.dtype, self.pin if pin is None else pin, shapes or {}, tag,
+                views,
+            )  # fmt: skip
         return self._staging[group]
 
     def drop_staging(self, group: str) -> None:
@@ -85,13 +89,14 @@ class Transport:
 
     # ------------------------------------------------------------------ movement
     def send_piece(self, bucket_i: int, bucket: torch.Tensor, staging: HostStaging, key, dst,
-                   gate, overwrite: bool, stat=None) -> None:  # fmt: skip
+                   gate, overwrite: bool, stat=None, wait=None) -> None:  # fmt: skip
         """Copy a gathered ``bucket`` to ``staging[key]``, then add it into ``dst`` (fp32,
-        the piece's compact view) with the step's ``gate``."""
+        the piece's compact view) with the step's ``gate`` (after ``wait``)."""
         staged = self.take_staging(staging, key)
         ev = self.accel.copy_d2h(staged, bucket)
         self.buckets.mark(bucket_i, ev)
-        self.accumulator.add(ev, staged, dst, gate, overwrite, lambda: staging.give(key), stat)
+        self.accumulator.add(ev, staged, dst, gate, overwrite, lambda: staging.give(key), stat,
+                             wait)  # fmt: skip
 
     def send_whole(self, g: torch.Tensor, chunks, owner: int, *, landing=None, sums=None,
                    staging=None, first: bool = True, stat=None, sq_out: list | None = None,
@@ -115,9 +120,7 @@ class Transport:
                         return
                     bucket.mul_(1.0 / dp.world)
                     if sq_out is not None:
-                        sq_out.append(
-                            torch.linalg.vector_norm(bucket, 2.0, dtype=torch.float32).square()
-                        )
+                        sq_out.append(grad_norm(bucket).square())
                 if sums is None:
                     ev = accel.copy_d2h(landing[lo:hi], bucket)
                     self.buckets.mark(i, ev)

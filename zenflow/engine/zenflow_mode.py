@@ -44,6 +44,7 @@ t and, per column, its host count + 1.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
@@ -59,7 +60,7 @@ from zenflow.engine.copies import (
     plan_pieces,
 )
 from zenflow.engine.device_adam import adamw_columns_, adamw_fused_
-from zenflow.engine.distributed import norms_of
+from zenflow.engine.distributed import grad_norm, norms_of
 from zenflow.engine.host import (
     ColumnSteps,
     HostJob,
@@ -80,6 +81,8 @@ from zenflow.engine.selection import (
 from zenflow.engine.transport import Transport
 
 AUTO_INTERVAL_MAX = 64  # bound of update_interval "auto" (window length 1..64)
+_SET = threading.Event()  # "no host step reads this sum": an event that is always set
+_SET.set()
 
 
 @dataclass
@@ -152,6 +155,12 @@ class ZfWeight:
         # auto update interval statistics of the current window (python floats)
         self.sel_mass_sum = 0.0  # sum over steps of (selected mass / k)
         self.nonsel_mass_acc = 0.0  # sum over steps of (non-selected mass / (n - k))
+        # Set once no host step reads this weight's window sum: with overlap the next
+        # window's first piece of this weight waits for it (one window sum, not two). A new
+        # event per host step, taken by each add when it is queued: an add queued before
+        # the host step was made never waits for that step.
+        self.free = _SET
+        self.sums = self.link = self.stage = None
         if not owned:
             return
         pin, dtype = mode.e.pin_link, mode.e.dtype
@@ -167,12 +176,20 @@ class ZfWeight:
             self.acc = [accel.zeros(p.shape, torch.float32, "optimizer")
                         for _ in range(mode.slots)]  # fmt: skip
         else:
-            self.acc = [accel.host_empty((self.compact_numel,), torch.float32, False,
-                                         "window_sums") for _ in range(mode.slots)]  # fmt: skip
-            self.image = accel.host_empty((self.compact_numel,), dtype, pin, "image")
+            n = self.compact_numel
+            # fp32 window sum (and with micro-batches summed on the host, the step's sum
+            # right after it: one buffer, so a whole-gradient step can land in both)
+            sums = accel.host_empty((2 * n if mode.host_gas else n,), torch.float32, False,
+                                    "window_sums")  # fmt: skip
+            self.acc = [sums[:n]]
             if mode.host_gas:
-                self.step_buf = accel.host_empty((self.compact_numel,), torch.float32, False,
-                                                 "step_sums")  # fmt: skip
+                self.step_buf = sums[n:]
+            self.sums = sums
+            # pinned, in the training dtype: the image of the updated columns (host->device)
+            # and the staging of a step's pieces (device->host), one buffer
+            self.link = accel.host_empty((2 * n,), dtype, pin, "link")
+            self.image = self.link[:n]
+            self.stage = self.link[n:]
         self.fresh = [True] * mode.slots
 
     def set_selection(self, sel_dev: torch.Tensor) -> None:
@@ -212,10 +229,12 @@ class ZenFlowMode:
         self.auto_ratio = float(zf.auto_ratio)
         self.update_interval = None if zf.update_interval == "auto" else int(zf.update_interval)
         self.select_every = engine.select_every
-        self.slots = 2 if self.overlap else 1  # double-buffered sums with overlap
+        self.slots = 1  # one window sum: the next window's first write waits (ZfWeight.free)
         self.streaming = engine.stream_grads
         # A CPU device without streaming sums the gradient where autograd writes it.
         self.zero_copy = accel.shared_memory and not self.streaming
+        if self.zero_copy and self.overlap:  # the CPU path keeps two full-shape sums
+            self.slots = 2
         gas = engine.gas
         self.host_gas = gas > 1 and engine.grad_accumulation == "host" and not self.zero_copy
         self.zweights: list[ZfWeight] = []
@@ -249,8 +268,8 @@ class ZenFlowMode:
             self.transport = Transport(engine, self.bucket_elems, count, self.kernels)
             self.staging = self.transport.staging(
                 "pieces",
-                {(wi, pi): pc.shape for wi, w in enumerate(self.zweights) if w.owned
-                 for pi, pc in enumerate(w.pieces)},
+                views={(w.position, pi): pc.of(w.stage) for w in self.zweights if w.owned
+                       for pi, pc in enumerate(w.pieces)},
             )  # fmt: skip
         # the worker: always on a separate device (host work runs on the host's cores), and
         # on a CPU device only with overlap (else the training thread uses every core)
@@ -372,7 +391,7 @@ class ZenFlowMode:
                 if dp.enabled and w.owned:
                     bucket.mul_(1.0 / dp.world)
                 if stats_on_device and w.owned:
-                    sq = torch.linalg.vector_norm(bucket, 2.0, dtype=torch.float32).square()
+                    sq = grad_norm(bucket).square()
                     w.sq_ns = sq if w.sq_ns is None else w.sq_ns + sq
                     if scoring:
                         self._score_piece(w, pc, bucket)
@@ -388,7 +407,8 @@ class ZenFlowMode:
                                   pc.of(w.step_buf), None, n == 0, stat)  # fmt: skip
                 else:
                     tr.send_piece(i, bucket, self.staging, (w.position, pi),
-                                  pc.of(w.acc[plan.slot]), plan.gate, overwrite_acc)  # fmt: skip
+                                  pc.of(w.acc[plan.slot]), plan.gate, overwrite_acc,
+                                  wait=w.free if overwrite_acc else None)  # fmt: skip
 
             if dp.enabled:
                 tr.after_reduce(dp.reduce_async(bucket, w.owner), i, onward)
@@ -413,25 +433,53 @@ class ZenFlowMode:
         buckets: into a landing buffer, or summed in fp32 there (micro-batches on the host)."""
         tr, dp, name = self.transport, self.e.dp, w.spec.name
         if not dp.enabled and not self.host_gas:
-            w.norm_whole = torch.linalg.vector_norm(g, 2.0).float()
-        if w.owned and name not in self._landing:
-            dtype = torch.float32 if self.host_gas else g.dtype
-            self._landing[name] = self.e.accel.host_empty((g.numel(),), dtype, False, "landing")
+            w.norm_whole = grad_norm(g)
+        land = self._landing_of(w) if w.owned else None
         sq_out = None
         if dp.enabled and not self.host_gas:
             sq_out = self._whole_sq.setdefault(name, [])
         if self.host_gas:
-            staging = None
-            if w.owned:
-                staging = tr.staging(f"whole:{name}", {c: (c[1] - c[0],) for c in w.chunks},
-                                     pin=False, tag="landing")  # fmt: skip
+            staging = self._whole_staging(w) if w.owned else None
             if last:
                 w.stat_done = True
-            tr.send_whole(g, w.chunks, w.owner, sums=self._landing.get(name), staging=staging,
-                          first=n == 0, stat=("sq", name) if last else None)  # fmt: skip
+            tr.send_whole(g, w.chunks, w.owner, sums=land, staging=staging, first=n == 0,
+                          stat=("sq", name) if last else None)  # fmt: skip
         else:
-            tr.send_whole(g, w.chunks, w.owner, landing=self._landing.get(name),
-                          sq_out=sq_out, events=self._landing_events)  # fmt: skip
+            tr.send_whole(g, w.chunks, w.owner, landing=land, sq_out=sq_out,
+                          events=self._landing_events)  # fmt: skip
+
+    def _landing_of(self, w: ZfWeight) -> torch.Tensor:
+        """Where a whole gradient of ``w`` lands on the host (flat, every element): on the
+        weight's own buffers, which no step uses before the first selection (bf16: the
+        window sum viewed as bf16; fp32: the link buffer; micro-batch sums: the fp32 sums),
+        when they are large enough (at most half the columns selected); else a buffer of
+        its own, freed after the first selection."""
+        name = w.spec.name
+        if name not in self._landing:
+            numel = w.spec.param.numel()
+            if self.host_gas:
+                room = w.sums
+            elif self.e.dtype == torch.bfloat16:
+                room = w.acc[0].view(torch.bfloat16)
+            else:
+                room = w.link
+            if room.numel() >= numel:
+                self._landing[name] = room[:numel]
+            else:
+                dtype = torch.float32 if self.host_gas else self.e.dtype
+                self._landing[name] = self.e.accel.host_empty((numel,), dtype, False, "landing")
+        return self._landing[name]
+
+    def _whole_staging(self, w: ZfWeight):
+        """Micro-batches summed on the host, whole-gradient steps: pinned staging per chunk,
+        on the weight's link buffer when it is large enough."""
+        numel = w.spec.param.numel()
+        views = None
+        if w.link.numel() >= numel:
+            views = {c: w.link[c[0] : c[1]] for c in w.chunks}
+        return self.transport.staging(f"whole:{w.spec.name}", {c: (c[1] - c[0],)
+                                      for c in w.chunks}, tag="landing",
+                                      views=views)  # fmt: skip
 
     # ------------------------------------------------------------------ the step's figures
     def collect(self) -> None:
@@ -469,7 +517,7 @@ class ZenFlowMode:
                     terms.append(torch.stack(self._whole_sq[w.spec.name]).sum().sqrt())
                 continue
             if lead:
-                terms.append(torch.linalg.vector_norm(w.grad_sel, 2.0).float())
+                terms.append(grad_norm(w.grad_sel))
             if w.sq_ns is not None:
                 terms.append(w.sq_ns.sqrt())
         return terms
@@ -607,7 +655,7 @@ class ZenFlowMode:
         groups: dict[int, list[ZfWeight]] = {}
         for w in self.zweights:
             if not self.zero_copy and coef_t is not None:
-                w.grad_sel.mul_(coef_t.to(w.grad_sel.dtype))
+                w.grad_sel.mul_(coef_t)  # fp32 coefficient, rounded once
             w.steps_dev.increment()
             if w.steps_dev.uniform is not None:
                 groups.setdefault(w.steps_dev.uniform, []).append(w)
@@ -799,10 +847,12 @@ class ZenFlowMode:
         e.rec.host_update = True
         e.rec.stall_s += time.perf_counter() - t0
 
-    def _window_tasks(self, n: int) -> tuple[list[HostTask], object]:
-        """The host step of the window just ended (n steps) and what it must wait for."""
+    def _window_tasks(self, n: int) -> tuple[list[HostTask], object, list]:
+        """The host step of the window just ended (n steps), what it must wait for, and the
+        events it sets once it has read each weight's window sum."""
         slot = self.slot
         tasks = []
+        frees: list[threading.Event] = []
         bf16_image = self.e.dtype == torch.bfloat16
         for w in self.zweights:
             w.sel_mass_sum = 0.0
@@ -823,15 +873,24 @@ class ZenFlowMode:
                 tasks.append(HostTask(w.host, acc, 1.0 / n, w.col_inner, None, after))
                 continue
             fresh = w.fresh[slot]
-            w.fresh[slot] = True  # the slot's next window starts by overwriting it
+            w.fresh[slot] = True  # the next window starts by overwriting it, once free
             if fresh:  # no gradient reached this weight in the window: its sum is zero
                 w.acc[slot].zero_()
+            w.free = threading.Event()  # set by the worker once its host step read the sum
+            frees.append(w.free)
+
+            def after(w=w, pack=not bf16_image, free=w.free):
+                if pack:
+                    w.pack_image()
+                free.set()
+
             tasks.append(HostTask(
                 w.host, w.acc[slot], 1.0 / n, w.col_inner,
-                w.image if bf16_image else None,
-                None if bf16_image else w.pack_image,
+                w.image if bf16_image else None, after,
                 index=w.nonsel_host, column_dim=w.cd,
             ))  # fmt: skip
+        if not self.zero_copy:  # backward's order: the next window's first pieces are the
+            tasks.reverse()  # last layers', whose sums the worker then frees first
         before = None
         if self.transport is not None:
             fence = self.transport.accumulator.fence()
@@ -846,18 +905,25 @@ class ZenFlowMode:
                 for ev in pending_copies:
                     ev.synchronize()
 
-        return tasks, before
+        return tasks, before, frees
 
     def _end_window(self, t: int, hp, sync: bool) -> None:
         e = self.e
         self.wait_inflight(t)  # at most one host step in flight: the previous one first
         n = self.window_len
-        tasks, before = self._window_tasks(n)
+        tasks, before, frees = self._window_tasks(n)
         job = HostJob(window_start=self.window_start, submit_step=t, buffer_slot=self.slot)
         self.host_log.append(job)
         kernels = self.kernels
         nt = e.host_threads
-        run = lambda: run_host_tasks(tasks, kernels, hp.lr, hp, nt, job, before)  # noqa: E731
+
+        def run():
+            try:
+                run_host_tasks(tasks, kernels, hp.lr, hp, nt, job, before)
+            finally:  # a failed step must not leave the accumulator waiting forever
+                for ev in frees:
+                    ev.set()
+
         if self.worker is not None:
             self.worker.submit(job, run)
             self.inflight = job
@@ -903,16 +969,8 @@ class ZenFlowMode:
             host_full_step(e, items, hp, 1.0, in_place=True)
         else:
             self._wait_landing()
-            items = []
-            for w in owned:
-                p = w.spec.param
-                image = None
-                if p.dtype == torch.bfloat16:
-                    if w.spec.name not in self._images:
-                        self._images[w.spec.name] = e.accel.host_empty(
-                            p.shape, p.dtype, False, "landing")
-                    image = self._images[w.spec.name]
-                items.append((p, w.host, w.col_inner, self._landing_grad(w), image))
+            items = [(w.spec.param, w.host, w.col_inner, self._landing_grad(w),
+                      self._warmup_image(w)) for w in owned]  # fmt: skip
             host_full_step(e, items, hp, coef)
         if e.dp.enabled:  # each owner's updated weights to every rank
             for w in self.zweights:
@@ -924,9 +982,24 @@ class ZenFlowMode:
             return torch.zeros(w.spec.param.shape, dtype=torch.float32)
         return land.view(w.spec.param.shape)
 
+    def _warmup_image(self, w: ZfWeight) -> torch.Tensor | None:
+        """Where a bf16 weight's warm-up result is written for the device: the weight's
+        link buffer when it is large enough (the landing is on the window sum), else its
+        own buffer."""
+        p = w.spec.param
+        if p.dtype != torch.bfloat16:
+            return None
+        if w.link.numel() >= p.numel() and self._landing.get(w.spec.name) is not None \
+                and self._landing[w.spec.name].data_ptr() != w.link.data_ptr():  # fmt: skip
+            return w.link[: p.numel()].view(p.shape)
+        if w.spec.name not in self._images:
+            self._images[w.spec.name] = self.e.accel.host_empty(p.shape, p.dtype, False,
+                                                                "landing")  # fmt: skip
+        return self._images[w.spec.name]
+
     def _release_landing(self) -> None:
         """Landing buffers live while whole-gradient steps remain (warm-up, the first
-        selection), then go back to the allocator."""
+        selection), then go back to the allocator (the ones of their own)."""
         if self.selected:
             self._landing.clear()
             self._images.clear()
@@ -943,7 +1016,8 @@ class ZenFlowMode:
         acc, slot = self.transport.accumulator, self.plan.slot
         for w in self.zweights:
             if w.owned and w.contrib:
-                acc.add(DONE, w.step_buf, w.acc[slot], self.plan.gate, w.fresh[slot], None)
+                acc.add(DONE, w.step_buf, w.acc[slot], self.plan.gate, w.fresh[slot], None,
+                        wait=w.free if w.fresh[slot] else None)  # fmt: skip
                 if w.fresh[slot]:
                     w.fresh[slot] = False
                     self.first_touch.append(w)
@@ -973,14 +1047,28 @@ class ZenFlowMode:
                 g = self._landing_grad(w)
                 sel = g.index_select(w.cd, w.sel_host).to(w.grad_sel.dtype)
                 e.accel.compute_wait(e.accel.copy_h2d(w.grad_sel, sel))
-                ns = g.index_select(w.cd, w.nonsel_host).reshape(-1).contiguous()
-                dst = w.acc[self.slot]
-                acc.add(DONE, ns, dst, self.plan.gate, True, None)
-                w.fresh[self.slot] = False
+                ns = self._compact_out(w, g)
+                torch.index_select(g, w.cd, w.nonsel_host, out=ns.view(w.compact_shape()))
+                acc.add(DONE, ns, w.acc[0], self.plan.gate, True, None)
+                acc.drain()  # the window sum is written before the next weight's landing
+                w.fresh[0] = False
             if dp.enabled:
                 dp.broadcast_(w.grad_sel, w.owner)
-        acc.drain()
         self._release_landing()
+
+    def _compact_out(self, w: ZfWeight, g: torch.Tensor) -> torch.Tensor:
+        """A flat buffer of N elements in ``g``'s dtype that overlaps neither ``g`` (the
+        landing) nor the window sum: the compacted non-selected columns go there before
+        they are scaled into the window sum."""
+        n = w.compact_numel
+        acc = w.acc[0]
+        on_acc = g.untyped_storage().data_ptr() == acc.untyped_storage().data_ptr()
+        if g.dtype == torch.float32 and not on_acc:
+            return acc  # scaled in place afterwards
+        link = w.link if g.dtype == w.link.dtype else w.link.view(g.dtype)
+        if link.numel() >= n:
+            return link[:n]
+        return torch.empty(n, dtype=g.dtype)
 
     def _reselect_scores(self) -> list[torch.Tensor]:
         """Column scores of this step's whole gradient, per weight, on the device: the
@@ -1108,5 +1196,3 @@ class ZenFlowMode:
                 if err is None and self.transport.accumulator.error is not None:
                     err = self.transport.accumulator.error
         return err
-
-

@@ -11,7 +11,7 @@ Notation (as in ZENFLOW.md section 2b): P = trainable params, Pz = params of Zen
 S = selected elements (sum over ZenFlow weights of rows x k), N = Pz - S, dt = bytes of the
 training dtype (2 bf16, 4 fp32), B = elements of one staging bucket, nb = device buckets
 (2; 4 with data parallelism), L = elements of the largest gradient the stream routes (the
-one being produced during backward), slots = window-sum slots (2 with ``overlap_step``).
+one being produced during backward).
 
 The layout is the streamed one (``zfctl.stream_grads``, on for a separate device): every
 gradient leaves the device as backward produces it, so the device holds the selected
@@ -101,7 +101,7 @@ class Settings:
 
     topk_ratio: float = 0.1
     bf16: bool = True
-    overlap_step: bool = False  # a second accumulator slot while the host step runs
+    overlap_step: bool = False  # the host step runs while the next window trains
     pin_memory: bool = True  # link buffers pinned (only with a separate device)
     micro_batch: int = 8
     seq_len: int = 128
@@ -209,7 +209,6 @@ def layout(census: ParamCensus, mode: str, s: Settings) -> list[Item]:
     S, K = census.selected(s.topk_ratio)
     N = Pz - S
     B = census.bucket_elements
-    slots = 2 if s.overlap_step else 1
     fp32_state = 12 if s.bf16 else 8  # + fp32 master only when the weights are bf16
     items: list[Item] = []
 
@@ -220,7 +219,6 @@ def layout(census: ParamCensus, mode: str, s: Settings) -> list[Item]:
         items.append(Item("host", cat, what, int(n), formula, pinned))
 
     nb = DP_DEVICE_BUCKETS if s.world_size > 1 else DEVICE_BUCKETS
-    gas = s.gradient_accumulation_steps
     # Every engine: the model's weights in the training dtype.
     dev("weights", f"weights ({dn})", P * dt, f"P*{dt}")
     if mode == "device":  # plain mixed-precision AdamW, everything on the device
@@ -266,24 +264,30 @@ def layout(census: ParamCensus, mode: str, s: Settings) -> list[Item]:
         dev("staging", f"copy buckets ({nb}, {dn})", nb * B * dt, f"{nb}*B*{dt}")
         # full-shape host state: a column may move to the host at any re-selection
         host("master_moments", "ZenFlow weights: master + moments (fp32)", Pz * 12, "Pz*12")
-        host("accumulators", f"window sums of the non-selected columns (fp32, {slots} "
-             f"slot{'s' * (slots > 1)})", N * 4 * slots, f"N*4*{slots}")  # fmt: skip
+        # one window sum: with overlap the next window's first write to a weight's sum
+        # waits until the host step has read it (the worker goes in backward's order)
+        host("accumulators", "window sums of the non-selected columns (fp32)", N * 4, "N*4")
         if s.host_sums:
             host("accumulators", "micro-batch sums of the non-selected columns (fp32)", N * 4,
                  "N*4")  # fmt: skip
-        # the host step writes the updated columns' image in the same pass; it is what the
-        # host->device copy reads
+        # pinned, one buffer per weight: the image of the updated columns (what the
+        # host->device copy reads, written by the host step in the same pass) and the
+        # staging of one step's pieces (device->host)
         host("staging", f"{dn} image of the non-selected columns", N * dt, f"N*{dt}", True)
-        # one pinned staging buffer per piece of a step: a step's non-selected gradient
         host("staging", f"device->host staging, one step's pieces ({dn})", N * dt, f"N*{dt}",
              True)  # fmt: skip
-        # the first selection (and warm-up) see the whole gradient on the host, then the
-        # buffers go back to the allocator
+        # The first selection and warm-up see whole gradients on the host. They land in the
+        # weight's own window sum / link buffer, which no step uses yet, when those hold
+        # the whole weight (at most half its columns selected); else in buffers of their own
+        # that go back to the allocator after the first selection.
         land_dt = 4 if s.host_sums else dt
-        host("accumulators", "whole-gradient landing (first selection and warm-up only)",
-             Pz * land_dt, f"Pz*{land_dt}")  # fmt: skip
-        if s.warmup and s.bf16:
-            host("staging", "warm-up: bf16 image of the updated weights", Pz * 2, "Pz*2")
+        big = census.crowded_numel(s.topk_ratio)
+        if big:
+            host("accumulators", "whole-gradient landing (first selection and warm-up only)",
+                 big * land_dt, f"Pz(k>1/2)*{land_dt}")  # fmt: skip
+            if s.warmup and s.bf16:
+                host("staging", "warm-up: bf16 image of the updated weights", big * 2,
+                     "Pz(k>1/2)*2")  # fmt: skip
     act, formula = activation_bytes(census.arch, s)
     if act is not None:
         dev("activations", "activations (estimate)", act, formula)
