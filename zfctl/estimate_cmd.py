@@ -14,6 +14,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from zenflow.config.architectures import architecture_names
 from zfctl.errors import user_error
 
 
@@ -22,8 +23,8 @@ def estimate(
         str,
         typer.Argument(
             help="Hub id (from the cache), local model directory, or an architecture name: "
-            "gpt2, gpt2-medium, gpt2-large, gpt2-xl, distilgpt2, llama-7b, llama-13b. Only "
-            "the config is read."
+            + ", ".join(architecture_names())
+            + ". Only the config is read."
         ),
     ],
     device_mem: Annotated[

@@ -223,13 +223,14 @@ def finetune(
             + escape(", ".join(cfg.ignored))
         )
     if not force and resume is None:  # a resumed run keeps the settings it was checked with
+        from zenflow.engine.accelerator import default_kind
         from zenflow.hardware.estimate import preflight
         from zenflow.train.data import get_task
 
         preflight(model, mode=engine, config=cfg, micro_batch=micro_batch, seq_len=seq_len,
                   num_labels=get_task(task).num_labels, device_mem=device_mem,
                   gradient_checkpointing=gradient_checkpointing,
-                  separate_device=device != "cpu")  # fmt: skip
+                  separate_device=(device or default_kind()) != "cpu")  # fmt: skip
     spec = RunSpec(
         model=model, task=task, config=cfg, init=init,
         data_dir=str(data_dir) if data_dir is not None else None, engine_mode=engine,

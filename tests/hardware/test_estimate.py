@@ -138,6 +138,20 @@ def test_whole_gradients_land_in_their_own_buffers_only_when_k_is_over_half():
     assert not [i for i in half if "landing" in i.what or "warm-up" in i.what]
 
 
+def test_a_cpu_device_sums_full_shape_where_autograd_writes():
+    """The CPU device (preflight of --device cpu): ZenFlow's zero-copy path holds full-shape
+    fp32 window sums (2 with overlap) beside the whole gradient, and nothing crosses a link:
+    no selected-gradient buffer, buckets, image or staging."""
+    c = mlp_census()
+    s = Settings(bf16=False, overlap_step=True, stream_grads=False, cpu_device=True)
+    items = est.layout(c, "zenflow", s)
+    assert sides(c, "zenflow", s) == (
+        P * 4 + P * 4 + S * 8 + PD * 8 + 8 * K + PZ * 4 * 2,  # weights, grads, state, sums
+        PZ * 12,
+    )
+    assert not [i for i in items if i.category == "staging" or i.pinned]
+
+
 def test_holders_group_items_by_engine_category():
     c = mlp_census()
     s = Settings(bf16=True, overlap_step=True)

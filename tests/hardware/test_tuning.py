@@ -304,6 +304,10 @@ def test_memory_budget_per_device():
     b = tune_run.memory_budget("cuda", None, cuda, mem)
     assert (b.device_bytes, b.host_bytes, b.shared) == (80 * 2**30, 10**10, False)
     assert tune_run.memory_budget("cuda", 24 * 2**30, cuda, mem).device_bytes == 24 * 2**30
+    # another process holds part of the GPU: the budget is what is free
+    busy = probes.AcceleratorProbe(kind="cuda", name="GPU", memory_bytes=80 * 2**30,
+                                   free_bytes=50 * 2**30)  # fmt: skip
+    assert tune_run.memory_budget("cuda", None, busy, mem).device_bytes == 50 * 2**30
     sim = tune_run.memory_budget("sim", None, None, mem)
     assert (sim.device_bytes, sim.shared) == (10**10, True)  # its tensors live in RAM
     given = tune_run.memory_budget("sim", 24 * 2**30, None, mem)

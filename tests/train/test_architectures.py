@@ -268,20 +268,21 @@ def test_no_weights_offline_is_refused_not_replaced(name, no_build):
 
 
 @pytest.mark.parametrize("name", ["llama-7b", "llama-13b"])
-def test_gpt2_ids_past_the_vocabulary_are_refused_before_building(name, no_build):
-    if _cached(architecture(name).hub_id):
-        pytest.skip("the mirrored tokenizer is in this machine's Hugging Face cache")
-    with pytest.raises(ModelSourceError) as err:
-        resolve_model(name, task_num_labels=2, init="random", seed=0)
-    msg = str(err.value)
-    assert msg.startswith(
-        f"Cannot rehearse {name} with the packaged GPT-2 tokenizer: its ids run to 50256, "
-        f"past {name}'s vocabulary of 32000 tokens"
-    )
-    assert "huggingface-cli download meta-llama/Llama-2-" in msg
-    assert msg.endswith(
-        "(gpt2, gpt2-medium, gpt2-large, gpt2-xl, distilgpt2, llama-1b, qwen2-0.5b)."
-    )
+def test_a_vocabulary_too_small_for_gpt2_ids_rehearses_on_bytes(name):
+    """Llama 2's 32000-token vocabulary cannot take GPT-2's ids (up to 50256): without its
+    own tokenizer, the rehearsal tokenizes UTF-8 bytes (ids < 384), and says so."""
+    from transformers import ByT5Tokenizer
+
+    arch = architecture(name)
+    tok, source = models._rehearsal_tokenizer(arch, "the Hugging Face cache")
+    assert isinstance(tok, ByT5Tokenizer)
+    ids = tok(["a gripping, funny film ☺"])["input_ids"][0]
+    assert max(ids) < 384 <= arch.vocab_size
+    assert len(ids) == len("a gripping, funny film ☺".encode()) + 1  # bytes + eos
+    assert source.startswith(f"UTF-8 bytes (rehearsal: the {name} tokenizer is")
+    assert "past its vocabulary of 32000" in source
+    gpt2_tok, gpt2_source = models._rehearsal_tokenizer(architecture("qwen2-0.5b"), "x")
+    assert not isinstance(gpt2_tok, ByT5Tokenizer) and gpt2_source.startswith("GPT-2 BPE")
 
 
 # ---------------------------------------------------------------------- through the CLI

@@ -111,6 +111,7 @@ class Settings:
     gradient_checkpointing: bool = False  # activations recomputed in backward
     world_size: int = 1  # data-parallel ranks: more device buckets in flight
     warmup: bool = False  # full_warm_up_rounds > 0: warm-up images on the host
+    cpu_device: bool = False  # the device is the CPU: ZenFlow sums where autograd writes
 
     @property
     def whole_grads(self) -> bool:
@@ -250,8 +251,10 @@ def layout(census: ParamCensus, mode: str, s: Settings) -> list[Item]:
             dev("grads", f"always-important params' gradients ({dn})", Pd * dt, f"Pd*{dt}")
             dev("grads", f"the gradient being streamed (largest, {dn})", Lz * dt, f"L*{dt}")
         # the step's gradient of the selected columns, compact, until the optimizer step
-        dev("grads", f"selected columns' gradient ({dn})", S * dt, f"S*{dt}")
-        if s.bf16:  # the optimizer step widens it to fp32 batch by batch, in one scratch
+        # (a CPU device reads the selected columns from the whole gradient instead)
+        if not s.cpu_device:
+            dev("grads", f"selected columns' gradient ({dn})", S * dt, f"S*{dt}")
+        if s.bf16 and not s.cpu_device:  # widened to fp32 batch by batch, in one scratch
             scratch = max(census.largest_selected(s.topk_ratio), S // 64)
             dev("grads", "fp32 scratch of the selected columns' update", scratch * 4,
                 "4*max(largest rows*k, S/64)")  # fmt: skip
@@ -261,9 +264,16 @@ def layout(census: ParamCensus, mode: str, s: Settings) -> list[Item]:
         dev("optimizer", f"dense params: {sel_what}", Pd * fp32_state, f"Pd*{fp32_state}")
         # an integer step per selected column: bias correction survives hand-overs
         dev("optimizer", "per-column step counts (int64)", K * 8, "8*sum(k)")
-        dev("staging", f"copy buckets ({nb}, {dn})", nb * B * dt, f"{nb}*B*{dt}")
+        if not s.cpu_device:
+            dev("staging", f"copy buckets ({nb}, {dn})", nb * B * dt, f"{nb}*B*{dt}")
         # full-shape host state: a column may move to the host at any re-selection
         host("master_moments", "ZenFlow weights: master + moments (fp32)", Pz * 12, "Pz*12")
+        if s.cpu_device:  # zero-copy: full-shape fp32 sums, 2 with overlap; nothing crosses
+            slots = 2 if s.overlap_step else 1
+            dev("optimizer", f"window sums, full shape (fp32, {slots} slot"
+                f"{'s' * (slots > 1)}: the CPU device sums where autograd writes)",
+                Pz * 4 * slots, f"Pz*4*{slots}")  # fmt: skip
+            return _with_activations(items, census, s)
         # one window sum: with overlap the next window's first write to a weight's sum
         # waits until the host step has read it (the worker goes in backward's order)
         host("accumulators", "window sums of the non-selected columns (fp32)", N * 4, "N*4")
@@ -288,10 +298,16 @@ def layout(census: ParamCensus, mode: str, s: Settings) -> list[Item]:
             if s.warmup and s.bf16:
                 host("staging", "warm-up: bf16 image of the updated weights", big * 2,
                      "Pz(k>1/2)*2")  # fmt: skip
+    return _with_activations(items, census, s)
+
+
+def _with_activations(items: list[Item], census: ParamCensus, s: Settings) -> list[Item]:
+    """``items`` plus the activations' estimate (when the architecture is known), device
+    items first, then host (a stable sort)."""
     act, formula = activation_bytes(census.arch, s)
     if act is not None:
-        dev("activations", "activations (estimate)", act, formula)
-    items.sort(key=lambda i: i.side != "device")  # stable: device items first, then host
+        items.append(Item("device", "activations", "activations (estimate)", act, formula))
+    items.sort(key=lambda i: i.side != "device")
     return items
 
 
@@ -604,7 +620,10 @@ def preflight(
                              gradient_checkpointing=gradient_checkpointing)  # fmt: skip
     if not separate_device:  # the CPU device: bf16 "auto" is off, no streaming
         s = dataclasses.replace(
-            s, bf16=config is not None and config.bf16 is True, stream_grads=False
+            s,
+            bf16=config is not None and config.bf16 is True,
+            stream_grads=False,
+            cpu_device=True,
         )
     result = estimate(census, s, detect_budget(dev, hst))
     if mode == "deepspeed":  # DeepSpeed's own ZenFlow or ZeRO-Offload: the same layouts

@@ -184,6 +184,7 @@ class AcceleratorProbe:
     kind: str  # "cuda", "sim" or "cpu"
     name: str
     memory_bytes: int | None = None
+    free_bytes: int | None = None  # free device memory when probed (torch.cuda.mem_get_info)
     # GB/s of one-way copies host->device (h2d) and device->host (d2h), from pinned and
     # pageable host memory, and both directions at once on two streams (pinned).
     h2d_pinned_gbs: float | None = None
@@ -252,10 +253,13 @@ def probe_accelerator(
         return median_seconds(run, repeats)
 
     gbs = n / 1e9
+    free, _total = torch.cuda.mem_get_info(dev)  # before the probe's own buffers count
+    free += 2 * n  # the probe's two device buffers are freed with it
     return AcceleratorProbe(
         kind="cuda",
         name=props.name,
         memory_bytes=int(props.total_memory),
+        free_bytes=int(free),
         h2d_pinned_gbs=gbs / timed(lambda: [accel.copy_h2d(dev_buf, pinned)]),
         d2h_pinned_gbs=gbs / timed(lambda: [accel.copy_d2h(pinned, dev_buf)]),
         h2d_pageable_gbs=gbs / timed(lambda: [accel.copy_h2d(dev_buf, pageable)]),

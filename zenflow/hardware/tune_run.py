@@ -94,8 +94,9 @@ def memory_budget(device: str, device_mem: int | None, acc, mem) -> MemoryBudget
     host = mem.available_bytes
     if device_mem is not None:
         return MemoryBudget(device_mem, host, False, "--device-mem")
-    if device == "cuda":
-        return MemoryBudget(int(acc.memory_bytes), host, False, f"CUDA: {acc.name}")
+    if device == "cuda":  # what is free now: another process may hold part of the GPU
+        free = acc.free_bytes if acc.free_bytes is not None else acc.memory_bytes
+        return MemoryBudget(int(free), host, False, f"CUDA: {acc.name}, free memory")
     what = "the device is the CPU"
     if device == "sim":
         what = "where the simulated device's tensors live; --device-mem models a GPU"

@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Any
 
 from zenflow.config.architectures import (
-    ARCHITECTURES,
     GPT2_EOS_ID,  # noqa: F401 - re-exported: GPT-2 constants were defined here before
     GPT2_FAMILY,
     GPT2_VOCAB_SIZE,
@@ -614,28 +613,39 @@ def _resolve_builtin(
     except (OSError, ValueError, TypeError):
         tokenizer = None
     if tokenizer is None:
-        tokenizer = packaged_gpt2_tokenizer()
-        why = "not available offline" if _hub_offline() else f"not loadable from {where}"
-        sources["tokenizer"] = (
-            f"GPT-2 BPE (rehearsal: the {arch.name} tokenizer is {why}), "
-            + _packaged_tokenizer_source()
-        )
-        if len(tokenizer) > arch.vocab_size:
-            fits = [a.name for a in ARCHITECTURES.values() if a.vocab_size >= len(tokenizer)]
-            raise ModelSourceError(
-                f"Cannot rehearse {arch.name} with the packaged GPT-2 tokenizer: its ids run "
-                f"to {len(tokenizer) - 1}, past {arch.name}'s vocabulary of "
-                f"{arch.vocab_size} tokens, and the {arch.name} tokenizer ({arch.hub_id}) "
-                f"is not in {where}. Fix: put that tokenizer in the Hugging Face cache (on a "
-                f"connected machine: `huggingface-cli download {arch.hub_id} tokenizer.json "
-                "tokenizer_config.json`, then copy the cache here), or rehearse a shape whose "
-                f"vocabulary holds GPT-2's ids ({', '.join(fits)})."
-            )
+        tokenizer, sources["tokenizer"] = _rehearsal_tokenizer(arch, where)
     torch.manual_seed(seed)
     model = AutoModelForSequenceClassification.from_config(config)
     sources["model"] = f"random init (seed {seed}), on purpose: --init random"
     _finish(model, tokenizer, task_num_labels, sources)
     return ResolvedModel(model=model, tokenizer=tokenizer, sources=sources)
+
+
+def _rehearsal_tokenizer(arch: Architecture, where: str):
+    """A tokenizer for a rehearsal whose own tokenizer is not available: the packaged GPT-2
+    BPE when its ids fit the vocabulary, else a byte-level one (transformers' ByT5Tokenizer
+    needs no files: ids 3..258 are the UTF-8 bytes), which fits any vocabulary of 384 or
+    more. Returns (tokenizer, its source in words)."""
+    why = "not available offline" if _hub_offline() else f"not loadable from {where}"
+    tokenizer = packaged_gpt2_tokenizer()
+    if len(tokenizer) <= arch.vocab_size:
+        return tokenizer, (
+            f"GPT-2 BPE (rehearsal: the {arch.name} tokenizer is {why}), "
+            + _packaged_tokenizer_source()
+        )
+    from transformers import ByT5Tokenizer
+
+    tokenizer = ByT5Tokenizer()
+    if len(tokenizer) > arch.vocab_size:  # no built-in shape is this small
+        raise ModelSourceError(
+            f"Cannot rehearse {arch.name}: its vocabulary of {arch.vocab_size} tokens holds "
+            f"neither GPT-2's ids nor bytes, and its tokenizer ({arch.hub_id}) is {why}."
+        )
+    return tokenizer, (
+        f"UTF-8 bytes (rehearsal: the {arch.name} tokenizer is {why} and GPT-2's ids run to "
+        f"{len(packaged_gpt2_tokenizer()) - 1}, past its vocabulary of {arch.vocab_size}: "
+        "transformers' ByT5Tokenizer, one token per byte, so a sequence holds fewer words)"
+    )
 
 
 def _resolve_hub(name_or_path: str, *, task_num_labels: int, init: str, seed: int) -> ResolvedModel:
