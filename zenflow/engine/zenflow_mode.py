@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +56,7 @@ from zenflow.engine.baselines import host_full_step
 from zenflow.engine.copies import (
     DEVICE_BUCKETS,
     DP_DEVICE_BUCKETS,
+    DeviceBuckets,
     bucket_elems_for,
     plan_chunks,
     plan_pieces,
@@ -94,6 +96,9 @@ class StepPlan:
     score: bool  # a re-selection may follow this step: column scores of the gradient
     gate: StepGate
     slot: int
+    # the in-flight host step whose result this step applies at its end (a window end with
+    # overlap): its non-selected columns go back during this step's backward instead
+    apply: HostJob | None = None
 
 
 class ZfWeight:
@@ -271,6 +276,15 @@ class ZenFlowMode:
                 views={(w.position, pi): pc.of(w.stage) for w in self.zweights if w.owned
                        for pi, pc in enumerate(w.pieces)},
             )  # fmt: skip
+        # With overlap, the window-end step's backward brings the previous host step's
+        # result back (``_apply_in_backward``): two device buckets of their own, so its
+        # host->device copies run beside the backward's device->host ones
+        self._h2d = None
+        self._h2d_queue: deque = deque()  # (bucket index, bucket, copy event, weight, piece)
+        self._applied_early: set[int] = set()  # weights the window end need not apply
+        self.applied_in_backward = 0  # weights applied so, over the run (stats, tests)
+        if self.transport is not None and self.overlap and not dp.enabled:
+            self._h2d = DeviceBuckets(accel, self.bucket_elems, engine.dtype, 2)
         # the worker: always on a separate device (host work runs on the host's cores), and
         # on a CPU device only with overlap (else the training thread uses every core)
         self.worker = None
@@ -347,6 +361,12 @@ class ZenFlowMode:
         due = t - self.last_select_step >= self.select_every
         ends = self.update_interval is None or self.window_len + 1 >= self.update_interval
         self.plan = StepPlan(t, whole, (not whole) and due and ends, StepGate(), self.slot)
+        # A fixed window ends with this step: its end applies the in-flight host step, whose
+        # columns can go back during the backward (auto windows end on a vote after it)
+        if (self._h2d is not None and not whole and self.inflight is not None
+                and self.update_interval is not None and ends):  # fmt: skip
+            self.plan.apply = self.inflight
+        self._applied_early = set()
         self.first_touch = []
         self._whole_sq = {}
         for w in self.zweights:
@@ -417,6 +437,42 @@ class ZenFlowMode:
         if overwrite_acc and not self.host_gas:
             w.fresh[plan.slot] = False
             self.first_touch.append(w)
+        if last and plan.apply is not None:
+            self._apply_in_backward(w, plan.apply)
+
+    def _apply_in_backward(self, w: ZfWeight, job: HostJob) -> None:
+        """The window-end step applies ``job`` at its end; its columns of ``w`` go back now,
+        in ``w``'s backward hook (the last micro-batch's: no later forward reads ``w``
+        before the step ends), when the worker has written ``w``'s image already. Each
+        piece's host->device copy runs while backward goes on; its scatter into the weight
+        waits one piece (``_finish_h2d``), so the device never waits for the copy it just
+        queued. Values and order are the end-of-step apply's (``_apply`` skips ``w``): no
+        reader of ``w``'s non-selected columns comes between, the selected columns' update
+        touches other columns, and every scatter is done before the step's device update
+        (``collect``). A skipped step keeps what it applied: the same values are applied
+        again at the window's real end."""
+        if w.position not in job.meta.get("ready", ()) or not w.owned:
+            return
+        t0 = time.perf_counter()
+        for pc in w.pieces:
+            if len(self._h2d_queue) >= 2:
+                self._finish_h2d()
+            i, bucket = self._h2d.take(pc.shape)
+            ev = self.e.accel.copy_h2d(bucket, pc.of(w.image))
+            job.copies.append(ev)
+            self._h2d_queue.append((i, bucket, ev, w, pc))
+        self._applied_early.add(w.position)
+        self.applied_in_backward += 1
+        self.transport.wait_s += time.perf_counter() - t0  # a wait here stalls backward
+
+    def _finish_h2d(self) -> None:
+        """Scatter the oldest piece copied back in the backward into its weight."""
+        i, bucket, ev, w, pc = self._h2d_queue.popleft()
+        accel = self.e.accel
+        accel.compute_wait(ev)
+        dst, dim, idx = pc.select(w.spec.param.data, w.nonsel_dev)
+        dst.index_copy_(dim, idx, bucket)
+        self._h2d.mark(i, accel.record_compute())
 
     def _score_piece(self, w: ZfWeight, pc, bucket: torch.Tensor) -> None:
         """Column scores (squared L2 per column) of a non-selected piece, on the device."""
@@ -487,6 +543,10 @@ class ZenFlowMode:
         and make sure every weight has a (possibly zero) selected gradient."""
         if self.transport is not None:
             self.transport.complete()
+        t0 = time.perf_counter()
+        while self._h2d_queue:  # the columns applied in the backward, before any update
+            self._finish_h2d()
+        self.e.rec.stall_s += time.perf_counter() - t0
         if self.zero_copy or self.plan is None:
             return
         if self.plan.whole:
@@ -594,6 +654,7 @@ class ZenFlowMode:
         step would have started stay fresh; whole-gradient copies are discarded."""
         for w in self.first_touch:
             w.fresh[self.plan.slot] = True
+        self._applied_early = set()  # applied again, with the same values, at the real end
         self._drop_landing()
 
     def _wait_landing(self) -> None:
@@ -812,9 +873,11 @@ class ZenFlowMode:
         e = self.e
         t0 = time.perf_counter()
         dp = e.dp
-        job.copies = []
+        early, self._applied_early = self._applied_early, set()
         for w in self.zweights:
             p = w.spec.param.data
+            if w.position in early:  # went back during this step's backward
+                continue
             if not self.zero_copy:
                 for pc in w.pieces:
                     i, bucket = self.transport.take_bucket(pc.shape)
@@ -847,12 +910,14 @@ class ZenFlowMode:
         e.rec.host_update = True
         e.rec.stall_s += time.perf_counter() - t0
 
-    def _window_tasks(self, n: int) -> tuple[list[HostTask], object, list]:
-        """The host step of the window just ended (n steps), what it must wait for, and the
-        events it sets once it has read each weight's window sum."""
+    def _window_tasks(self, n: int) -> tuple[list[HostTask], object, list, set]:
+        """The host step of the window just ended (n steps), what it must wait for, the
+        events it sets once it has read each weight's window sum, and the set of weights
+        (positions) whose image it has written (filled as it goes)."""
         slot = self.slot
         tasks = []
         frees: list[threading.Event] = []
+        ready: set[int] = set()  # weights whose image this host step has written
         bf16_image = self.e.dtype == torch.bfloat16
         for w in self.zweights:
             w.sel_mass_sum = 0.0
@@ -882,6 +947,7 @@ class ZenFlowMode:
             def after(w=w, pack=not bf16_image, free=w.free):
                 if pack:
                     w.pack_image()
+                ready.add(w.position)
                 free.set()
 
             tasks.append(HostTask(
@@ -905,14 +971,15 @@ class ZenFlowMode:
                 for ev in pending_copies:
                     ev.synchronize()
 
-        return tasks, before, frees
+        return tasks, before, frees, ready
 
     def _end_window(self, t: int, hp, sync: bool) -> None:
         e = self.e
         self.wait_inflight(t)  # at most one host step in flight: the previous one first
         n = self.window_len
-        tasks, before, frees = self._window_tasks(n)
-        job = HostJob(window_start=self.window_start, submit_step=t, buffer_slot=self.slot)
+        tasks, before, frees, ready = self._window_tasks(n)
+        job = HostJob(window_start=self.window_start, submit_step=t, buffer_slot=self.slot,
+                      meta={"ready": ready})  # fmt: skip
         self.host_log.append(job)
         kernels = self.kernels
         nt = e.host_threads

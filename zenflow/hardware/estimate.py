@@ -265,7 +265,9 @@ def layout(census: ParamCensus, mode: str, s: Settings) -> list[Item]:
         # an integer step per selected column: bias correction survives hand-overs
         dev("optimizer", "per-column step counts (int64)", K * 8, "8*sum(k)")
         if not s.cpu_device:
-            dev("staging", f"copy buckets ({nb}, {dn})", nb * B * dt, f"{nb}*B*{dt}")
+            # with overlap (one rank) two more: the window end's result goes back in backward
+            nz = nb + (2 if s.overlap_step and s.world_size == 1 else 0)
+            dev("staging", f"copy buckets ({nz}, {dn})", nz * B * dt, f"{nz}*B*{dt}")
         # full-shape host state: a column may move to the host at any re-selection
         host("master_moments", "ZenFlow weights: master + moments (fp32)", Pz * 12, "Pz*12")
         if s.cpu_device:  # zero-copy: full-shape fp32 sums, 2 with overlap; nothing crosses
