@@ -10,7 +10,7 @@ DEMO_STEPS ?= 300
 export DEMO_STEPS
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint bench-cpu-adam bench-engine
+.PHONY: setup demo test lint bench-cpu-adam bench-engine gpu-check gpu-wheels
 
 setup:
 	@bash scripts/setup.sh
@@ -33,3 +33,13 @@ bench-cpu-adam: setup
 
 bench-engine: setup
 	.venv/bin/python bench/engine.py
+
+# The CUDA tier (tests/cuda) and the engine benchmark on a GPU box without network: no
+# `setup` (it downloads); .venv-gpu on the box's own torch, wheelhouse/ from `make gpu-wheels`.
+# One JSON summary and one log in ${GPU_CHECK_OUT:-gpu-check}/. docs/GPU.md.
+gpu-check:
+	bash scripts/gpu_check.sh
+
+# Where the package registry is reachable: the wheels a GPU box lacks, into wheelhouse/.
+gpu-wheels:
+	bash scripts/gpu_wheels.sh

@@ -10,11 +10,19 @@ step (absolute and as a multiple of the model's training-dtype bytes) and the de
 per parameter (weights, gradients and engine state, activations excluded).
 
 On ``--device sim`` every mode's device compute runs on the simulated device's reserved
-cores (the floor too), and copies cross a modelled PCIe link (``--bandwidth``).
+cores (the floor too), and copies cross a modelled PCIe link (``--bandwidth``), or, with
+``--sim-profile NAME`` (``zenflow.engine.sim_profiles``), a link scaled so that the sim's
+compute:link ratio is the named GPU box's (the profile and the scaling are printed); ``--lag``
+starts each copy up to that many seconds late (a GPU running behind the host). Each mode
+also reports the share of its link bytes that moved while the device computed (forward and
+backward; sim), its device-to-host reads and full syncs per step (the sync counter), and its
+device peak, host and pinned bytes per parameter.
 
     .venv/bin/python bench/engine.py                      # 4 layers, width 512 (~38M)
     .venv/bin/python bench/engine.py --device sim --bf16 --batch 1 --seq 16
     .venv/bin/python bench/engine.py --layers 12 --width 768 --json
+    .venv/bin/python bench/engine.py --device sim --sim-profile h100-pcie5 --head cls \
+        --vocab 1024 --layers 4 --width 512 --batch 16 --seq 256
 """
 
 from __future__ import annotations
@@ -104,6 +112,8 @@ def main(argv=None) -> int:
         help="lm: GPT-2 LM head; cls: sequence classification (fine-tuning)",
     )
     ap.add_argument("--bandwidth", type=float, default=25e9, help="sim: bytes/s per direction")
+    ap.add_argument("--sim-profile", default=None, help="sim: a named GPU box (h100-pcie5, ...)")
+    ap.add_argument("--lag", type=float, default=0.0, help="sim: copies start up to S s late")
     ap.add_argument("--host-kernel", default="native", choices=["native", "reference"])
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--json", action="store_true", help="print one JSON object")
@@ -118,10 +128,23 @@ def main(argv=None) -> int:
     batches = [
         torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen) for _ in range(8)
     ]
+    if args.device == "cuda":  # made once, where the model is: no input copy is timed
+        batches = [b.cuda() for b in batches]
     from zenflow.engine.accelerator import make_accelerator
 
     def accel():
-        return make_accelerator(args.device, bandwidth=args.bandwidth)
+        dtype = torch.bfloat16 if args.bf16 else torch.float32
+        return make_accelerator(
+            args.device, bandwidth=args.bandwidth, sim_profile=args.sim_profile,
+            lag_s=args.lag, compute_threads=max(1, round(os.cpu_count() * 0.5)),
+            compute_dtype=dtype,
+        )  # fmt: skip
+
+    profile = None
+    if args.device == "sim" and args.sim_profile:
+        probe = accel()
+        profile = probe.profile
+        probe.close()
 
     runs = {}
     for m in modes:
@@ -169,6 +192,7 @@ def main(argv=None) -> int:
                     loss = forward_loss(model, b, args.head)
                 eng.backward(loss)
                 t1 = time.perf_counter()
+                eng.accel.note_compute(t0, t1)  # the device computed (the overlap figure)
                 st = eng.step(loss)
                 eng.zero_grad()
                 t2 = time.perf_counter()
@@ -208,6 +232,16 @@ def main(argv=None) -> int:
             "device_bytes_per_param": (
                 max(st.device_bytes for st in stats) / params if stats else None
             ),
+            "device_peak_bytes_per_param": (
+                max(st.device_peak_bytes for st in stats) / params if stats else None
+            ),
+            "host_bytes_per_param": max(st.host_bytes for st in stats) / params if stats else None,
+            "pinned_bytes_per_param": (
+                max(st.pinned_host_bytes for st in stats) / params if stats else None
+            ),
+            "overlap_share": _overlap(stats),
+            "d2h_reads_max": max((st.d2h_reads for st in stats), default=0),
+            "full_syncs_max": max((st.full_syncs for st in stats), default=0),
             "training_threads": r["threads"],
             "resolved": {} if eng is None else dict(eng.resolved),
         }
@@ -220,6 +254,8 @@ def main(argv=None) -> int:
         "bf16": args.bf16, "head": args.head,
         "sim_bandwidth": args.bandwidth if args.device == "sim" else None,
         "update_interval": args.update_interval, "topk": args.topk,
+        "tokens_per_step": args.batch * args.seq, "lag_s": args.lag,
+        "sim_profile": profile.to_dict() if profile is not None else None,
     }  # fmt: skip
     if args.json:
         print(json.dumps({"meta": meta, "results": results}, indent=2, default=str))
@@ -231,6 +267,8 @@ def main(argv=None) -> int:
         + (f" ({args.bandwidth / 1e9:g} GB/s modelled)" if args.device == "sim" else "")
         + f"; {args.rounds} rounds x {args.steps} steps per mode"
     )
+    if profile is not None:
+        print(f"sim profile: {profile.describe()}")
     hdr = (
         f"{'mode':<17}{'iter med':>9}{'iter mean':>10}{'fwd+bwd':>9}{'step med':>9}"
         f"{'step mean':>10}{'dev opt':>8}{'stall':>8}{'MB/step':>9}{'x model':>8}"
@@ -254,8 +292,32 @@ def main(argv=None) -> int:
                 else ""
             )
         )
-    print("times in ms (stall: mean per step); traffic counted by the engine at each copy")
+    print(f"{'mode':<17}{'overlap':>8}{'reads':>6}{'syncs':>6}{'peak B/p':>9}{'host B/p':>9}"
+          f"{'pinned B/p':>11}")  # fmt: skip
+    for m, x in results.items():
+        if not x["resolved"]:
+            continue
+        share = "-" if x["overlap_share"] is None else f"{x['overlap_share']:.0%}"
+        print(f"{m:<17}{share:>8}{x['d2h_reads_max']:6d}{x['full_syncs_max']:6d}"
+              f"{x['device_peak_bytes_per_param']:9.2f}{x['host_bytes_per_param']:9.2f}"
+              f"{x['pinned_bytes_per_param']:11.2f}")  # fmt: skip
+    print("times in ms (stall: mean per step); traffic counted by the engine at each copy;")
+    print("overlap: share of link bytes moved while the device computed; reads / syncs: the")
+    print("most device-to-host reads and full syncs in one step")
     return 0
+
+
+def _overlap(stats) -> float | None:
+    """Link bytes moved while the device computed, over all link bytes of the steps (each
+    step's share weighted by its traffic); None where no copy was timed (cpu, cuda)."""
+    num = den = 0.0
+    for st in stats:
+        if st.overlap_share is None:
+            continue
+        b = st.d2h_bytes + st.h2d_bytes
+        num += st.overlap_share * b
+        den += b
+    return num / den if den else None
 
 
 if __name__ == "__main__":

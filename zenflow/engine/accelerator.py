@@ -287,9 +287,10 @@ class Accelerator:
         self.compute_wait(self.copy_h2d(dst, src))
         return dst
 
-    def to_device_input(self, t: torch.Tensor) -> torch.Tensor:
+    def to_device_input(self, t: torch.Tensor, key: str = "") -> torch.Tensor:
         """A model input (a batch) on the device, without a host wait where the backend can
-        (cuda: from pinned memory, non-blocking)."""
+        (cuda: from pinned memory, non-blocking). ``key``: the input's name (a batch's
+        input_ids and attention_mask have one shape; each keeps its own pinned buffer)."""
         return t.to(self.device)
 
     def record_compute(self):
@@ -716,11 +717,12 @@ class CudaAccelerator(Accelerator):
         self.copy_d2h(dst, src).synchronize()
         return dst
 
-    def to_device_input(self, t: torch.Tensor) -> torch.Tensor:
+    def to_device_input(self, t: torch.Tensor, key: str = "") -> torch.Tensor:
         # A pageable host->device copy waits for the compute stream (a hidden sync per
         # micro-batch); from a pinned buffer it is queued. The buffer is reused once the
-        # copy that last read it is done.
-        key = (tuple(t.shape), t.dtype)
+        # copy that last read it is done: one buffer per input name and shape, so the
+        # second input of a batch never waits for the first one's copy.
+        key = (key, tuple(t.shape), t.dtype)
         entry = self._input_pool.get(key)
         if entry is not None:
             entry[1].synchronize()
@@ -764,6 +766,7 @@ class CudaAccelerator(Accelerator):
         return int(torch.cuda.max_memory_allocated(self.device))
 
     def reset_peak(self) -> None:
+        super().reset_peak()  # the per-holder peak (peak_held) is per step too
         torch.cuda.reset_peak_memory_stats(self.device)
 
     def rng_state(self) -> dict:

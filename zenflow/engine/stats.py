@@ -32,7 +32,8 @@ class StepStats:
     transfer_ms: float = 0.0  # time spent issuing/awaiting copies
     d2h_bytes: int = 0  # counted at each device->host copy
     h2d_bytes: int = 0  # counted at each host->device copy
-    # device memory of weights, grads and engine state (no activations); None: not reported
+    # device memory of weights, grads and engine state (no activations; cuda: the caching
+    # allocator's allocated bytes, everything the process holds); None: not reported
     device_bytes: int | None = 0
     # the largest device_bytes during the step, backward included (streamed gradients and
     # buckets in flight); cuda: the allocator's peak, activations included

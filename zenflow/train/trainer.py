@@ -553,7 +553,7 @@ class _Run:
         accel = getattr(self.engine, "accel", None)
         mark = accel.mark if accel is not None else time.perf_counter
         to_device = accel.to_device_input if accel is not None else (
-            lambda t: t.to(self.device))  # fmt: skip
+            lambda t, key="": t.to(self.device))  # fmt: skip
 
         def elapsed_ms(a, b) -> float:
             return accel.elapsed_ms(a, b) if accel is not None else (b - a) * 1e3
@@ -592,7 +592,7 @@ class _Run:
                                 self.encoded.train, self.global_micro, spec.seed, epoch, index
                             )
                         index, batch = next(it)
-                        batch = {k: to_device(v[rows]) for k, v in batch.items()}
+                        batch = {k: to_device(v[rows], k) for k, v in batch.items()}
                         m0, w0 = mark(), time.perf_counter()
                         try:
                             with self.engine.autocast():
