@@ -79,6 +79,8 @@ def make_config(args, overlap: bool | None):
         "gradient_clipping": 1.0,
         "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
     }
+    if args.copy_buckets:
+        raw["zfctl"] = {"copy_buckets": args.copy_buckets}
     if overlap is not None:
         raw["zero_optimization"]["zenflow"] = {
             "topk_ratio": args.topk,
@@ -114,6 +116,7 @@ def main(argv=None) -> int:
     ap.add_argument("--bandwidth", type=float, default=25e9, help="sim: bytes/s per direction")
     ap.add_argument("--sim-profile", default=None, help="sim: a named GPU box (h100-pcie5, ...)")
     ap.add_argument("--lag", type=float, default=0.0, help="sim: copies start up to S s late")
+    ap.add_argument("--copy-buckets", type=int, default=None, help="zfctl.copy_buckets")
     ap.add_argument("--host-kernel", default="native", choices=["native", "reference"])
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--json", action="store_true", help="print one JSON object")
@@ -255,6 +258,7 @@ def main(argv=None) -> int:
         "sim_bandwidth": args.bandwidth if args.device == "sim" else None,
         "update_interval": args.update_interval, "topk": args.topk,
         "tokens_per_step": args.batch * args.seq, "lag_s": args.lag,
+        "copy_buckets": args.copy_buckets or "auto",
         "sim_profile": profile.to_dict() if profile is not None else None,
     }  # fmt: skip
     if args.json:

@@ -88,6 +88,14 @@ def estimate(
             "on for a separate device.",
         ),
     ] = None,
+    copy_buckets: Annotated[
+        int | None,
+        typer.Option(
+            min=2,
+            help="Device buffers for gradient pieces waiting for the link (zfctl.copy_buckets), "
+            "each 1/64 of the offloaded elements. Default: the config's, else 2.",
+        ),
+    ] = None,
     head: Annotated[
         str, typer.Option(help="classification (what zfctl finetune trains) or causal-lm.")
     ] = "classification",
@@ -125,6 +133,7 @@ def estimate(
         gradient_checkpointing=gradient_checkpointing,
         gradient_accumulation_steps=gradient_accumulation_steps,
         grad_accumulation=grad_accumulation, stream_grads=stream_grads,
+        copy_buckets=copy_buckets,
     )  # fmt: skip
     census = est.resolve_census(model, head=head, num_labels=num_labels)
     data = est.estimate(census, settings, est.detect_budget(dev, hst), head=head).to_json()

@@ -40,8 +40,9 @@ def test_json_for_a_7b_architecture(cli):
         # a separate device: only the buffers that cross the link are pinned
         pinned = sum(i["bytes"] for i in eng["items"] if i["side"] == "host" and i["pinned"])
         assert eng["pinned_bytes"] == pinned
-    # streamed: 2 + 14k bytes per parameter and the gradient in flight
-    assert 3.40 <= data["engines"]["zenflow"]["bytes_per_param"] <= 3.46
+    # streamed: 2 + 14k bytes per parameter, the gradient in flight and 16 copy buckets of
+    # 4M elements ("auto" for a model this size: 128 MiB, 0.02 bytes per parameter)
+    assert 3.40 <= data["engines"]["zenflow"]["bytes_per_param"] <= 3.48
     assert data["engines"]["zenflow"]["pinned_bytes"] / data["params"] <= 4.0
 
 

@@ -21,7 +21,11 @@ def test_values_read_and_written_back():
     assert cfg.engine == EngineOptions(stream_grads=False, grad_accumulation="device")
     again = load_config(cfg.to_json_dict())
     assert again == cfg
-    assert again.to_json_dict()["zfctl"] == {"stream_grads": False, "grad_accumulation": "device"}
+    assert again.to_json_dict()["zfctl"] == {
+        "stream_grads": False,
+        "grad_accumulation": "device",
+        "copy_buckets": "auto",
+    }
 
 
 def test_every_field_documented():
@@ -47,3 +51,49 @@ def test_block_must_be_an_object():
     with pytest.raises(ConfigError) as err:
         load_config({"zfctl": [1]})
     assert err.value.problems[0].path == "zfctl"
+
+
+@pytest.mark.parametrize("value", [0, 1, -4, 2.5, True, "many"])
+def test_copy_buckets_must_be_an_integer_of_two_or_more(value):
+    with pytest.raises(ConfigError) as err:
+        load_config({"zfctl": {"copy_buckets": value}})
+    (problem,) = err.value.problems
+    assert problem.path == "zfctl.copy_buckets" and 'integer >= 2 or "auto"' in str(err.value)
+
+
+def test_copy_buckets_sizes_the_engine_and_the_estimate():
+    """An explicit count is what the engine allocates (never fewer than its default) and
+    what the estimate counts: each bucket 1/64 of the offloaded elements."""
+    import torch
+
+    from zenflow import ZenFlowEngine
+    from zenflow.engine.copies import bucket_count
+    from zenflow.hardware.estimate import settings_from_config
+
+    assert bucket_count("auto", False) == 2 and bucket_count("auto", True) == 4
+    assert bucket_count(16, False) == 16 and bucket_count(2, True) == 4
+    # "auto": 1/32 of the offloaded elements in flight, at most 16 buckets. A small model's
+    # buckets are 1/64 of its elements (2 buckets); a 7B's are capped at 4M elements.
+    assert bucket_count("auto", False, 3_000_000, 3_000_000 // 64) == 2
+    assert bucket_count("auto", False, 5_900_000_000, 4 * 2**20) == 16
+    assert bucket_count("auto", False, 600_000_000, 4 * 2**20) == 4  # 18.75M in 4M buckets
+    raw = {
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"},
+                              "zenflow": {"topk_ratio": 0.1,
+                                                      "select_strategy": "step",
+                                                      "select_interval": 10}},
+        "zfctl": {"copy_buckets": 8},
+    }  # fmt: skip
+    cfg = load_config(raw)
+    assert settings_from_config(cfg).copy_buckets == 8
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.Linear(128, 4))
+    with ZenFlowEngine(model, cfg, accelerator="sim", host_kernel="reference",
+                       min_numel=1000) as engine:  # fmt: skip
+        held = engine.accel.held()["staging"]
+        bucket = engine.impl.bucket_elems
+        assert len(engine.impl.transport.buckets._flat) == 8
+        assert engine.resolved["copy_buckets"] == 8
+    # 8 buckets of the ZenFlow weights' bucket size, fp32 (no overlap: no return buckets)
+    assert held == 8 * bucket * 4

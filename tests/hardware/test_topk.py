@@ -119,6 +119,31 @@ def test_time_bound_traffic_dominated_prefers_more_columns():
     assert "nothing hides under the 0.5 ms forward+backward" in b.reason
 
 
+def test_host_share_is_costed_per_step():
+    """The host sums (1-k)*Pz elements every step and runs Adam over them once per window:
+    0.75M / 0.5 G/s = 1.5 ms, plus 0.75M / 4 / 100M/s = 1.875 ms."""
+    tm = time_model(host_accumulate_rate=5e8, host_adam_rate=1e8)
+    assert topk.step_cost(0.25, 4, tm)["host_ms"] == pytest.approx(3.375)
+    assert topk.step_cost(0.25, 4, time_model())["host_ms"] is None  # not measured
+
+
+def test_a_host_that_cannot_keep_pace_is_said_with_the_fix():
+    """The device allows k = 0.28 (test_time_bound_device_update_binds), but summing 0.72M
+    elements per step at 20M/s takes 36 ms, over the 30 ms forward+backward: no window
+    length helps (the sum is per step), so the bound is not met and says what does."""
+    fast = dict(d2h_bytes_per_s=4e12, h2d_bytes_per_s=4e12)
+    slow = topk.time_bound(time_model(host_accumulate_rate=2e7, host_adam_rate=1e9, **fast),
+                           lambda k: 64)  # fmt: skip
+    assert slow.value == 0.28 and not slow.met
+    assert slow.figures["host_keeps_pace"] is False
+    assert slow.figures["host_ms"] == pytest.approx(0.72e6 / 2e7 * 1e3 + 0.72e6 / 64 / 1e9 * 1e3)
+    assert "the host cannot keep pace" in slow.reason and "More tokens per step" in slow.reason
+    keeps = topk.time_bound(time_model(host_accumulate_rate=2e9, host_adam_rate=1e9, **fast),
+                            lambda k: 4)  # fmt: skip
+    assert keeps.met and keeps.figures["host_keeps_pace"] is True
+    assert "the host sums 0.7M elements per step at 2.00 G/s" in keeps.reason
+
+
 def test_decide_takes_the_smaller_bound_and_names_it():
     mem, tim = Bound(0.3, True, {}, "M"), Bound(0.28, True, {}, "T")
     k, binds, why = topk.decide(mem, tim)

@@ -161,6 +161,23 @@ def measured(**kw) -> tuning.TuneInputs:
     return inputs(**base)
 
 
+def test_host_accumulation_lengthens_the_window_and_a_slow_host_is_said():
+    """Summing the 720k offloaded elements per step takes the host 720k / 72M/s = 10 ms of
+    each 30 ms step: the 80 ms host Adam hides under S x 20 ms, S = 4 (3 without it). At
+    24M/s the sum alone (30 ms) fills the step: the reason says the host cannot keep pace
+    and what helps."""
+    c = tuning.choose(measured(host_accumulate_rate=7.2e7))
+    assert c.topk_ratio == 0.28 and c.update_interval == 4
+    assert (
+        "S=4 hides it (4x30-10 ms of accumulation = 20 ms per step)" in c.reasons["update_interval"]
+    )
+    assert c.topk["time"]["host_keeps_pace"] is True
+    slow = tuning.choose(measured(host_accumulate_rate=2.4e7))
+    assert slow.topk["time"]["host_keeps_pace"] is False
+    assert "the host cannot keep pace" in slow.reasons["topk_ratio"]
+    assert "More tokens per step" in slow.reasons["topk_ratio"]
+
+
 def test_topk_time_bound_binds_then_interval_hides_the_rest():
     c = tuning.choose(measured())
     assert c.topk_ratio == 0.28

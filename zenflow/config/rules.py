@@ -566,6 +566,14 @@ def _parse_engine(r: _Reader, raw: Mapping) -> EngineOptions:
             values[f.name] = value
         elif isinstance(default, bool):
             values[f.name] = r.boolean(block, f.name, path, default)
+    buckets = block.get("copy_buckets", "auto")
+    if buckets != "auto" and (
+        isinstance(buckets, bool) or not isinstance(buckets, int) or buckets < 2
+    ):
+        r.problem("zfctl.copy_buckets", buckets, 'must be an integer >= 2 or "auto"',
+                  'set copy_buckets to 2, 8, 16, ... or "auto"')  # fmt: skip
+        buckets = "auto"
+    values["copy_buckets"] = buckets
     return EngineOptions(**values)
 
 

@@ -162,6 +162,13 @@ ENGINE_FIELD_DOCS: dict[str, str] = {
     'memory, one copy of the gradient per micro-batch) or "device" (autograd sums them in '
     "the device gradient and only the last micro-batch streams: one copy per step, plus a "
     "whole-model gradient on the device).",
+    "copy_buckets": "Device buffers the streamed gradient pieces wait in for the copy engine, "
+    "each 1/64 of the offloaded elements (at most 4M) in the training dtype: an integer >= 2 "
+    'or "auto" (2; 4 with data parallelism: the least device memory). Backward produces a '
+    "layer's gradients in a burst; with too few buffers it waits for the link even when the "
+    "link keeps pace over the step (the stall bench/engine.py reports). More buffers let "
+    "backward run ahead, at 1/64 x (1 - topk) x the training dtype's bytes per parameter "
+    "each; zfctl estimate --copy-buckets shows the cost.",
 }
 
 
@@ -174,6 +181,8 @@ class EngineOptions:
     """Stream gradients off the device during backward: true, false or "auto"."""
     grad_accumulation: str = "host"
     """Where micro-batches are summed: "host" or "device"."""
+    copy_buckets: int | str = "auto"
+    """Device buffers for pieces waiting for the copy engine: an int >= 2 or "auto"."""
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,7 @@ import time
 import torch
 
 from zenflow.engine.copies import (
-    DEVICE_BUCKETS,
-    DP_DEVICE_BUCKETS,
+    bucket_count,
     chunk_bucket_elems,
     plan_chunks,
 )
@@ -109,7 +108,7 @@ class OffloadMode:
         self.transport = None
         self.staging = {}
         if not self.zero_copy:
-            count = DP_DEVICE_BUCKETS if dp.enabled else DEVICE_BUCKETS
+            count = bucket_count(engine.copy_buckets, dp.enabled, sum(sizes), bucket)
             self.transport = Transport(engine, bucket, count, engine.kernels())
             if self.host_gas:
                 for s in engine.specs:

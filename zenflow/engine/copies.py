@@ -38,6 +38,26 @@ DEVICE_BUCKETS = 2  # one copying while the next fills; data parallel keeps more
 DP_DEVICE_BUCKETS = 4
 
 
+AUTO_IN_FLIGHT_SHARE = 32  # "auto": up to 1/32 of the offloaded elements waiting for the link
+AUTO_MAX_BUCKETS = 16
+
+
+def bucket_count(requested, data_parallel: bool, offloaded: int = 0, elems: int = 1) -> int:
+    """Device copy buckets for ``zfctl.copy_buckets`` (an int, or "auto"), never fewer than
+    the least (2; 4 with data parallelism, whose reductions keep buckets in flight too).
+
+    "auto": room for 1/32 of the ``offloaded`` elements in buckets of ``elems``, at most 16.
+    A bucket is 1/64 of the offloaded elements up to 4M (``bucket_elems_for``), so a small
+    model keeps the least (1/32 of its elements in 2 buckets), and a large one, whose
+    buckets are capped, gets up to 16 (7B: 64M elements, 128 MiB in bf16, 0.02 bytes per
+    parameter) to absorb the burst of a layer's gradients while the link catches up."""
+    least = DP_DEVICE_BUCKETS if data_parallel else DEVICE_BUCKETS
+    if requested not in (None, "auto"):
+        return max(least, int(requested))
+    want = offloaded // (AUTO_IN_FLIGHT_SHARE * max(1, elems))
+    return max(least, min(AUTO_MAX_BUCKETS, want))
+
+
 @dataclass(frozen=True)
 class Piece:
     """Rows ``lo:hi`` of a weight's compact block of non-selected columns, moved as one copy.

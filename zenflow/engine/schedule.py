@@ -200,6 +200,7 @@ class ZenFlowEngine:
         self.stream_grads = (not self.accel.shared_memory) if stream_opt == "auto" else \
             bool(stream_opt)  # fmt: skip
         self.grad_accumulation = getattr(options, "grad_accumulation", "host")
+        self.copy_buckets = getattr(options, "copy_buckets", "auto")
         self.gas = max(1, int(getattr(config, "gradient_accumulation_steps", 1) or 1))
         self._host_kernel_arg = host_kernel
         self._kernel = None
@@ -268,6 +269,7 @@ class ZenFlowEngine:
             "pinned_host_buffers": self.pin,
             "stream_grads": self.stream_grads and mode != "device",
             "grad_accumulation": self.grad_accumulation if self.gas > 1 else None,
+            "copy_buckets": self.copy_buckets,
             "training_threads": self.training_threads,
             "host_threads": self.host_threads,
             "world_size": self.dp.world,

@@ -54,9 +54,8 @@ import torch
 from zenflow.engine.accelerator import DONE
 from zenflow.engine.baselines import host_full_step
 from zenflow.engine.copies import (
-    DEVICE_BUCKETS,
-    DP_DEVICE_BUCKETS,
     DeviceBuckets,
+    bucket_count,
     bucket_elems_for,
     plan_chunks,
     plan_pieces,
@@ -269,7 +268,12 @@ class ZenFlowMode:
                                         "grads")  # fmt: skip
         self.transport = None
         if not self.zero_copy and self.zweights:
-            count = DP_DEVICE_BUCKETS if dp.enabled else DEVICE_BUCKETS
+            count = bucket_count(
+                engine.copy_buckets,
+                dp.enabled,
+                sum(w.compact_numel for w in self.zweights),
+                self.bucket_elems,
+            )
             self.transport = Transport(engine, self.bucket_elems, count, self.kernels)
             self.staging = self.transport.staging(
                 "pieces",

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from zenflow.engine.copies import DEVICE_BUCKETS, DP_DEVICE_BUCKETS
+from zenflow.engine.copies import bucket_count
 from zenflow.errors import UserInputError
 from zenflow.hardware.census import (
     ArchShape,
@@ -112,6 +112,7 @@ class Settings:
     world_size: int = 1  # data-parallel ranks: more device buckets in flight
     warmup: bool = False  # full_warm_up_rounds > 0: warm-up images on the host
     cpu_device: bool = False  # the device is the CPU: ZenFlow sums where autograd writes
+    copy_buckets: int | None = None  # zfctl.copy_buckets (None: "auto")
 
     @property
     def whole_grads(self) -> bool:
@@ -148,6 +149,8 @@ def settings_from_config(config=None, **overrides: Any) -> Settings:
         values["gradient_accumulation_steps"] = int(config.gradient_accumulation_steps)
         values["grad_accumulation"] = config.engine.grad_accumulation
         values["stream_grads"] = config.engine.stream_grads in (True, "auto")
+        if config.engine.copy_buckets != "auto":
+            values["copy_buckets"] = int(config.engine.copy_buckets)
         if config.zenflow is not None:
             values["topk_ratio"] = float(config.zenflow.topk_ratio)
             values["overlap_step"] = bool(config.zenflow.overlap_step)
@@ -219,7 +222,7 @@ def layout(census: ParamCensus, mode: str, s: Settings) -> list[Item]:
     def host(cat: str, what: str, n: int, formula: str, pinned: bool = False) -> None:
         items.append(Item("host", cat, what, int(n), formula, pinned))
 
-    nb = DP_DEVICE_BUCKETS if s.world_size > 1 else DEVICE_BUCKETS
+    dp = s.world_size > 1
     # Every engine: the model's weights in the training dtype.
     dev("weights", f"weights ({dn})", P * dt, f"P*{dt}")
     if mode == "device":  # plain mixed-precision AdamW, everything on the device
@@ -234,6 +237,7 @@ def layout(census: ParamCensus, mode: str, s: Settings) -> list[Item]:
         else:
             dev("grads", f"the gradient being streamed (largest, {dn})", Lo * dt, f"L*{dt}")
         Bo = census.bucket_elements_all
+        nb = bucket_count(s.copy_buckets, dp, P, Bo)
         dev("staging", f"copy buckets ({nb}, {dn})", nb * Bo * dt, f"{nb}*B*{dt}")
         host("master_moments", "master + exp_avg + exp_avg_sq (fp32)", P * 12, "P*12")
         if s.host_sums:  # micro-batches land in pinned staging, summed in fp32
@@ -266,7 +270,7 @@ def layout(census: ParamCensus, mode: str, s: Settings) -> list[Item]:
         dev("optimizer", "per-column step counts (int64)", K * 8, "8*sum(k)")
         if not s.cpu_device:
             # with overlap (one rank) two more: the window end's result goes back in backward
-            nz = nb + (2 if s.overlap_step and s.world_size == 1 else 0)
+            nz = bucket_count(s.copy_buckets, dp, N, B) + (2 if s.overlap_step and not dp else 0)
             dev("staging", f"copy buckets ({nz}, {dn})", nz * B * dt, f"{nz}*B*{dt}")
         # full-shape host state: a column may move to the host at any re-selection
         host("master_moments", "ZenFlow weights: master + moments (fp32)", Pz * 12, "Pz*12")

@@ -109,6 +109,42 @@ def measure_cpu_adam(
     return AdamProbe(backend, reason, num_threads, numel, seconds * 1e3, numel / seconds)
 
 
+@dataclass(frozen=True)
+class AccumulateProbe:
+    """The host's accumulation of gradient pieces: ``dst += scale * src`` into fp32 (the
+    engine's accumulator thread, ``zenflow.ops.accumulate_``)."""
+
+    backend: str  # "native" or "reference"
+    num_threads: int
+    src_dtype: str  # what the pieces arrive in (the training dtype)
+    numel: int
+    ms: float  # median time of one pass over numel elements
+    elements_per_s: float
+
+
+def measure_accumulate(
+    numel: int, num_threads: int, bf16: bool = True, repeats: int = 5
+) -> AccumulateProbe:
+    """Median time of one accumulation pass of ``numel`` elements (bf16 or fp32 pieces into
+    an fp32 sum, scaled, as a clipped step's pieces are) on ``num_threads`` threads."""
+    import torch
+
+    from zenflow import ops
+
+    src_dtype = torch.bfloat16 if bf16 else torch.float32
+    src = torch.randn(numel).to(src_dtype)
+    dst = torch.zeros(numel)
+    native = getattr(ops, "adamw_step_", None) is not None and ops.ops_mode() != "reference"
+    with torch_threads(num_threads):
+        ops.accumulate_(dst, src, 0.5, num_threads=num_threads)  # warm-up (and the build)
+        seconds = median_seconds(
+            lambda: ops.accumulate_(dst, src, 0.5, num_threads=num_threads), repeats
+        )
+    return AccumulateProbe("native" if native else "reference", num_threads,
+                           str(src_dtype).replace("torch.", ""), numel, seconds * 1e3,
+                           numel / seconds)  # fmt: skip
+
+
 # --------------------------------------------------------------------------------------
 # Model forward+backward
 

@@ -23,6 +23,17 @@ at any k):
   the interval that hides the host step of the (1 - k) share, so it is a function of k
   (``interval_of``). When no k fits, the cheapest k is taken and said.
 
+  The host must keep pace too: every step it sums the (1 - k) share of the gradient into
+  fp32 (the accumulator), and once per window it runs the CPU Adam over that share::
+
+      host(k) = (1 - k) * Pz / accumulate rate  +  (1 - k) * Pz / S / host Adam rate
+
+  which must also fit under forward+backward, or the device waits for the host. Unlike the
+  device's part it shrinks as k grows, and no window length removes its first term: when
+  the host cannot keep pace at the largest k the device allows, the bound says so and what
+  helps (more tokens per step, which forward+backward grows with and the host's work does
+  not; device-side micro-batch accumulation; a faster host).
+
 ``decide`` takes the smaller bound and says which one binds, with the numbers.
 """
 
@@ -172,6 +183,10 @@ class TimeModel:
     h2d_bytes_per_s: float
     link: str  # the bandwidth's source, in words
     hide_fraction: float = HIDE_FRACTION
+    # the host's share: its accumulation (elements/s) and CPU Adam (params/s) on the cores
+    # it has; None: not measured, not bounded
+    host_accumulate_rate: float | None = None
+    host_adam_rate: float | None = None
 
 
 def step_cost(k: float, interval: int, tm: TimeModel) -> dict[str, float]:
@@ -180,9 +195,13 @@ def step_cost(k: float, interval: int, tm: TimeModel) -> dict[str, float]:
     moved = (1.0 - k) * tm.zenflow_params * tm.dtype_bytes
     d2h_ms = moved / tm.d2h_bytes_per_s * 1e3
     h2d_ms = moved / interval / tm.h2d_bytes_per_s * 1e3
+    host_ms = None
+    if tm.host_accumulate_rate and tm.host_adam_rate:
+        n = (1.0 - k) * tm.zenflow_params
+        host_ms = (n / tm.host_accumulate_rate + n / interval / tm.host_adam_rate) * 1e3
     return {"topk": k, "update_interval": interval, "device_update_ms": update_ms,
             "d2h_ms": d2h_ms, "h2d_ms": h2d_ms, "traffic_bytes": moved * (1 + 1 / interval),
-            "total_ms": update_ms + d2h_ms + h2d_ms}  # fmt: skip
+            "total_ms": update_ms + d2h_ms + h2d_ms, "host_ms": host_ms}  # fmt: skip
 
 
 def time_bound(
@@ -195,10 +214,13 @@ def time_bound(
     ok = [c for c in costs if c["total_ms"] <= budget_ms]
     met = bool(ok)
     c = ok[-1] if ok else min(costs, key=lambda x: (x["total_ms"], -x["topk"]))
+    # the host's share shrinks with k: the largest k the device allows is its best case
+    host_slow = c["host_ms"] is not None and c["host_ms"] > budget_ms
     figures = {**c, "fb_ms": tm.fb_ms, "budget_ms": budget_ms, "hide_fraction": tm.hide_fraction,
                "device_adam_rate": tm.device_adam_rate, "d2h_bytes_per_s": tm.d2h_bytes_per_s,
                "h2d_bytes_per_s": tm.h2d_bytes_per_s, "dtype_bytes": tm.dtype_bytes,
-               "link": tm.link}  # fmt: skip
+               "link": tm.link, "host_accumulate_rate": tm.host_accumulate_rate,
+               "host_adam_rate": tm.host_adam_rate, "host_keeps_pace": not host_slow}  # fmt: skip
     share = "" if tm.hide_fraction == 1 else f"{tm.hide_fraction:g} of "
     parts = (
         f"device update {c['device_update_ms']:.1f} ms (AdamW at "
@@ -206,7 +228,24 @@ def time_bound(
         f"({c['traffic_bytes'] / 2**20:.0f} MiB per step at S={c['update_interval']}, "
         f"{tm.link})"
     )
-    if met:
+    if c["host_ms"] is not None:
+        n = (1.0 - c["topk"]) * tm.zenflow_params
+        parts += (
+            f"; the host sums {n / 1e6:.1f}M elements per step at "
+            f"{tm.host_accumulate_rate / 1e9:.2f} G/s and runs Adam over them once per window "
+            f"at {tm.host_adam_rate / 1e6:.0f}M params/s: {c['host_ms']:.1f} ms per step"
+        )
+    if met and host_slow:
+        met = False
+        why = (
+            f"the host cannot keep pace: at k={c['topk']:g} (the largest the device allows) "
+            f"it needs {c['host_ms']:.1f} ms per step against the {share}{tm.fb_ms:.1f} ms "
+            f"forward+backward, so the device would wait for it: {parts}. More tokens per "
+            "step (a larger micro-batch or sequence, or micro-batches summed on the device: "
+            'zfctl.grad_accumulation "device") grow forward+backward and not the host\'s '
+            "work; a host with more cores or memory bandwidth does too"
+        )
+    elif met:
         why = (
             f"traffic + device update at k={c['topk']:g} takes {c['total_ms']:.1f} ms of the "
             f"{share}{tm.fb_ms:.1f} ms forward+backward: {parts}"

@@ -21,6 +21,7 @@ from zenflow.hardware import topk as topk_bounds
 from zenflow.hardware.measure import (
     OverlapProbe,
     load_probe_model,
+    measure_accumulate,
     measure_cpu_adam,
     measure_device_adam,
     measure_engine,
@@ -178,6 +179,16 @@ def run_tune(settings: TuneSettings) -> dict:
         if w >= 1 and w not in adam_by_threads:
             adam_by_threads[w] = measure_cpu_adam(adam_numel, w, 5, adam)
 
+    # The host's accumulation of the streamed pieces (a separate device only: a CPU device
+    # sums where autograd writes), on the cores the worker has beside the training thread
+    acc_by_threads = {}
+    if device != "cpu":
+        say(f"measuring the host's gradient accumulation on {adam_numel / 2**20:.0f}M elements")
+        for t in shares:
+            w = cores - t
+            if w >= 1 and w not in acc_by_threads:
+                acc_by_threads[w] = measure_accumulate(adam_numel, w, settings.bf16)
+
     dtype = "bf16" if settings.bf16 else "fp32"
     mb, seq = settings.micro_batch, settings.seq_len
     say(f"building {settings.model} (micro-batch {mb}, seq {seq}, {dtype})")
@@ -229,7 +240,9 @@ def run_tune(settings: TuneSettings) -> dict:
             d2h_bytes_per_s=d2h,
             h2d_bytes_per_s=h2d,
             link=link,
-        )
+            host_accumulate_rate=(acc_by_threads[worker].elements_per_s
+                                  if worker in acc_by_threads else None),
+        )  # fmt: skip
 
     # Pick the training share with the shortest modelled per-step time, then measure it.
     def per_step(c: Choices) -> float:
@@ -303,6 +316,9 @@ def run_tune(settings: TuneSettings) -> dict:
             "device_memory": dataclasses.asdict(budget),
             "cpu_adam": {str(k): dataclasses.asdict(v) for k, v in sorted(adam_by_threads.items())},
             "device_adam": {str(k): dataclasses.asdict(v) for k, v in sorted(dev_adam.items())},
+            "host_accumulate": {
+                str(k): dataclasses.asdict(v) for k, v in sorted(acc_by_threads.items())
+            },
             "model": {
                 "name": pm.name,
                 "source": pm.source,

@@ -69,6 +69,9 @@ class TuneInputs:
     h2d_bytes_per_s: float | None = None
     link: str = ""  # where the bandwidth comes from, in words
     hide_fraction: float = topk_bounds.HIDE_FRACTION
+    # the host's accumulation of gradient pieces (elements/s on the worker's cores: the
+    # accumulator shares them with the host Adam); None: not measured
+    host_accumulate_rate: float | None = None
 
     @property
     def separate_device(self) -> bool:
@@ -134,7 +137,7 @@ def memory_needed(
             "total": host_state + device_side, "bytes_per_param": per}  # fmt: skip
 
 
-def _time_model(inp: TuneInputs, fb_device_ms: float) -> TimeModel | None:
+def _time_model(inp: TuneInputs, fb_device_ms: float, host_rate: float) -> TimeModel | None:
     rates = (inp.device_adam_rate, inp.d2h_bytes_per_s, inp.h2d_bytes_per_s)
     if any(r is None or r <= 0 for r in rates):
         return None
@@ -148,14 +151,20 @@ def _time_model(inp: TuneInputs, fb_device_ms: float) -> TimeModel | None:
         h2d_bytes_per_s=inp.h2d_bytes_per_s,
         link=inp.link or "measured bandwidth",
         hide_fraction=inp.hide_fraction,
+        host_accumulate_rate=inp.host_accumulate_rate,
+        host_adam_rate=host_rate if inp.host_accumulate_rate else None,
     )
 
 
 def choose_topk(
-    inp: TuneInputs, interval_of: Callable[[float], int], fb_device_ms: float
+    inp: TuneInputs,
+    interval_of: Callable[[float], int],
+    fb_device_ms: float,
+    host_rate: float | None = None,
 ) -> tuple[float, str, dict]:
-    """topk_ratio from the memory and time bounds (or fixed), its reason and figures."""
-    tm = _time_model(inp, fb_device_ms)
+    """topk_ratio from the memory and time bounds (or fixed), its reason and figures.
+    ``host_rate``: the host Adam's params/s (default: on the worker's cores)."""
+    tm = _time_model(inp, fb_device_ms, host_rate or inp.adam_rate_worker)
     have = bool(inp.memory_table) and inp.memory_budget is not None and tm is not None
     if inp.topk_ratio is None and not have:
         needs = {
@@ -205,10 +214,19 @@ def choose(inp: TuneInputs) -> Choices:
     # cores, its share's forward+backward; on the CPU (or one core) all cores'.
     fb_device = fb if inp.separate_device and can_split else inp.fb_all_ms
 
-    def interval_of(k: float) -> int:
-        return interval_to_hide(inp.params_2d * (1.0 - k) / host_rate * 1e3, fb)
+    def accumulate_ms(k: float) -> float:
+        """The host's per-step sum of the offloaded share (0: not measured)."""
+        if not inp.host_accumulate_rate:
+            return 0.0
+        return inp.params_2d * (1.0 - k) / inp.host_accumulate_rate * 1e3
 
-    topk, reasons["topk_ratio"], topk_info = choose_topk(inp, interval_of, fb_device)
+    def interval_of(k: float) -> int:
+        # the window hides the host Adam under what forward+backward leaves the host after
+        # its per-step accumulation
+        return interval_to_hide(inp.params_2d * (1.0 - k) / host_rate * 1e3,
+                                fb - accumulate_ms(k))  # fmt: skip
+
+    topk, reasons["topk_ratio"], topk_info = choose_topk(inp, interval_of, fb_device, host_rate)
     if inp.accelerator == "cpu":
         reasons["topk_ratio"] = "CPU-only (device = host): " + reasons["topk_ratio"]
     host_numel = inp.params_2d * (1.0 - topk)
@@ -231,12 +249,14 @@ def choose(inp: TuneInputs) -> Choices:
         reasons["pt_reserved_cores_perc"] = "0.5 (unused: no core split on this machine)"
     else:
         host = host_numel / host_rate * 1e3
-        s = interval_to_hide(host, fb)
+        s = interval_of(topk)
         basis = "measured while both ran" if ov else "measured separately"
+        acc = accumulate_ms(topk)
+        left = f"{fb:.0f}" if not acc else f"{fb:.0f}-{acc:.0f} ms of accumulation = {fb - acc:.0f}"
         reasons["update_interval"] = (
             f"host Adam over {_count(host_numel)} offloaded params takes {host:.0f} ms on "
             f"{worker} worker core(s), forward+backward {fb:.0f} ms on {inp.train_threads} "
-            f"training core(s) ({basis}): S={s} hides it ({s}x{fb:.0f}={s * fb:.0f} ms)"
+            f"training core(s) ({basis}): S={s} hides it ({s}x{left} ms per step)"
         )
         if s == UPDATE_INTERVAL_MAX and host > s * fb:
             reasons["update_interval"] += "; capped at 64, the host step is not fully hidden"
