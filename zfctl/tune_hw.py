@@ -74,6 +74,14 @@ def tune_hw(
         bool,
         typer.Option("--quick", help="Small probes, small model, fewer repeats (about a minute)."),
     ] = False,
+    gradient_checkpointing: Annotated[
+        bool,
+        typer.Option(
+            "--gradient-checkpointing",
+            help="Time forward+backward with activations recomputed and lay out the memory "
+            "for it, as `zfctl finetune --gradient-checkpointing` trains.",
+        ),
+    ] = False,
     output: Annotated[Path, typer.Option("--output", "-o", help="Where to write hw.json.")] = Path(
         "hw.json"
     ),
@@ -118,6 +126,8 @@ def tune_hw(
         device=device,
         bf16=bf16,
         device_mem=dev_mem,
+        gradient_checkpointing=gradient_checkpointing,
+        layout=config_layout(config_doc) if config_doc is not None else {},
         progress=lambda msg: err.print(f"[dim]tune-hw: {msg}…[/dim]", highlight=False),
     )
     result = tune_run.run_tune(settings)
@@ -134,6 +144,23 @@ def tune_hw(
     out.print(f"wrote {escape(str(output))}", highlight=False)
     if update is not None:
         render_config_update(out, config, update, write)
+
+
+def config_layout(doc: dict) -> dict:
+    """The config document's settings that change the memory layout topk is bounded by:
+    micro-batch accumulation and where it is summed, streaming, the copy buckets."""
+    import copy
+
+    from zenflow.config import load_config
+    from zenflow.hardware.estimate import settings_from_config
+
+    s = settings_from_config(load_config(copy.deepcopy(doc)))
+    return {
+        "gradient_accumulation_steps": s.gradient_accumulation_steps,
+        "grad_accumulation": s.grad_accumulation,
+        "stream_grads": s.stream_grads,
+        "copy_buckets": s.copy_buckets,
+    }
 
 
 def config_bf16(doc: dict, device: str | None = None) -> bool:

@@ -76,6 +76,7 @@ def test_quick_writes_hw_json(quick_run):
         "device": data["device"],
         "bf16": data["device"] != "cpu",  # bf16 "auto": off on a CPU device, on elsewhere
         "device_mem": None,
+        "gradient_checkpointing": False,
     }
     assert data["versions"]["torch"] and data["date"]
     probes = data["probes"]
@@ -125,16 +126,24 @@ def test_quick_prints_table_and_note(quick_run):
 
 def test_sim_rehearses_a_gpu_box(tmp_path):
     """--device sim: the sim's modelled bandwidth, its core split, the probe model and the
-    engine cross-check on the simulated device; --device-mem models the GPU's memory."""
+    engine cross-check on the simulated device; --device-mem models the GPU's memory; the
+    host's accumulation is measured and bounds topk; --gradient-checkpointing is timed."""
     from zenflow.engine.accelerator import SIM_BANDWIDTH
 
     out = tmp_path / "hw.json"
     result = invoke("--quick", *TOY, "--device", "sim", "--device-mem", "1GiB", "--no-bf16",
-                    "--output", str(out), "--json")  # fmt: skip
+                    "--gradient-checkpointing", "--output", str(out), "--json")  # fmt: skip
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     assert data["device"] == "sim" and data["cpu_only"] is False
     assert data["settings"]["device_mem"] == 2**30 and data["settings"]["bf16"] is False
+    assert data["settings"]["gradient_checkpointing"] is True
+    acc = data["probes"]["host_accumulate"]
+    assert acc and all(a["elements_per_s"] > 0 and a["src_dtype"] == "float32"
+                       for a in acc.values())  # fmt: skip
+    assert data["topk"]["time"]["host_accumulate_rate"] in [
+        a["elements_per_s"] for a in acc.values()
+    ]
     check_choices(data["choices"])
     check_topk(data)
     assert data["probes"]["accelerator"]["kind"] == "sim"
@@ -193,6 +202,15 @@ def test_config_write_updates_zenflow_block(tmp_path):
     assert zf.update_interval == choices["update_interval"]
     assert zf.topk_ratio == choices["topk_ratio"]
     assert zf.overlap_step == choices["overlap_step"]
+
+
+def test_config_layout_reads_what_changes_the_memory():
+    from zfctl.tune_hw import config_layout
+
+    doc = {"gradient_accumulation_steps": 4, "zfctl": {"grad_accumulation": "device",
+                                                       "copy_buckets": 8}}  # fmt: skip
+    assert config_layout(doc) == {"gradient_accumulation_steps": 4, "grad_accumulation": "device",
+                                  "stream_grads": True, "copy_buckets": 8}  # fmt: skip
 
 
 def test_json_prints_hw_json(tmp_path):

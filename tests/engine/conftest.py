@@ -1,7 +1,23 @@
-"""Shared helpers for the engine tests: configs, tiny models, AdamW baselines."""
+"""Shared helpers for the engine tests: configs, tiny models, AdamW baselines.
+
+Opt-in, for these tests only: ``ZENFLOW_TEST_SIM_LAG=<seconds>`` (e.g. 0.002) runs every
+simulated accelerator in strict + lag mode: each copy starts up to that many seconds late,
+as on a GPU running behind the host, and copy destinations are poisoned until their copy
+completes, so a missing wait shows as NaN or as the source guard's error. It applies to
+every process that imports this module: pytest's (engines made with ``accelerator="sim"``,
+through ``engine_kw`` or not, and ``SimAccelerator`` instances the tests make) and the
+fresh processes of ``dp_worker.py`` and test_resume.py, which inherit the environment. A
+sim given a lag of its own keeps it. ``ZENFLOW_TEST_SIM_LAG_SEED`` picks the random delays
+(default 0). The engine itself reads neither variable. Run it on tests/engine only (in a
+wider pytest run it would reach the other directories' sims too)::
+
+    ZENFLOW_TEST_SIM_LAG=0.002 .venv/bin/python -m pytest tests/engine
+"""
 
 from __future__ import annotations
 
+import functools
+import math
 import os
 
 import pytest
@@ -11,6 +27,40 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 from zenflow.config import load_config  # noqa: E402
+from zenflow.engine.accelerator import SimAccelerator  # noqa: E402
+
+SIM_LAG_ENV = "ZENFLOW_TEST_SIM_LAG"
+SIM_LAG_SEED_ENV = "ZENFLOW_TEST_SIM_LAG_SEED"
+
+
+def _env_number(name: str, default: str, kind):
+    raw = os.environ.get(name, "").strip() or default
+    try:
+        value = kind(raw)
+    except ValueError:
+        value = -1
+    if not (value >= 0 and math.isfinite(value)):
+        raise pytest.UsageError(f"{name}={raw!r}: give a number >= 0 (seconds for the lag)")
+    return value
+
+
+SIM_LAG = _env_number(SIM_LAG_ENV, "0", float)
+SIM_LAG_SEED = _env_number(SIM_LAG_SEED_ENV, "0", int)
+
+
+def strict_lagged_init(init, lag: float, seed: int):
+    """``SimAccelerator.__init__`` made strict and lagged (a sim's own lag or seed kept)."""
+
+    @functools.wraps(init)
+    def strict_lagged(self, *args, strict=False, lag_s=0.0, lag_seed=0, **kw):
+        init(self, *args, strict=True, lag_s=lag_s or lag, lag_seed=lag_seed or seed, **kw)
+
+    return strict_lagged
+
+
+if SIM_LAG > 0:  # the whole process: pytest's, and the fresh ones importing this module
+    SimAccelerator.__init__ = strict_lagged_init(SimAccelerator.__init__, SIM_LAG, SIM_LAG_SEED)
+
 
 LR, BETAS, EPS, WD = 1e-2, (0.9, 0.999), 1e-8, 0.01
 
@@ -140,7 +190,8 @@ KERNELS = [
     pytest.param("native", marks=pytest.mark.skipif(bool(NATIVE_SKIP), reason=str(NATIVE_SKIP))),
 ]
 # Every engine test that takes an accelerator runs on the CPU device and on the simulated
-# separate device, the latter in strict mode (copy destinations poisoned until completed).
+# separate device, the latter in strict mode (copy destinations poisoned until completed;
+# with ZENFLOW_TEST_SIM_LAG also lagged, see the module docstring).
 ACCELERATORS = ["cpu", "sim"]
 
 

@@ -19,7 +19,11 @@ sections 2b-2c). Three backends with one interface:
   copy completes, so a read that does not wait for its event corrupts the result, and
   checksums a copy's source at enqueue and again when the copy runs, so a buffer rewritten
   before its copy completed fails loudly (the source guard). Lag mode starts every copy late
-  by a random delay, as a GPU running behind the CPU would. ``synchronize`` waits for every
+  by a random delay, as a GPU running behind the CPU would, and makes device-side waits on
+  host->device copies what they are on a GPU: ``compute_wait`` returns at once (the device
+  work after it sees the copied values, as on an in-order stream) while the copy engine
+  reads the source late, so a host buffer rewritten under a pending copy is caught by the
+  guard where a blocking wait would have hidden it. ``synchronize`` waits for every
   copy engine (a hidden full sync shows up as stall). Device memory is accounted per holder,
   with a peak and an optional budget that raises :class:`DeviceOutOfMemory`; "device
   compute" (the training thread) runs on a reserved share of the cores and the host side
@@ -281,6 +285,12 @@ class Accelerator:
         self.copy_d2h(dst, src).synchronize()
         return dst
 
+    def read_tensor(self, src: torch.Tensor) -> torch.Tensor:
+        """A device tensor on the host, waited for, counted as a device-to-host read (the
+        training thread's wait for the device): a re-selection's hand-over, once."""
+        self.syncs.reads += 1
+        return self.to_host(src)
+
     def to_device(self, src: torch.Tensor, tag: str) -> torch.Tensor:
         """A new accounted device tensor holding host ``src``, ready for device work."""
         dst = self.empty(src.shape, src.dtype, tag)
@@ -402,11 +412,14 @@ class CpuAccelerator(Accelerator):
 class SimEvent:
     """Completes when the copy engine has finished the copy."""
 
-    __slots__ = ("_done", "error")
+    __slots__ = ("_done", "error", "device_ordered")
 
-    def __init__(self) -> None:
+    def __init__(self, device_ordered: bool = False) -> None:
         self._done = threading.Event()
         self.error: BaseException | None = None
+        # lag mode's host->device copies: device work queued after them sees their values
+        # (an in-order device stream), so a device-side wait need not block the host
+        self.device_ordered = device_ordered
 
     def query(self) -> bool:
         return self._done.is_set()
@@ -432,14 +445,19 @@ class SourceChanged(RuntimeError):
     """The sim's source guard: a copy's source changed between enqueue and execution."""
 
 
+_AFTER = object()  # guard taken once the copy's ``after`` event completed (it writes the source)
+
+
 class _CopyEngine:
     """One DMA engine: a thread executing copies in order. A copy of B bytes occupies the
     engine for latency + B / bandwidth of wall time and its data lands at the END of that
     time (the host-side memcpy is started just early enough, from a running estimate of its
     own speed), so the destination holds poison, not data, until just before the event
     completes and a reader that skips the wait is caught. The source is read then too: with
-    the guard on, its checksum taken at enqueue is compared first. With ``lag`` each copy
-    starts up to that many seconds late (a GPU running behind the host)."""
+    the guard on, its checksum taken at enqueue (or once the copy's ``after`` event
+    completed, when that writes the source) is compared first. With ``lag`` each copy
+    starts up to that many seconds late (a GPU running behind the host); a lag mode
+    host->device copy was delivered at enqueue (``dst`` None) and only reads its source."""
 
     def __init__(self, name: str, sim: SimAccelerator):
         self.name = name
@@ -468,6 +486,8 @@ class _CopyEngine:
             try:
                 if after is not None:
                     after.synchronize()
+                    if guard is _AFTER:  # the source is what ``after`` left in it
+                        guard = checksum(src)
                 if sim.lag_s > 0:
                     time.sleep(self._rng.uniform(0.0, sim.lag_s))
                 t0 = time.perf_counter()
@@ -485,7 +505,8 @@ class _CopyEngine:
                         "wait)"
                     )
                 c0 = time.perf_counter()
-                dst.copy_(src)
+                if dst is not None:  # None: delivered at enqueue (lag mode's host->device)
+                    dst.copy_(src)
                 took = time.perf_counter() - c0
                 if n >= 1 << 16 and took > 0:
                     self._memcpy_rate = 0.8 * self._memcpy_rate + 0.2 * n / took
@@ -557,12 +578,29 @@ class SimAccelerator(Accelerator):
             dst.copy_(src)
             return DONE
         guard = None
+        if self.strict:  # the source guard: compared again when the copy runs
+            guard = checksum(src) if after is None else _AFTER
+        if direction == "h2d" and self.lag_s > 0 and after is None:
+            # A GPU running behind the host: the device stream runs the copy before any
+            # work queued after it, so that work sees the values (delivered now) while
+            # ``compute_wait`` returns at once; the copy engine reads the source late
+            # (lag + modelled time), and the guard fails if the host rewrote it meanwhile.
+            dst.copy_(src)
+            event = SimEvent(device_ordered=True)
+            self._engines[direction].submit(None, src, None, event, guard)
+            return event
         if self.strict:
             poison_(dst)  # readers that do not wait for the event see poison
-            guard = checksum(src)  # the source guard: compared again when the copy runs
         event = SimEvent()
         self._engines[direction].submit(dst, src, after, event, guard)
         return event
+
+    def compute_wait(self, event) -> None:
+        """Device work after this waits for ``event``: on sim the host waits, except for
+        lag mode's host->device copies, whose values the device already sees (in order)."""
+        if getattr(event, "device_ordered", False):
+            return
+        event.synchronize()
 
     def copy_d2h(self, dst, src, after=None):
         return self._copy(dst, src, "d2h", after)

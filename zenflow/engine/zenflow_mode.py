@@ -1099,19 +1099,26 @@ class ZenFlowMode:
         rest into the window sum, as a streamed step would have left them."""
         e, dp = self.e, self.e.dp
         self._wait_landing()
-        scores = []
+        scores, host_scores = [], []
         for w in self.zweights:
             if w.owned:
                 g = self._landing_grad(w)
-                scores.append(column_scores(g, w.cd).to(e.device))
+                host_scores.append(column_scores(g, w.cd))
+                scores.append(host_scores[-1].to(e.device))
             else:
                 scores.append(torch.zeros(w.n_cols, dtype=torch.float32, device=e.device))
         self._select(t, scores)  # data parallel: the scores are all-reduced in place
         if self.update_interval is None:  # the step's masses, from the same scores
-            masses = []
-            for w, sc in zip(self.zweights, scores, strict=True):
-                masses += [sc[w.sel_dev].sum(), sc[w.nonsel_dev].sum()]
-            self.auto_update(e.accel.read(masses), coef)
+            if dp.enabled:  # the averaged scores are on the device: one read
+                masses = []
+                for w, sc in zip(self.zweights, scores, strict=True):
+                    masses += [sc[w.sel_dev].sum(), sc[w.nonsel_dev].sum()]
+                self.auto_update(e.accel.read(masses), coef)
+            else:  # the scores were computed on the host: no read
+                masses = []
+                for w, sc in zip(self.zweights, host_scores, strict=True):
+                    masses += [float(sc[w.sel_host].sum()), float(sc[w.nonsel_host].sum())]
+                self.auto_update(masses, coef)
         acc = self.transport.accumulator
         for w in self.zweights:
             if w.owned:
@@ -1178,34 +1185,56 @@ class ZenFlowMode:
         e = self.e
         dp = e.dp
         t0 = time.perf_counter()
+        leaving: list = []
         for w, s in zip(self.zweights, scores, strict=True):
             if dp.enabled:  # the owner scores the averaged gradient; the others add zeros
                 if not w.owned:
                     s.zero_()
                 dp.allreduce_scores_(s, w.spec.param.numel())
-            e.rec.moved += self._hand_over(w, select_topk(s, w.k))
+            e.rec.moved += self._hand_over(w, select_topk(s, w.k), leaving)
+        self._write_leaving(leaving)
         self.selected = True
         self.last_select_step = t
         e.rec.stall_s += time.perf_counter() - t0
 
-    def _hand_over(self, w: ZfWeight, new: torch.Tensor) -> int:
-        """Make ``new`` (sorted) the selected columns of ``w``; returns the columns moved."""
+    def _write_leaving(self, leaving: list) -> None:
+        """The leaving columns' device values, moments, counts and indices (gathered by
+        ``_hand_over``) into their host state by index, fetched in ONE device-to-host read
+        for all weights (counted): float64 holds fp32 values and integer counts exactly."""
+        if not leaving:
+            return
+        flat = torch.cat([t.reshape(-1).to(torch.float64) for _, tensors in leaving
+                          for t in tensors])  # fmt: skip
+        flat = self.e.accel.read_tensor(flat)
+        off = 0
+        for w, tensors in leaving:
+            vals = []
+            for t in tensors:
+                vals.append(flat[off : off + t.numel()].view(t.shape))
+                off += t.numel()
+            cols_h = vals[4].to(torch.int64)
+            host, cd = w.host, w.cd
+            for dst, v in zip((host.master, host.exp_avg, host.exp_avg_sq), vals[:3],
+                              strict=True):  # fmt: skip
+                dst.index_copy_(cd, cols_h, v.to(torch.float32))
+            host.steps.counts[cols_h] = vals[3].to(torch.int64)
+            host.steps.recheck()  # the counts changed after _hand_over's recheck
+
+    def _hand_over(self, w: ZfWeight, new: torch.Tensor, leaving: list) -> int:
+        """Make ``new`` (sorted) the selected columns of ``w``; returns the columns moved.
+        The leaving columns' device state is gathered into ``leaving`` (written to the host
+        by ``_write_leaving``, one read for all weights)."""
         accel, dp = self.e.accel, self.e.dp
         p = w.spec.param.data
         cd, host = w.cd, w.host
         old = w.sel_dev if w.sel_dev is not None else new[:0]
         stay_o, stay_n, in_pos, in_cols, out_pos, out_cols = split_handover(old, new)
-        if out_cols.numel() and w.owned:  # device -> host, by index
-            out_h = out_cols.cpu()
+        if out_cols.numel() and w.owned:  # device -> host, by index (gathered now)
             src = p.index_select(cd, out_cols) if w.master_sel is None else \
                 w.master_sel.index_select(cd, out_pos)  # fmt: skip
-            for dst, val in (
-                (host.master, src),
-                (host.exp_avg, w.exp_avg_dev.index_select(cd, out_pos)),
-                (host.exp_avg_sq, w.exp_avg_sq_dev.index_select(cd, out_pos)),
-            ):
-                dst.index_copy_(cd, out_h, accel.to_host(val).to(torch.float32))
-            host.steps.counts[out_h] = accel.to_host(w.steps_dev.counts[out_pos])
+            leaving.append((w, (src, w.exp_avg_dev.index_select(cd, out_pos),
+                                w.exp_avg_sq_dev.index_select(cd, out_pos),
+                                w.steps_dev.counts[out_pos], out_cols)))  # fmt: skip
         in_h = in_cols.cpu()
         n_in = int(in_cols.numel())
         shape_in = list(w.shape_k)

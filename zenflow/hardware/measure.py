@@ -173,11 +173,14 @@ def load_probe_model(
     *,
     device: str | None = None,
     bf16: bool = False,
+    gradient_checkpointing: bool = False,
 ) -> ProbeModel:
     """Build the model (2 labels, like a GLUE task) and a random token batch for timing.
 
     ``device``: "cuda" or "cpu" (None: cuda when available). ``bf16``: the weights cast to
     bf16 and forward run under bf16 autocast, as ``ZenFlowEngine`` does with bf16 enabled.
+    ``gradient_checkpointing``: transformers' activation recomputation, as ``zfctl finetune
+    --gradient-checkpointing`` runs (forward+backward then includes the recomputation).
     """
     import torch
 
@@ -197,6 +200,15 @@ def load_probe_model(
     model.to(device).train()
     if bf16:
         model.to(dtype=torch.bfloat16)
+    if gradient_checkpointing:
+        if not getattr(model, "supports_gradient_checkpointing", False):
+            from zenflow.errors import UserInputError
+
+            raise UserInputError(
+                f"--gradient-checkpointing: {type(model).__name__} does not support "
+                "activation checkpointing in transformers; run without it."
+            )
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     batch = random_batch(model, micro_batch, seq_len, device, name=name)
     params = [p for p in model.parameters() if p.requires_grad]
     return ProbeModel(

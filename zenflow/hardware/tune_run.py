@@ -55,6 +55,10 @@ class TuneSettings:
     bf16: bool = True  # the run's training dtype (forward+backward, copies, the estimate)
     device_mem: int | None = None  # bytes; None: CUDA's memory, or RAM on cpu and sim
     engine_check: bool = True  # also time real ZenFlowEngine steps each way (not deciding)
+    gradient_checkpointing: bool = False  # activations recomputed in backward (transformers')
+    # the config's layout settings for topk's memory bound (estimate Settings fields:
+    # gradient_accumulation_steps, grad_accumulation, stream_grads, copy_buckets)
+    layout: dict = field(default_factory=dict)
     progress: Callable[[str], None] | None = field(default=None, repr=False)
 
 
@@ -193,7 +197,8 @@ def run_tune(settings: TuneSettings) -> dict:
     mb, seq = settings.micro_batch, settings.seq_len
     say(f"building {settings.model} (micro-batch {mb}, seq {seq}, {dtype})")
     compute = "cuda" if device == "cuda" else "cpu"  # the simulated device computes on the CPU
-    pm = load_probe_model(settings.model, mb, seq, device=compute, bf16=settings.bf16)
+    pm = load_probe_model(settings.model, mb, seq, device=compute, bf16=settings.bf16,
+                          gradient_checkpointing=settings.gradient_checkpointing)  # fmt: skip
     if "random" in pm.source.lower():
         notes.append(f"Model {pm.name}: {pm.source}; timings do not depend on the weights.")
     say("measuring forward+backward")
@@ -212,7 +217,9 @@ def run_tune(settings: TuneSettings) -> dict:
     census = census_of(pm.model, name=pm.name, source=pm.source, arch=arch_shape(pm.model))
     table = topk_bounds.memory_table(census, Settings(
         bf16=settings.bf16, overlap_step=True, pin_memory=device == "cuda",
-        micro_batch=settings.micro_batch, seq_len=settings.seq_len))  # fmt: skip
+        micro_batch=settings.micro_batch, seq_len=settings.seq_len,
+        gradient_checkpointing=settings.gradient_checkpointing,
+        **settings.layout))  # fmt: skip
     budget = memory_budget(device, settings.device_mem, acc, mem)
     d2h, h2d, link = link_rates(acc, mem)
 
@@ -305,6 +312,8 @@ def run_tune(settings: TuneSettings) -> dict:
             "device": device,
             "bf16": settings.bf16,
             "device_mem": settings.device_mem,
+            "gradient_checkpointing": settings.gradient_checkpointing,
+            **({"layout": settings.layout} if settings.layout else {}),
         },
         "method": method,
         "probes": {
