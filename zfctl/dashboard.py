@@ -227,10 +227,21 @@ def render_step(state: DashboardState) -> Table:
     )
     dev = state.mean("device_bytes")
     params = state.header.get("params") or 0
+
+    def per_param(b):
+        return fmt_num(b / params if b and params else None, ".2f")
+
+    peak = state.mean("device_peak_bytes")
     t.add_row(
         "device memory",
-        f"{fmt_bytes(dev)} ({fmt_num(dev / params if dev and params else None, '.2f')} "
-        "B/param: weights, grads, optimizer state; activations excluded)",
+        f"{fmt_bytes(dev)} ({per_param(dev)} B/param: weights, grads, optimizer state; "
+        f"activations excluded); peak in a step {fmt_bytes(peak)} ({per_param(peak)} B/param)",
+    )
+    host, pinned = state.mean("host_bytes"), state.mean("pinned_host_bytes")
+    t.add_row(
+        "host memory",
+        f"{fmt_bytes(host)} ({per_param(host)} B/param), of it pinned {fmt_bytes(pinned)} "
+        f"({per_param(pinned)} B/param)",
     )
     t.add_row(
         "windows",
@@ -278,6 +289,8 @@ def format_plain_line(state: DashboardState) -> str:
         f"samples/s {fmt_num(state.mean('samples_per_s'), '.1f')} "
         f"bytes/step {fmt_bytes(state.bytes_per_step())} "
         f"device {fmt_bytes(state.mean('device_bytes'))} "
+        f"host {fmt_bytes(state.mean('host_bytes'))} "
+        f"pinned {fmt_bytes(state.mean('pinned_host_bytes'))} "
         f"host_updates {state.host_updates} ETA {fmt_duration(state.eta_s)}"
     )
 
@@ -322,7 +335,16 @@ def render_summary(summary: dict) -> Table:
         f"{fmt_bytes(summary.get('bytes_per_step'))} "
         f"({fmt_num(summary.get('bytes_per_step_x_model'), '.2f')}x model)",
     )
-    t.add_row("device B/param", fmt_num(summary.get("device_bytes_per_param"), ".2f"))
+    t.add_row(
+        "device B/param",
+        f"{fmt_num(summary.get('device_bytes_per_param'), '.2f')} (peak in a step "
+        f"{fmt_num(summary.get('device_peak_bytes_per_param'), '.2f')})",
+    )
+    t.add_row(
+        "host B/param",
+        f"{fmt_num(summary.get('host_bytes_per_param'), '.2f')} (pinned "
+        f"{fmt_num(summary.get('pinned_host_bytes_per_param'), '.2f')})",
+    )
     t.add_row("samples/s", fmt_num(summary.get("samples_per_s"), ".1f"))
     t.add_row("wall time", fmt_duration(summary.get("wall_s")))
     t.add_row("run dir", escape(str(summary.get("run_dir"))))

@@ -85,14 +85,32 @@ def test_plain_line_values():
     assert "host_updates 2" in line
 
 
+def test_memory_rows_show_the_peak_the_host_and_the_pinned_bytes():
+    state = DashboardState()
+    state.apply(RunStarted(HEADER))
+    p = HEADER["params"]
+    state.apply(step_event(1, device_bytes=int(3.0 * p), device_peak_bytes=int(3.5 * p),
+                           host_bytes=int(19.6 * p), pinned_host_bytes=int(3.6 * p)))  # fmt: skip
+    text = render_text(render_dashboard(state), width=160)
+    assert (
+        "(3.00 B/param: weights" in text and "peak in a step" in text and "(3.50 B/param)" in text
+    )
+    assert "(19.60 B/param), of it pinned" in text and "(3.60 B/param)" in text
+    line = format_plain_line(state)
+    assert "host 2.4 GB pinned 448.0 MB" in line
+
+
 def test_summary_table():
     summary = {
         "status": "finished", "steps": 10, "final_loss": 0.5, "validation": {"accuracy": 0.75},
         "timing_ms_mean": {"wall_ms": 330.0}, "stall_fraction": 0.02, "bytes_per_step": 2e6,
         "bytes_per_step_x_model": 0.004, "samples_per_s": 24.0, "wall_s": 75, "run_dir": "r",
+        "device_bytes_per_param": 3.0, "device_peak_bytes_per_param": 3.5,
+        "host_bytes_per_param": 19.6, "pinned_host_bytes_per_param": 3.6,
     }  # fmt: skip
     text = render_text(render_summary(summary))
     assert "accuracy 0.7500" in text and "330.0" in text and "2.0 %" in text
+    assert "3.00 (peak in a step 3.50)" in text and "19.60 (pinned 3.60)" in text
     assert "1:15" in text
 
 

@@ -100,9 +100,15 @@ def _dp_costs(run) -> dict | None:
     }
 
 
-def _device_bytes_per_param(steps: list[dict], params: int) -> float | None:
-    seen = [int(m["device_bytes"]) for m in steps if m.get("device_bytes")]
+def _device_bytes_per_param(steps: list[dict], params: int, key: str = "device_bytes"):
+    """The largest ``key`` (bytes) of the steps per parameter; None where not reported."""
+    seen = [int(m[key]) for m in steps if m.get(key)]
     return max(seen) / params if seen and params else None
+
+
+def _most(steps: list[dict], key: str) -> int | None:
+    seen = [int(m[key]) for m in steps if m.get(key) is not None]
+    return max(seen) if seen else None
 
 
 def run_summary(run, lines: list[dict], wall_s: float, status: str) -> dict:
@@ -166,6 +172,19 @@ def run_summary(run, lines: list[dict], wall_s: float, status: str) -> dict:
         # device memory of weights, grads and engine state (activations excluded), the
         # largest seen at a step, per parameter (rank 0's device)
         "device_bytes_per_param": _device_bytes_per_param(steps, run.params),
+        # the peak during a step (backward included: gradients and buckets in flight)
+        "device_peak_bytes_per_param": _device_bytes_per_param(
+            steps, run.params, "device_peak_bytes"
+        ),
+        # host memory of engine state and buffers, and of it the page-locked (pinned) part
+        "host_bytes_per_param": _device_bytes_per_param(steps, run.params, "host_bytes"),
+        "pinned_host_bytes": _most(steps, "pinned_host_bytes"),
+        "pinned_host_bytes_per_param": _device_bytes_per_param(
+            steps, run.params, "pinned_host_bytes"
+        ),
+        # the sync counter: the most full device syncs / device-to-host reads in one step
+        "full_syncs_max": _most(steps, "full_syncs"),
+        "d2h_reads_max": _most(steps, "d2h_reads"),
         "world_size": run.par.world,
         "device": run.engine.resolved.get("device_description", str(run.device)),
         "data_parallel": _dp_costs(run),
