@@ -224,24 +224,42 @@ def test_cuda_rng_states_are_saved_per_device_and_restored_to_those_present():
     assert on_cpu.cuda.set_calls == []
 
 
-def test_final_snapshot_is_a_host_copy(tiny_gpt2_dir, sample_dir, tmp_path, monkeypatch):
-    """The end-of-run snapshot holds CPU copies that do not share memory with the model."""
+def test_final_checkpoint_is_written_before_the_flush_from_the_engines_state(
+    tiny_gpt2_dir, sample_dir, tmp_path, monkeypatch
+):
+    """The end-of-run checkpoint is the engine as an uninterrupted longer run would have it:
+    written before the final flush changes the host state, straight from that state (no
+    second copy of the optimizer state in host memory), and before the final evaluation."""
+    from zenflow import ZenFlowEngine
     from zenflow.train import trainer
 
-    seen = {}
-    real = trainer._Run.checkpoint_state
+    order, shared = [], []
+    real_state = trainer._Run.checkpoint_state
+    real_save = trainer._Run.save_checkpoint
+    real_flush = ZenFlowEngine.flush
+    real_eval = trainer._Run.evaluate
 
-    def spy(self, *a, snapshot=False, **kw):
-        state = real(self, *a, snapshot=snapshot, **kw)
-        if snapshot:
-            params = dict(self.model.state_dict())
-            seen["ok"] = all(
-                v.device.type == "cpu" and v.data_ptr() != params[k].data_ptr()
-                for k, v in state["model"].items()
-            )
-        return state
+    def state_spy(self, *a, share_host=False, **kw):
+        shared.append(share_host)
+        return real_state(self, *a, share_host=share_host, **kw)
 
-    monkeypatch.setattr(trainer._Run, "checkpoint_state", spy)
-    run_finetune(make_spec(tiny_gpt2_dir, sample_dir, tmp_path, engine_mode="device",
-                           max_steps=1))  # fmt: skip
-    assert seen == {"ok": True}
+    def save_spy(self, *a, **kw):
+        order.append("save")
+        return real_save(self, *a, **kw)
+
+    def flush_spy(self):
+        order.append("flush")
+        return real_flush(self)
+
+    def eval_spy(self, *a, **kw):
+        order.append("eval")
+        return real_eval(self, *a, **kw)
+
+    monkeypatch.setattr(trainer._Run, "checkpoint_state", state_spy)
+    monkeypatch.setattr(trainer._Run, "save_checkpoint", save_spy)
+    monkeypatch.setattr(ZenFlowEngine, "flush", flush_spy)
+    monkeypatch.setattr(trainer._Run, "evaluate", eval_spy)
+    run_finetune(make_spec(tiny_gpt2_dir, sample_dir, tmp_path, engine_mode="zenflow",
+                           max_steps=2))  # fmt: skip
+    assert order[-3:] == ["save", "flush", "eval"]
+    assert shared[-1] is True

@@ -475,8 +475,11 @@ class ZenFlowEngine:
         with torch.no_grad():
             self.impl.flush(self.global_step, hp)
 
-    def state_dict(self) -> dict:
-        return engine_state_dict(self)
+    def state_dict(self, share_host: bool = False) -> dict:
+        """Everything needed to continue exactly (``zenflow.engine.checkpoint``).
+        ``share_host``: reference the host state instead of copying it; write the result
+        before the engine runs again."""
+        return engine_state_dict(self, share_host)
 
     def load_state_dict(self, sd: dict) -> None:
         load_engine_state(self, sd)

@@ -396,7 +396,7 @@ class DeepSpeedAdapter:
                     p.data = p.data.contiguous()
         self._flushed = True
 
-    def state_dict(self) -> dict:
+    def state_dict(self, share_host: bool = False) -> dict:
         """A marker, not a resumable state (see the module docstring)."""
         return {"engine": "deepspeed", "resumable": False, "global_step": self.global_step}
 

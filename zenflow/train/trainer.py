@@ -256,20 +256,19 @@ class _Run:
             self.model.config.use_cache = False  # a cache is never used in training
 
     # -- checkpoint
-    def checkpoint_state(self, step, epoch, index, rng, wall_s, *, snapshot=False) -> dict:
+    def checkpoint_state(self, step, epoch, index, rng, wall_s, *, share_host=False) -> dict:
         """Everything a resumed run needs, as tensors and plain types (loadable with
-        weights_only=True). ``snapshot`` copies the model weights to the host, so the
-        state stays valid while the model keeps changing (the final flush) without a
-        second copy of the model in device memory. The config is in config.json; the
-        checkpoint keeps its digest to prove at resume that it is still the same."""
+        weights_only=True). ``share_host``: the engine's host state is referenced, not
+        copied (write the checkpoint before the engine runs again: no second copy of the
+        optimizer state in host memory). The config is in config.json; the checkpoint
+        keeps its digest to prove at resume that it is still the same."""
         model_state = self.model.state_dict()
-        if snapshot:
-            model_state = {k: v.detach().to("cpu", copy=True) for k, v in model_state.items()}
+        engine_kw = {"share_host": True} if share_host else {}
         return {
             "format": CHECKPOINT_FORMAT,
             "step": step,
             "model": model_state,
-            "engine": self.engine.state_dict(),
+            "engine": self.engine.state_dict(**engine_kw),
             "position": {"epoch": epoch, "index": index},
             "rng": rng,
             "metrics_lines": self.metrics_lines,
@@ -278,11 +277,14 @@ class _Run:
             "world_size": self.par.world,
         }
 
-    def save_checkpoint(self, step, epoch, index, rng, wall_s, *, state=None) -> Path:
-        """Write a checkpoint atomically (temp file, fsync, rename); keep the newest few."""
+    def save_checkpoint(self, step, epoch, index, rng, wall_s, *, state=None,
+                        lines_to_come: int = 0) -> Path:  # fmt: skip
+        """Write a checkpoint atomically (temp file, fsync, rename); keep the newest few.
+        ``lines_to_come``: metrics lines the run writes before the state moves on (the
+        final evaluation's), counted as written."""
         if state is None:
             state = self.checkpoint_state(step, epoch, index, rng, wall_s)
-        state["metrics_lines"] = self.metrics_lines
+        state["metrics_lines"] = self.metrics_lines + lines_to_come
         if self.par.enabled:  # shards first; rank 0's file after them completes the set
             if not self.par.main:
                 write_shard(
@@ -665,15 +667,20 @@ class _Run:
                         raise KeyboardInterrupt
                 # The final checkpoint holds the engine exactly as an uninterrupted longer run
                 # would have it (host work possibly in flight), so `--resume` with more steps
-                # continues bit for bit; it is captured before the flush. The flush applies
-                # what is still in a host window, so the final weights (evaluated and saved)
-                # include every gradient.
+                # continues bit for bit; it is written before the flush, straight from the
+                # engine's host state (no copy of it: a 7B run's optimizer state is 80 GB).
+                # Its metrics count includes the final evaluation's line, written next (a
+                # resume of a run stopped after it drops and redoes that evaluation). The
+                # flush applies what is still in a host window, so the final weights
+                # (evaluated and saved) include every gradient.
                 final_state = self.checkpoint_state(
-                    step, epoch, index, boundary["rng"], session_wall(), snapshot=True
+                    step, epoch, index, boundary["rng"], session_wall(), share_host=True
                 )
+                self.save_checkpoint(step, epoch, index, None, 0.0, state=final_state,
+                                     lines_to_come=1)  # fmt: skip
+                del final_state
                 self.engine.flush()
                 self.evaluate(step)
-                self.save_checkpoint(step, epoch, index, None, 0.0, state=final_state)
                 if self.par.main:
                     self.save_final_model()
         except KeyboardInterrupt:
