@@ -42,8 +42,30 @@ REAL_CUDA = pytest.mark.skipif(
     reason=NO_CUDA if not HAS_CUDA else "a sim rehearsal (ZFCTL_CUDA_TIER_DEVICE=sim)",
 )
 
-LR, BETAS, EPS, WD = 1e-2, (0.9, 0.999), 1e-8, 0.01
 MIB = 2**20
+
+
+def _engine_helpers():
+    """tests/engine's helpers (configs, the MLP, the AdamW hyper-parameters), loaded from
+    their file under another module name: the tier uses the engine tests' own."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    name = "zenflow_engine_test_helpers"
+    if name not in sys.modules:
+        path = Path(__file__).resolve().parents[1] / "engine" / "conftest.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+_engine = _engine_helpers()
+LR, BETAS, EPS, WD = _engine.LR, _engine.BETAS, _engine.EPS, _engine.WD
+make_config = _engine.make_config  # AdamW, ZeRO-2 offload, the zenflow block when given
+MLP = _engine.MLP  # two ZenFlow-sized Linear layers, a LayerNorm and a head
 
 
 def dev() -> torch.device:
@@ -57,43 +79,6 @@ def engine_kw(**kw) -> dict:
     """ZenFlowEngine keywords of the tier: the accelerator (cuda), the reference host
     kernel unless ``host_kernel`` says otherwise (the native op has its own case)."""
     return {"accelerator": ACCEL, "sim_strict": REHEARSE, "host_kernel": "reference", **kw}
-
-
-def make_config(zenflow: dict | None = None, clip: float = 0.0, lr: float = LR, **extra):
-    """A DeepSpeed-style config: AdamW, ZeRO-2 with the optimizer offloaded, the zenflow
-    block when given (re-selection every 1000 steps unless it says otherwise)."""
-    from zenflow.config import load_config
-
-    raw = {
-        "train_micro_batch_size_per_gpu": 4,
-        "optimizer": {
-            "type": "AdamW",
-            "params": {"lr": lr, "betas": list(BETAS), "eps": EPS, "weight_decay": WD},
-        },
-        "gradient_clipping": clip,
-        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
-    }
-    if zenflow is not None:
-        zf = {"select_strategy": "step", "select_interval": 1000}
-        zf.update(zenflow)
-        raw["zero_optimization"]["zenflow"] = zf
-    raw.update(extra)
-    return load_config(raw)
-
-
-class MLP(torch.nn.Module):
-    """Two ZenFlow-sized Linear layers, a LayerNorm and a head (biases: always important)."""
-
-    def __init__(self, d_in=64, d_hidden=96, d_out=10):
-        super().__init__()
-        self.fc1 = torch.nn.Linear(d_in, d_hidden)
-        self.norm = torch.nn.LayerNorm(d_hidden)
-        self.fc2 = torch.nn.Linear(d_hidden, d_in)
-        self.head = torch.nn.Linear(d_in, d_out)
-
-    def forward(self, x, y):
-        h = self.fc2(torch.relu(self.norm(self.fc1(x))))
-        return torch.nn.functional.cross_entropy(self.head(h), y)
 
 
 def mlp(seed: int = 0) -> MLP:

@@ -168,19 +168,12 @@ class OffloadMode:
     def host_sq(self) -> float:
         if not self.host_gas:
             return 0.0
-        acc = self.transport.accumulator
-        for name in self.got - self.routed_last:
-            key, buf = ("sq", name), self.landing[name]
-
-            def total(buf=buf, key=key):
-                acc.sums[key] = float(buf.double().square().sum())
-
-            acc.call(total)
         t0 = time.perf_counter()
-        acc.drain()
+        out = self.transport.accumulator.squares(
+            {name: self.landing[name] for name in self.got - self.routed_last}
+        )
         self.e.rec.stall_s += time.perf_counter() - t0
-        keys = [k for k in acc.sums if isinstance(k, tuple) and k[0] == "sq"]
-        return sum(acc.sums.pop(k) for k in keys)
+        return out
 
     def skip_step(self) -> None:
         self._wait()

@@ -399,6 +399,22 @@ class Accumulator:
         if self.error is not None:
             _reraise(self.error)
 
+    def squares(self, buffers: dict) -> float:
+        """The step's host share of the squared norm: the squares totalled in-line by adds
+        (``stat`` keys ("sq", name)) plus those of ``buffers`` (name -> fp32 tensor, totalled
+        here, after the adds queued before), in float64. Waits for the accumulator; the
+        in-line totals are consumed."""
+        for name, buf in buffers.items():
+            key = ("sq", name)
+
+            def total(buf=buf, key=key):
+                self.sums[key] = float(buf.double().square().sum())
+
+            self.call(total)
+        self.drain()
+        keys = [k for k in self.sums if isinstance(k, tuple) and k[0] == "sq"]
+        return sum(self.sums.pop(k) for k in keys)
+
     def drain(self) -> None:
         """Block until every queued item has run (then ``check``). After close() there is
         nothing left to add."""

@@ -591,23 +591,14 @@ class ZenFlowMode:
         accumulator to finish the step's pieces."""
         if not self.host_gas or self.plan is None or self.transport is None:
             return 0.0
-        acc = self.transport.accumulator
-        for w in self.zweights:  # weights whose sums were not totalled in-line
+        buffers = {}  # weights whose sums were not totalled in-line
+        for w in self.zweights:
             if w.owned and w.contrib and not w.stat_done:
                 buf = self._landing.get(w.spec.name) if self.plan.whole else w.step_buf
-                key = ("sq", w.spec.name)
-
-                def total(buf=buf, key=key):
-                    acc.sums[key] = float(buf.double().square().sum())
-
-                acc.call(total)
+                buffers[w.spec.name] = buf
         t0 = time.perf_counter()
-        acc.drain()
+        out = self.transport.accumulator.squares(buffers)
         self.e.rec.stall_s += time.perf_counter() - t0
-        sums = acc.sums
-        out = sum(v for k, v in sums.items() if isinstance(k, tuple) and k[0] == "sq")
-        for k in [k for k in sums if isinstance(k, tuple) and k[0] == "sq"]:
-            del sums[k]
         return out
 
     def auto_terms(self) -> list[torch.Tensor]:
