@@ -38,6 +38,7 @@ from conftest import (
     EPS,
     LR,
     MLP,
+    NATIVE_SKIP,
     WD,
     engine_kw,
     gpt2_batches,
@@ -464,8 +465,6 @@ def test_gpt2_streamed_equals_whole(accelerator):
 def test_native_kernel_streamed_equals_whole(accelerator):
     """The native host ops (accumulate, compact AdamW) on the streamed side against the
     native full-shape ops (cpu) or the same ops at the step (sim)."""
-    from conftest import NATIVE_SKIP
-
     if NATIVE_SKIP:
         pytest.skip(NATIVE_SKIP)
     zf = {**ZF, "select_strategy": "step", "select_interval": 2}
