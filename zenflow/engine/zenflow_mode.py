@@ -1046,13 +1046,12 @@ class ZenFlowMode:
 
     def _warmup_image(self, w: ZfWeight) -> torch.Tensor | None:
         """Where a bf16 weight's warm-up result is written for the device: the weight's
-        link buffer when it is large enough (the landing is on the window sum), else its
-        own buffer."""
+        link buffer when it is large enough (a bf16 whole gradient lands on the window sum,
+        never on the link: ``_landing_of``), else its own buffer."""
         p = w.spec.param
         if p.dtype != torch.bfloat16:
             return None
-        if w.link.numel() >= p.numel() and self._landing.get(w.spec.name) is not None \
-                and self._landing[w.spec.name].data_ptr() != w.link.data_ptr():  # fmt: skip
+        if w.link.numel() >= p.numel():
             return w.link[: p.numel()].view(p.shape)
         if w.spec.name not in self._images:
             self._images[w.spec.name] = self.e.accel.host_empty(p.shape, p.dtype, False,
