@@ -275,6 +275,16 @@ def finetune(
         out.print(f"report: zfctl report {escape(str(summary['run_dir']))}")
 
 
+def _signal_notice(message: str) -> None:
+    """A repeated Ctrl-C/SIGTERM's notice ("already stopping: ..."). Called inside the
+    signal handler (zenflow.train.signals): one unbuffered write to stderr, because the
+    handler may have interrupted a write to a buffered stream."""
+    try:
+        os.write(2, f"{message}\n".encode("utf-8", "replace"))
+    except OSError:
+        pass  # stderr closed: the stop goes on regardless
+
+
 class _SilentRenderer:
     """Ranks other than 0 of a data-parallel run: nothing to show (and the base of the
     renderers without a live display: a context manager that does nothing)."""
@@ -294,6 +304,8 @@ class _SilentRenderer:
 class _JsonRenderer(_SilentRenderer):
     """One JSON object per event on stdout, nothing else."""
 
+    signal_notice = staticmethod(_signal_notice)
+
     def __call__(self, event) -> None:
         self.already_finished |= type(event).__name__ == "RunAlreadyFinished"
         sys.stdout.write(event_to_json(event) + "\n")
@@ -302,6 +314,8 @@ class _JsonRenderer(_SilentRenderer):
 
 class _PlainRenderer(_SilentRenderer):
     """Plain lines (not a terminal): the header, every ``every`` steps, evals, the end."""
+
+    signal_notice = staticmethod(_signal_notice)
 
     def __init__(self, every: int):
         self.every = max(1, int(every))
@@ -330,6 +344,8 @@ class _PlainRenderer(_SilentRenderer):
 
 class _LiveRenderer:
     """Rich Live dashboard: render_dashboard(state) after every event."""
+
+    signal_notice = staticmethod(_signal_notice)
 
     def __init__(self, console: Console):
         from rich.live import Live

@@ -32,6 +32,7 @@ and a stop request is agreed so all ranks stop at the same step boundary.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -121,6 +122,7 @@ class _Run:
         self.par = Parallel()
         self.monitor: MonitorSink | None = None
         self.notes: list[str] = []  # said in the header (RunStarted)
+        self.redo_eval = False  # resumed: the evaluation due at the checkpoint's step is owed
         if spec.engine_mode not in ENGINE_MODES:
             raise UserInputError(
                 f"engine mode {spec.engine_mode!r} is not allowed; use one of "
@@ -515,6 +517,9 @@ class _Run:
                 self.metrics_lines = int(state["metrics_lines"])
                 self.start_counts = {}
             set_rng_state(torch, self.device, state["rng"])
+            self.redo_eval = broadcast_object(
+                self._eval_missing(kept, step) if self.par.main else None, self.par
+            )
             pos = state["position"]
             self.last_checkpoint = self.resumed_from
             start = (step, pos["epoch"], pos["index"], float(state.get("wall_s", 0.0)))
@@ -541,6 +546,16 @@ class _Run:
             if self.hw is not None:
                 runs.write_json_atomic(self.run_dir / runs.HW_FILE, self.hw)
         return start
+
+    def _eval_missing(self, kept: list[dict], step: int) -> bool:
+        """Whether the periodic evaluation due at ``step`` (a resumed run's checkpoint) is
+        not in the kept metrics: a stop that came during that step or its evaluation saved
+        the boundary before it. The resumed run does it first, so its metrics.jsonl equals
+        an uninterrupted run's."""
+        every = self.spec.eval_every
+        if not every or step <= 0 or step % every or step >= self.total_steps:
+            return False
+        return not any(r.get("type") == "eval" and r.get("step") == step for r in kept)
 
     def _run_with_engine(self, torch) -> dict:
         spec = self.spec
@@ -571,48 +586,58 @@ class _Run:
         step_times: list[float] = []
         per_step_samples = self.global_micro * self.gas
         rows = slice(self.par.rank * self.micro_batch, (self.par.rank + 1) * self.micro_batch)
-        stops = StopRequests()
+        stops = StopRequests(notify=getattr(self.on_event, "signal_notice", None))
 
         def stop_now() -> bool:
             """A stop request, agreed: every rank stops at the same step boundary."""
             return any_rank(bool(stops.requested), self.par)
 
-        try:
-            with self.metrics_file, stops:
+        # The handlers stay installed until the stop's checkpoint is written: a signal
+        # during that save is acknowledged, never the default action (exit, no message).
+        with self.metrics_file, stops:
+            try:
                 self.on_event(RunStarted(self.header(step, self.start_counts)))
                 if stop_now():
                     raise KeyboardInterrupt
+                if self.redo_eval:  # due at the checkpoint's step; the stop came before it
+                    self.evaluate(step)
                 while step < self.total_steps:
                     t_step = time.perf_counter()
                     marks = []
                     losses = []
-                    for _ in range(self.gas):
-                        if index >= self.epoch_samples:
-                            epoch, index, it = epoch + 1, 0, None
-                        if it is None:
-                            it = data_batches(
-                                self.encoded.train, self.global_micro, spec.seed, epoch, index
-                            )
-                        index, batch = next(it)
-                        batch = {k: to_device(v[rows], k) for k, v in batch.items()}
-                        m0, w0 = mark(), time.perf_counter()
-                        try:
-                            with self.engine.autocast():
-                                out = self.train_module(**batch)
-                            loss = out.loss.float()
-                            m1 = mark()
-                            self.engine.backward(loss / self.gas)
-                        except torch.OutOfMemoryError as exc:
-                            raise self._out_of_memory(exc) from None
-                        m2, w2 = mark(), time.perf_counter()
-                        marks.append((m0, m1, m2))
-                        if accel is not None:  # the device computed (the overlap figure)
-                            accel.note_compute(w0, w2)
-                        losses.append(loss.detach())
-                    mean_loss = torch.stack(losses).mean()
-                    in_engine_step = stops.critical = True
-                    stats = self.engine.step(mean_loss)
-                    in_engine_step = stops.critical = False
+                    # From the first backward on, the step changes engine state (gradient
+                    # pieces stream to the host accumulator): it is finished, not interrupted.
+                    with contextlib.ExitStack() as held:
+                        for i in range(self.gas):
+                            if index >= self.epoch_samples:
+                                epoch, index, it = epoch + 1, 0, None
+                            if it is None:
+                                it = data_batches(
+                                    self.encoded.train, self.global_micro, spec.seed, epoch, index
+                                )
+                            index, batch = next(it)
+                            batch = {k: to_device(v[rows], k) for k, v in batch.items()}
+                            m0, w0 = mark(), time.perf_counter()
+                            try:
+                                with self.engine.autocast():
+                                    out = self.train_module(**batch)
+                                loss = out.loss.float()
+                                m1 = mark()
+                                if i == 0:
+                                    what = f"step {step + 1}, then checkpoint {step + 1}"
+                                    held.enter_context(stops.protect(what))
+                                    in_engine_step = True
+                                self.engine.backward(loss / self.gas)
+                            except torch.OutOfMemoryError as exc:
+                                raise self._out_of_memory(exc) from None
+                            m2, w2 = mark(), time.perf_counter()
+                            marks.append((m0, m1, m2))
+                            if accel is not None:  # the device computed (the overlap figure)
+                                accel.note_compute(w0, w2)
+                            losses.append(loss.detach())
+                        mean_loss = torch.stack(losses).mean()
+                        stats = self.engine.step(mean_loss)
+                    in_engine_step = False
                     # the step's one read waited for backward: the marks are complete
                     fwd_ms = sum(elapsed_ms(a, b) for a, b, _ in marks)
                     bwd_ms = sum(elapsed_ms(b, c) for _, b, c in marks)
@@ -662,7 +687,10 @@ class _Run:
                         self.evaluate(step)
                         evaluated = True
                     if evaluated or (spec.checkpoint_every and step % spec.checkpoint_every == 0):
-                        self.save_checkpoint(step, epoch, index, boundary["rng"], session_wall())
+                        with stops.protect(f"checkpoint {step}"):
+                            self.save_checkpoint(
+                                step, epoch, index, boundary["rng"], session_wall()
+                            )
                     if stop_now():
                         raise KeyboardInterrupt
                 # The final checkpoint holds the engine exactly as an uninterrupted longer run
@@ -673,44 +701,53 @@ class _Run:
                 # resume of a run stopped after it drops and redoes that evaluation). The
                 # flush applies what is still in a host window, so the final weights
                 # (evaluated and saved) include every gradient.
-                final_state = self.checkpoint_state(
-                    step, epoch, index, boundary["rng"], session_wall(), share_host=True
-                )
-                self.save_checkpoint(step, epoch, index, None, 0.0, state=final_state,
-                                     lines_to_come=1)  # fmt: skip
-                del final_state
+                with stops.protect(f"checkpoint {step}"):
+                    final_state = self.checkpoint_state(
+                        step, epoch, index, boundary["rng"], session_wall(), share_host=True
+                    )
+                    self.save_checkpoint(step, epoch, index, None, 0.0, state=final_state,
+                                         lines_to_come=1)  # fmt: skip
+                    del final_state
                 self.engine.flush()
                 self.evaluate(step)
                 if self.par.main:
                     self.save_final_model()
-        except KeyboardInterrupt:
-            return self._interrupted(boundary, in_engine_step, session_wall(), stops)
-        if not self.par.main:
-            barrier(self.par)  # rank 0 writes the summary
-            return {"status": "finished", "rank": self.par.rank, "run_dir": str(self.run_dir)}
-        summary = self.summary(session_wall(), "finished")
-        with runs.writing(self.run_dir / runs.SUMMARY_FILE):
-            runs.write_json_atomic(self.run_dir / runs.SUMMARY_FILE, summary)
-        barrier(self.par)
-        self.on_event(RunFinished(summary))
-        return summary
+            except KeyboardInterrupt:
+                return self._interrupted(boundary, in_engine_step, session_wall(), stops)
+            if not self.par.main:
+                barrier(self.par)  # rank 0 writes the summary
+                return {"status": "finished", "rank": self.par.rank, "run_dir": str(self.run_dir)}
+            summary = self.summary(session_wall(), "finished")
+            with runs.writing(self.run_dir / runs.SUMMARY_FILE):
+                runs.write_json_atomic(self.run_dir / runs.SUMMARY_FILE, summary)
+            barrier(self.par)
+            self.on_event(RunFinished(summary))
+            return summary
 
     def _interrupted(self, boundary: dict, in_engine_step: bool, wall_s: float, stops):
-        """Save a checkpoint at the last step boundary, emit and raise RunInterrupted."""
+        """Save a checkpoint at the last step boundary, emit and raise RunInterrupted.
+
+        The stop has begun: further signals are only acknowledged (``stops.begin_stop``)
+        and the save is protected, so the checkpoint is whole and of one step boundary
+        (its capture waits for the in-flight host step), or the previous one is kept."""
         ckpt = self.last_checkpoint
         step = boundary["step"]
         if not in_engine_step:
-            # Mid-step work (forward/backward) is discarded: gradients dropped, data position
-            # and RNG rewound to the boundary, so the resumed run redoes this step exactly.
+            # Mid-step work (a forward) is discarded: data position and RNG rewound to the
+            # boundary, so the resumed run redoes this step exactly. (No backward of it has
+            # run: from the first backward on a step is protected and finishes.)
             self.engine.zero_grad()
             if not self.metrics_file.closed:
                 self.metrics_file.flush()
             if ckpt is None or runs.checkpoint_step(ckpt) != step:
-                ckpt = self.save_checkpoint(
-                    step, boundary["epoch"], boundary["index"], boundary["rng"], wall_s
-                )
-        # else: the engine was interrupted inside its step; its state may be half-updated, so
-        # the last checkpoint on disk (if any) is the one to resume from.
+                stops.begin_stop(step)
+                with stops.protect(f"checkpoint {step}"):
+                    ckpt = self.save_checkpoint(
+                        step, boundary["epoch"], boundary["index"], boundary["rng"], wall_s
+                    )
+        # else: interrupted inside a step by something other than a signal (a
+        # KeyboardInterrupt raised by a callback); the engine's state may be half-updated,
+        # so the last checkpoint on disk (if any) is the one to resume from.
         cmd = resume_command(self.spec, self.run_dir) if ckpt is not None else None
         ckpt_step = runs.checkpoint_step(ckpt) or 0
         event = RunInterrupted(
