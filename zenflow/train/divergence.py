@@ -2,8 +2,11 @@
 
 A step is *non-finite* when its loss is NaN or infinite or the engine skipped it (a
 non-finite loss or gradient: ``ZenFlowEngine`` then changes no state at all; the DeepSpeed
-adapter reports the steps DeepSpeed skipped). A few such steps in a run that goes on are
-reported and nothing more: the dashboard counts them, summary.json has "skipped_steps".
+adapter reports the steps DeepSpeed skipped, and DeepSpeed with CPU offload may apply a
+non-finite step instead, which the loss of the next steps then shows). A few such steps in a
+run that goes on are reported and nothing more: the dashboard counts them, summary.json has
+"skipped_steps". While the newest step is non-finite no periodic checkpoint is taken (the
+last good one stays the newest; a run that recovers is checkpointed at its next due step).
 
 A run *diverges* when
 
@@ -26,8 +29,9 @@ import math
 from zenflow.engine.stats import StepStats
 
 # Consecutive non-finite optimizer steps that end a run. A transient NaN (one bad batch, a
-# loss spike in fp16) is skipped by the engine and the next steps are finite again; five in
-# a row have not been seen to recover, and the run then has wasted at most 5 steps.
+# bf16 overflow spike) is skipped and the next step is finite again. A skipped step changes
+# no state, so five in a row are the same weights failing on five different batches: the
+# weights (or most of the data) are broken, not one batch; the run has wasted 5 steps.
 DIVERGED_AFTER = 5
 
 

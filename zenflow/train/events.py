@@ -109,8 +109,8 @@ class RunDiverged(Exception):  # noqa: N818 - also the event's name
         )
         super().__init__(
             f"training diverged at step {step}: {reason}. Likely causes: a learning rate too "
-            f"high{lr_now}: lower --lr or optimizer.params.lr; bad input data (empty or "
-            "garbled rows, labels out of range); or bf16/fp16 overflow: train in fp32 with "
+            f"high{lr_now}: lower --lr or optimizer.params.lr; bad input data (NaN or "
+            "extreme regression labels, garbled rows); or bf16/fp16 overflow: train in fp32 with "
             f"--set bf16.enabled=false. Last good step: {last_good_step}; {skipped_steps} "
             f"step(s) skipped as non-finite in all. {kept}; no checkpoint or model of the "
             "diverged weights was written."
