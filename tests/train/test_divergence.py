@@ -46,7 +46,9 @@ def hook_score(monkeypatch, hook, pre: bool = False) -> None:
     monkeypatch.setattr(zenflow.train.models, "resolve_model", hooked)
 
 
-def test_huge_lr_diverges_and_keeps_the_last_good_checkpoint(tiny_gpt2_dir, sample_dir, tmp_path):
+def test_huge_lr_diverges_and_keeps_the_last_good_checkpoint(
+    tiny_gpt2_dir, sample_dir, tmp_path, cli
+):
     config = {**CONFIG, "optimizer": {"type": "AdamW", "params": {"lr": 1e30}}}
     spec = make_spec(tiny_gpt2_dir, sample_dir, tmp_path, config=config, max_steps=12,
                      checkpoint_every=1)  # fmt: skip
@@ -78,6 +80,10 @@ def test_huge_lr_diverges_and_keeps_the_last_good_checkpoint(tiny_gpt2_dir, samp
     for fragment in (f"step {err.step}", "learning rate", "bad input data", "bf16",
                      str(err.checkpoint)):  # fmt: skip
         assert fragment in str(err)
+    rep = cli("report", run_dir)  # the report says so too
+    assert rep.exit_code == 0, rep.output
+    text = " ".join(rep.stdout.split())
+    assert f"diverged at step {err.step}" in text and f"last good step {err.last_good_step}" in text
 
 
 def test_non_finite_parameters_are_never_saved(tiny_gpt2_dir, sample_dir, tmp_path, monkeypatch):
