@@ -14,6 +14,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from zenflow import jsonout
 from zfctl.errors import user_error
 
 TEMPLATES = ("zenflow", "offload")
@@ -193,7 +194,7 @@ def init(
         raise ConfigError(exc.problems, f"zfctl init (template {template} + flags)") from None
     data = config.raw
     if print_only:
-        typer.echo(json.dumps(data, indent=2))
+        typer.echo(jsonout.dumps(data, indent=2))
         return
     if output.is_dir():
         raise user_error(

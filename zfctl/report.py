@@ -10,7 +10,6 @@ split over steps (matplotlib, imported only when ``--plot`` is given).
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Annotated, Any
@@ -19,9 +18,9 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from zenflow import jsonout
 from zenflow.engine.stats import TIMING_FIELDS
 from zenflow.train.runs import checkpoint_step
-from zfctl.dashboard import jsonable
 from zfctl.errors import err_console, user_error
 from zfctl.report_render import (
     _finite,
@@ -41,7 +40,8 @@ SUMMARY_KEYS = (
     "timing_ms_mean", "stall_fraction", "d2h_bytes_total", "h2d_bytes_total", "bytes_per_step",
     "bytes_per_step_x_model", "host_updates", "mean_window_len", "selection_changes",
     "samples", "tokens", "train_s", "samples_per_s", "tokens_per_s", "wall_s", "model_bytes",
-    "params", "sources", "device_bytes_per_param", "device", "world_size",
+    "params", "sources", "device_bytes_per_param", "device", "world_size", "skipped_steps",
+    "last_good_step", "divergence",
 )  # fmt: skip
 
 
@@ -109,6 +109,9 @@ def _from_metrics(steps: list[dict], evals: list[dict], config: dict, spec: dict
         "non_finite_steps": sum(
             1 for m in steps if m.get("skipped") or _finite(m.get("loss")) is None
         ),
+        "skipped_steps": sum(1 for m in steps if m.get("skipped")),
+        "last_good_step": None,  # said by summary.json when the run diverged
+        "divergence": None,
         "timing_ms_mean": timing,
         "stall_fraction": _ratio(timing["stall_ms"], timing["wall_ms"]),
         "d2h_bytes_total": d2h,
@@ -267,7 +270,7 @@ def report_document(reports: list[dict]) -> dict:
     if len(reports) > 1:
         doc["comparison"] = compare(reports)
     doc["warnings"] = report_warnings(reports)
-    return jsonable(doc)
+    return jsonout.plain(doc)
 
 
 def report_warnings(reports: list[dict]) -> list[str]:
@@ -385,7 +388,7 @@ def report(
     for line in report_warnings(reports):  # on stderr, so --json stays one document
         warn.print(f"[yellow]warning:[/] {escape(line)}")
     if as_json:
-        typer.echo(json.dumps(report_document(reports), indent=2, allow_nan=False))
+        typer.echo(jsonout.dumps(report_document(reports), indent=2))
     else:
         console = Console(highlight=False)
         for r in reports:

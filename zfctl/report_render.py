@@ -83,6 +83,12 @@ def _count(n: Any) -> str:
 
 def _status_text(r: dict) -> str:
     status = str(r.get("status") or "-")
+    divergence = r.get("divergence")
+    if isinstance(divergence, dict):  # zenflow.train.divergence
+        return (
+            f"{status} at step {divergence.get('step')}: {divergence.get('reason')}; last good "
+            f"step {r.get('last_good_step')}"
+        )
     if r.get("has_summary"):
         return status
     if r.get("checkpoint"):
@@ -183,7 +189,8 @@ def render_run(r: dict) -> Table:
         "final loss",
         f"{fmt_num(_finite(r.get('final_loss')), '.4f')} (mean of last 10 "
         f"{fmt_num(_finite(r.get('final_loss_mean_last_10')), '.4f')}; "
-        f"{r.get('non_finite_steps') or 0} non-finite steps)",
+        f"{r.get('non_finite_steps') or 0} non-finite steps, {r.get('skipped_steps') or 0} "
+        "skipped)",
     )
     validation = _metrics_text(r.get("validation"))
     if validation != "-":

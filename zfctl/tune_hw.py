@@ -16,6 +16,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from zenflow import jsonout
+
 GIB = 2**30
 DEVICES = ("cpu", "sim", "cuda")
 
@@ -137,7 +139,7 @@ def tune_hw(
     if config is not None:
         update = tuning.update_config(config, config_doc, result["choices"], write=write)
     if json_output:
-        typer.echo(json.dumps(result, indent=2))
+        typer.echo(jsonout.dumps(result, indent=2))
         return
     out = Console()
     render(out, result)

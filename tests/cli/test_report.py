@@ -454,3 +454,48 @@ def test_import_pulls_in_neither_torch_nor_matplotlib():
         "sys.exit(int('torch' in sys.modules) + 2 * int('matplotlib' in sys.modules))"
     )
     assert subprocess.run([sys.executable, "-c", code], timeout=300).returncode == 0
+
+
+def test_bad_values_are_warned_once_per_kind_and_not_plotted(cli, tmp_path, monkeypatch):
+    """NaN (a bare token, as older files hold it), a null loss, negative step times and an
+    accuracy above 1: one warning per kind with its count and first line; the report and
+    the plot treat them as missing (before: no warning, and --plot drew them)."""
+    lines = [step_line(i + 1, 100.0) for i in range(5)]
+    lines[1]["loss"] = math.nan  # line 2
+    lines[2]["loss"] = None  # line 3: a skipped step
+    lines[3]["wall_ms"] = -5.0  # lines 4 and 5
+    lines[4]["wall_ms"] = -1.0
+    lines.append(eval_line(5, 1.5))  # line 6
+    run = make_run(tmp_path, "20240101-120000-gpt2-sst2", [], finished=False, lines=lines)
+    doc = run_json(cli, run)
+    m = run / "metrics.jsonl"
+    assert doc["warnings"] == [
+        f"{m}: 1 step line with loss not finite (nan), first at line 2; read as a missing value",
+        f"{m}: 1 step line with loss missing (null: a skipped, non-finite step), first at "
+        "line 3; read as a missing value",
+        f"{m}: 2 step lines with wall_ms out of range (-5; allowed 0 to inf), first at line 4; "
+        "read as a missing value",
+        f"{m}: 1 eval line with accuracy out of range (1.5; allowed 0 to 1), first at line 6; "
+        "read as a missing value",
+    ]
+    (r,) = doc["runs"]
+    assert r["timing_ms_mean"]["wall_ms"] == 100.0 and r["validation_accuracy"] is None
+    assert r["non_finite_steps"] == 2
+
+    import matplotlib.axes
+
+    drawn = []
+    real_plot = matplotlib.axes.Axes.plot
+
+    def plot(self, *args, **kw):
+        drawn.extend(v for a in args if isinstance(a, list) for v in a)
+        return real_plot(self, *args, **kw)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", plot)
+    out = tmp_path / "bad.png"
+    result = cli("report", run, "--plot", out)
+    assert result.exit_code == 0, result.output
+    assert out.read_bytes()[:4] == b"\x89PNG"
+    finite = [v for v in drawn if math.isfinite(v)]
+    assert finite and min(finite) >= 0 and 1.5 not in finite  # nothing bad was drawn
+    assert result.output.count("warning:") == 4

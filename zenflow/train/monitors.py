@@ -36,7 +36,14 @@ from pathlib import Path
 from typing import Any
 
 from zenflow.errors import UserInputError
-from zenflow.train.events import EvalEvent, RunFinished, RunInterrupted, RunStarted, StepEvent
+from zenflow.train.events import (
+    EvalEvent,
+    RunDiverged,
+    RunFinished,
+    RunInterrupted,
+    RunStarted,
+    StepEvent,
+)
 
 TRAIN_PREFIX = "Train/Steps/"
 EVAL_PREFIX = "Eval/Steps/"
@@ -257,7 +264,7 @@ class MonitorSink:
         elif isinstance(event, EvalEvent):
             self._write(event.step, eval_scalars(event))
             self.flush()
-        elif isinstance(event, (RunFinished, RunInterrupted)):
+        elif isinstance(event, (RunFinished, RunInterrupted, RunDiverged)):
             self.flush()
 
     def _open(self, header: dict) -> None:

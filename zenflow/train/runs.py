@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import math
 import os
 import re
 import shutil
@@ -28,6 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from zenflow import jsonout
 from zenflow.errors import StorageError, UserInputError, storage_error
 
 CONFIG_FILE = "config.json"
@@ -75,7 +77,7 @@ def write_json_atomic(path: str | Path, obj) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=2, sort_keys=False, default=_json_default)
+            jsonout.dump(obj, f, indent=2)  # strict: NaN/inf as null
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())
@@ -86,16 +88,6 @@ def write_json_atomic(path: str | Path, obj) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-
-
-def _json_default(obj):
-    if isinstance(obj, Path):
-        return str(obj)
-    if isinstance(obj, (set, frozenset, tuple)):
-        return list(obj)
-    if hasattr(obj, "items"):
-        return dict(obj.items())
-    return repr(obj)
 
 
 @contextlib.contextmanager
@@ -156,11 +148,63 @@ def read_json(path: str | Path) -> dict | None:
         raise UserInputError(f"{path} is not valid JSON: {exc}.") from exc
 
 
+# The numbers a metrics line may hold: (lowest, highest) allowed. A value outside, or NaN or
+# inf (bare tokens in files written before zfctl wrote strict JSON), reads back as missing
+# (None); so does a step's null loss (a skipped step). ``read_metrics`` describes each kind.
+_NON_NEGATIVE = (0.0, math.inf)
+_SHARE = (0.0, 1.0)
+_CORRELATION = (-1.0, 1.0)
+VALUE_RANGES = {
+    **dict.fromkeys(
+        ("loss", "eval_loss", "lr", "grad_norm", "epoch", "samples_per_s", "tokens_per_s",
+         "d2h_bytes", "h2d_bytes", "device_bytes", "device_peak_bytes", "host_bytes",
+         "pinned_host_bytes", "wall_ms", "step_ms", "forward_ms", "backward_ms",
+         "device_opt_ms", "stall_ms", "transfer_ms"),
+        _NON_NEGATIVE,
+    ),
+    **dict.fromkeys(("accuracy", "f1", "overlap_share"), _SHARE),
+    **dict.fromkeys(("matthews", "pearson", "spearman"), _CORRELATION),
+}  # fmt: skip
+
+
+def _value_problem(record: dict, key: str) -> str | None:
+    """What is wrong with ``record[key]`` (then set to None), or None when it is fine."""
+    value = record.get(key)
+    if value is None:  # not reported; only a step's loss is always reported
+        return "loss missing (null: a skipped, non-finite step)" if (
+            key == "loss" and key in record and record.get("type", "step") == "step"
+        ) else None  # fmt: skip
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        problem = f"{key} not a number"
+    elif not math.isfinite(value):
+        problem = f"{key} not finite ({value})"
+    else:
+        lo, hi = VALUE_RANGES[key]
+        if lo <= value <= hi:
+            return None
+        problem = f"{key} out of range ({value:g}; allowed {lo:g} to {hi:g})"
+    record[key] = None
+    return problem
+
+
+def _check_values(record: dict, line: int, seen: dict) -> None:
+    """Set each bad number of ``record`` to None; count it in ``seen`` by kind:
+    (line type, problem) -> [count, first line, first problem]."""
+    for key in [k for k in record if k in VALUE_RANGES]:
+        problem = _value_problem(record, key)
+        if problem is not None:  # the kind: the problem without the value
+            kind = (str(record.get("type", "step")), problem.split(" (")[0])
+            seen.setdefault(kind, [0, line, problem])[0] += 1
+
+
 def read_metrics(path: str | Path, problems: list[str] | None = None) -> list[dict]:
     """Every JSON-object line of a metrics.jsonl. A line that is not UTF-8, not JSON or not
     an object is skipped and reading goes on; each such line is described in ``problems``
-    (when given). A torn last line (a crash mid-write) is described as such."""
+    (when given). A torn last line (a crash mid-write) is described as such. A number out
+    of ``VALUE_RANGES`` or not finite, and a step's null loss, read back as None; each kind
+    is described once in ``problems``, with its count and first line."""
     out: list[dict] = []
+    seen: dict[tuple[str, str], list] = {}
     try:
         with open(path, "rb") as f:
             raw_lines = f.read().split(b"\n")
@@ -183,11 +227,17 @@ def read_metrics(path: str | Path, problems: list[str] | None = None) -> list[di
                 problem = f"{where} is not valid JSON; skipped it"
         else:
             if isinstance(record, dict):
+                _check_values(record, i + 1, seen)
                 out.append(record)
                 continue
             problem = f"{where} is not a JSON object; skipped it"
         if problems is not None:
             problems.append(problem)
+    if problems is not None:
+        for (kind, _), (count, first, problem) in seen.items():
+            lines = f"{count} {kind} line{'s' if count > 1 else ''}"
+            problems.append(f"{path}: {lines} with {problem}, first at line {first}; read "
+                            "as a missing value")  # fmt: skip
     return out
 
 

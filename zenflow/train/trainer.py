@@ -2,7 +2,11 @@
 
 ``run_finetune(spec, on_event)`` does the whole run and reports through plain event objects
 (``RunStarted``, ``StepEvent``, ``EvalEvent``, ``CheckpointSaved``, ``RunFinished``,
-``RunInterrupted``); the CLI decides how to show them. Nothing here prints.
+``RunInterrupted``, ``RunDiverged``); the CLI decides how to show them. Nothing here prints.
+
+Divergence (``zenflow.train.divergence``): ``DIVERGED_AFTER`` consecutive non-finite steps,
+or non-finite parameters before a checkpoint or the final model, stop the run with
+``RunDiverged``; nothing of the diverged weights is saved.
 
 Exact resume: a checkpoint is taken at an optimizer-step boundary and holds the model, the
 engine (optimizer/ZenFlow state), the data position (epoch, index into that epoch's
@@ -41,6 +45,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from zenflow import jsonout
 from zenflow.errors import (
     CheckpointError,
     StorageError,
@@ -62,10 +67,12 @@ from zenflow.train.checkpointing import (
 from zenflow.train.data import batches as data_batches
 from zenflow.train.data import compute_metrics, encode, eval_batches, get_task, load_task
 from zenflow.train.data import steps_per_epoch as data_steps_per_epoch
+from zenflow.train.divergence import DivergenceWatch
 from zenflow.train.events import (
     CheckpointSaved,
     EvalEvent,
     RunAlreadyFinished,
+    RunDiverged,
     RunFinished,
     RunInterrupted,
     RunStarted,
@@ -98,11 +105,20 @@ from zenflow.train.spec import (
 )
 from zenflow.train.summary import run_header, run_summary, step_counts, zenflow_settings
 
-__all__ = ["RunInterrupted", "RunSpec", "resume_command", "run_finetune"]
+__all__ = ["RunDiverged", "RunInterrupted", "RunSpec", "resume_command", "run_finetune"]
 
 
 def _noop(_event) -> None:
     pass
+
+
+class _Diverging(Exception):  # noqa: N818 - a stop, not an error
+    """Raised in the step loop when the run has diverged (``zenflow.train.divergence``)."""
+
+    def __init__(self, step: int, reason: str):
+        super().__init__(reason)
+        self.step = step
+        self.reason = reason
 
 
 # ---------------------------------------------------------------------------- the run
@@ -411,13 +427,11 @@ class _Run:
         return metrics
 
     def write_metrics(self, record: dict) -> None:
-        import json
-
         if not self.par.main:  # counted on every rank: checkpoints record the count
             self.metrics_lines += 1
             return
         with runs.writing(self.run_dir / runs.METRICS_FILE):
-            self.metrics_file.write(json.dumps(record, default=str) + "\n")
+            self.metrics_file.write(jsonout.dumps(record) + "\n")  # NaN loss: null
             self.metrics_file.flush()
         self.metrics_lines += 1
 
@@ -587,6 +601,7 @@ class _Run:
         per_step_samples = self.global_micro * self.gas
         rows = slice(self.par.rank * self.micro_batch, (self.par.rank + 1) * self.micro_batch)
         stops = StopRequests(notify=getattr(self.on_event, "signal_notice", None))
+        watch = DivergenceWatch(step)
 
         def stop_now() -> bool:
             """A stop request, agreed: every rank stops at the same step boundary."""
@@ -680,13 +695,21 @@ class _Run:
                             total_steps=self.total_steps,
                         )
                     )
+                    if watch.observe(stats):
+                        raise _Diverging(step, watch.reason())
                     if stop_now():
                         raise KeyboardInterrupt
                     evaluated = False
                     if spec.eval_every and step % spec.eval_every == 0 and step < self.total_steps:
                         self.evaluate(step)
                         evaluated = True
-                    if evaluated or (spec.checkpoint_every and step % spec.checkpoint_every == 0):
+                    checkpoint_due = evaluated or (
+                        spec.checkpoint_every and step % spec.checkpoint_every == 0
+                    )
+                    # not while the loss is non-finite: the last good checkpoint stays the
+                    # newest (a run that recovers is checkpointed at its next due step)
+                    if checkpoint_due and not watch.streak:
+                        self._check_finite_params(step)
                         with stops.protect(f"checkpoint {step}"):
                             self.save_checkpoint(
                                 step, epoch, index, boundary["rng"], session_wall()
@@ -701,6 +724,9 @@ class _Run:
                 # resume of a run stopped after it drops and redoes that evaluation). The
                 # flush applies what is still in a host window, so the final weights
                 # (evaluated and saved) include every gradient.
+                self._check_finite_params(step)
+                if watch.streak:  # it ended before the loss came back: no final save
+                    raise _Diverging(step, watch.reason() + ", up to the run's last step")
                 with stops.protect(f"checkpoint {step}"):
                     final_state = self.checkpoint_state(
                         step, epoch, index, boundary["rng"], session_wall(), share_host=True
@@ -710,10 +736,13 @@ class _Run:
                     del final_state
                 self.engine.flush()
                 self.evaluate(step)
+                self._check_finite_params(step)  # the flush applied the last host work
                 if self.par.main:
                     self.save_final_model()
             except KeyboardInterrupt:
                 return self._interrupted(boundary, in_engine_step, session_wall(), stops)
+            except _Diverging as why:
+                return self._diverged(why, watch.last_good_step, session_wall())
             if not self.par.main:
                 barrier(self.par)  # rank 0 writes the summary
                 return {"status": "finished", "rank": self.par.rank, "run_dir": str(self.run_dir)}
@@ -723,6 +752,35 @@ class _Run:
             barrier(self.par)
             self.on_event(RunFinished(summary))
             return summary
+
+    def _check_finite_params(self, step: int) -> None:
+        """Raise ``_Diverging`` when a parameter holds NaN or inf: the weights about to be
+        checkpointed or saved are those of a diverged run (one device read; every rank
+        agrees). Per-tensor max-norms (NaN and inf carry through a max, and it cannot
+        overflow as a sum of squares would): no parameter-sized temporary on the device."""
+        torch = self.torch
+        params = [p.detach() for p in self.model.parameters()]
+        norms = torch._foreach_norm(params, ord=math.inf) if params else []
+        bad = bool(norms) and not bool(torch.stack([n.float() for n in norms]).isfinite().all())
+        if any_rank(bad, self.par):
+            raise _Diverging(step, "the model's parameters hold NaN or inf values")
+
+    def _diverged(self, why: _Diverging, last_good_step: int, wall_s: float):
+        """Stop a run that diverged: nothing of its weights is saved (the newest checkpoint
+        stays the last good one); summary.json says "diverged"; emit and raise RunDiverged."""
+        self.engine.zero_grad()
+        skipped = 0
+        if self.par.main:
+            summary = self.summary(wall_s, "diverged")
+            summary["last_good_step"] = last_good_step
+            summary["divergence"] = {"step": why.step, "reason": why.reason}
+            skipped = summary["skipped_steps"]
+            with runs.writing(self.run_dir / runs.SUMMARY_FILE):
+                runs.write_json_atomic(self.run_dir / runs.SUMMARY_FILE, summary)
+        event = RunDiverged(why.step, why.reason, last_good_step, skipped,
+                            self.last_checkpoint, self.config.optimizer.lr)  # fmt: skip
+        self.on_event(event)
+        raise event
 
     def _interrupted(self, boundary: dict, in_engine_step: bool, wall_s: float, stops):
         """Save a checkpoint at the last step boundary, emit and raise RunInterrupted.
@@ -761,7 +819,9 @@ def run_finetune(spec: RunSpec, on_event: Callable[[object], None] = _noop) -> d
     """Fine-tune ``spec.model`` on ``spec.task``; returns the summary (also summary.json).
 
     Emits RunStarted, then StepEvent per optimizer step, EvalEvent, CheckpointSaved, and
-    finally RunFinished, or RunInterrupted (then raised) on Ctrl-C or SIGTERM; a resumed
+    finally RunFinished, or RunInterrupted (then raised) on Ctrl-C or SIGTERM, or
+    RunDiverged (then raised) when the loss stays non-finite
+    (``zenflow.train.divergence``); a resumed
     run that had already finished emits only RunAlreadyFinished. The run directory is
     locked for the whole call. An unexpected error (a bug) carries the run directory
     (``zenflow.errors.attach_log_dir``) so the caller can write its traceback there.
@@ -773,7 +833,8 @@ def run_finetune(spec: RunSpec, on_event: Callable[[object], None] = _noop) -> d
         run.setup()
         return run.run()
     except Exception as exc:
-        if not isinstance(exc, (UserInputError, RunInterrupted)) and run.run_dir is not None:
+        known = (UserInputError, RunInterrupted, RunDiverged)
+        if not isinstance(exc, known) and run.run_dir is not None:
             attach_log_dir(exc, run.run_dir)
         raise
     finally:
