@@ -83,9 +83,16 @@ def tune_hw(
             "for it, as `zfctl finetune --gradient-checkpointing` trains.",
         ),
     ] = False,
-    output: Annotated[Path, typer.Option("--output", "-o", help="Where to write hw.json.")] = Path(
-        "hw.json"
-    ),
+    output: Annotated[
+        Path,
+        typer.Option(
+            "--output",
+            "-o",
+            help="Where to write hw.json. Checked before probing, as is --config with "
+            "--write: a folder that cannot be written, a directory, block device or socket "
+            "is refused at once.",
+        ),
+    ] = Path("hw.json"),
     config: Annotated[
         Path | None,
         typer.Option("--config", help="DeepSpeed JSON config whose zenflow block to update."),

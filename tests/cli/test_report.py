@@ -196,6 +196,19 @@ def test_default_is_the_latest_run(cli, tmp_path):
     assert "comparison" not in doc
 
 
+def test_a_model_folder_is_not_taken_for_a_run(cli, tmp_path, model_folder):
+    """Issue 19: the old code took any folder with a config.json for a run, so the newest
+    "run" under runs/ could be a model someone saved there."""
+    root = tmp_path / "runs"
+    run = make_run(root, "20240101-120000-gpt2-sst2", [100.0] * 2)
+    model_folder.path.rename(root / "20250101-000000-my-model")
+    doc = run_json(cli, "--runs-root", root)
+    assert [r["run_dir"] for r in doc["runs"]] == [str(run)]
+    model = root / "20250101-000000-my-model"
+    assert_user_error(cli("report", model), f"{model} is not a zfctl run directory",
+                      "its config.json was not written by zfctl")  # fmt: skip
+
+
 def test_run_name_under_runs_root_and_file_inside_run(cli, tmp_path, monkeypatch):
     root = tmp_path / "runs"
     run = make_run(root, "20240101-120000-gpt2-sst2", [100.0] * 3)
