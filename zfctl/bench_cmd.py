@@ -67,6 +67,10 @@ def bench(
         raise user_error(
             f"--config {config}: no such file; write one with `zfctl init --output {config}`."
         )
+    if json_file is not None:  # refused now, not after minutes of benchmarking
+        from zenflow.outputs import check_writable
+
+        check_writable(json_file, "--json: cannot write")
     spec = lib.BenchSpec(
         model=model,
         micro_batch=micro_batch,

@@ -82,14 +82,19 @@ def finetune(
     seed: Annotated[int, typer.Option(help="Random seed (init, data order, dropout).")] = 42,
     run_dir: Annotated[
         Path | None,
-        typer.Option(help="Run directory (default: a new one under --runs-root)."),
+        typer.Option(
+            help="Run directory (default: a new one under --runs-root): a new or empty folder, "
+            "or a zfctl run (with --resume or --overwrite). A folder of other files (e.g. a "
+            "model) is refused."
+        ),
     ] = None,
     overwrite: Annotated[
         bool,
         typer.Option(
             "--overwrite",
-            help="--run-dir holds a run: delete its run files (config, metrics, summary, "
-            "hw.json, checkpoints, model) and start a new run there.",
+            help="--run-dir holds a zfctl run: delete the files zfctl wrote there (config, "
+            "metrics, summary, hw.json, checkpoints, model, monitor logs; your other files "
+            "stay) and start a new run there. Refused for a folder that is not a zfctl run.",
         ),
     ] = False,
     runs_root: Annotated[Path, typer.Option(help="Where new run directories go.")] = Path("runs"),

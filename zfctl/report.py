@@ -10,7 +10,6 @@ split over steps (matplotlib, imported only when ``--plot`` is given).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -284,7 +283,7 @@ def report_warnings(reports: list[dict]) -> list[str]:
 def resolve_runs(runs: list[Path] | None, runs_root: Path) -> list[Path]:
     """The run directories to report: the given ones (a name under --runs-root or a file
     inside a run directory also works), or the latest under ``runs_root``."""
-    from zenflow.train.runs import CONFIG_FILE, latest_run, list_runs
+    from zenflow.train.runs import holds_run, latest_run, list_runs, not_a_run_reason
 
     if not runs:
         latest = latest_run(runs_root)
@@ -304,18 +303,19 @@ def resolve_runs(runs: list[Path] | None, runs_root: Path) -> list[Path]:
                 f"run {path} does not exist; pass a run directory written by `zfctl finetune` "
                 f"(they are under {runs_root}/), or no RUN for the latest."
             )
-        elif path.is_file() and (path.parent / CONFIG_FILE).is_file():
+        elif path.is_file() and holds_run(path.parent):
             found.append(path.parent)
-        elif path.is_dir() and not (path / CONFIG_FILE).is_file() and list_runs(path):
+        elif path.is_dir() and not holds_run(path) and list_runs(path):
             inner = list_runs(path)
             problems.append(
                 f"{path} is not a run directory but holds {len(inner)} runs; pass one of them "
                 f"(e.g. {inner[-1]}), or --runs-root {path} for the latest."
             )
-        elif not (path.is_dir() and (path / CONFIG_FILE).is_file()):
+        elif not (path.is_dir() and holds_run(path)):
+            where = path if path.is_dir() else path.parent
             problems.append(
-                f"{path} is not a zfctl run directory (no {CONFIG_FILE}); pass a directory "
-                f"under {runs_root}/ written by `zfctl finetune`."
+                f"{path} is not a zfctl run directory ({not_a_run_reason(where)}); pass a "
+                f"directory under {runs_root}/ written by `zfctl finetune`."
             )
         else:
             found.append(path)
@@ -327,7 +327,11 @@ def resolve_runs(runs: list[Path] | None, runs_root: Path) -> list[Path]:
 
 
 def check_plot_path(path: Path) -> None:
-    """Refuse a --plot target that cannot be written as a PNG, before any work is done."""
+    """Refuse a --plot target that cannot be written as a PNG, before any work is done: a
+    name without .png, a directory, a device or socket, a folder that does not exist or
+    cannot be written (``zenflow.outputs.check_writable``)."""
+    from zenflow.outputs import check_writable
+
     if path.suffix.lower() != ".png":
         raise user_error(
             f"--plot {path}: the plot is written as PNG, so the file name must end in .png "
@@ -339,10 +343,7 @@ def check_plot_path(path: Path) -> None:
             f"--plot {path}: folder {parent} does not exist; create it (mkdir -p {parent}) "
             "or choose another path."
         )
-    if path.is_dir():
-        raise user_error(f"--plot {path} is a directory; give a file name ending in .png.")
-    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise user_error(f"--plot {path}: no permission to write there; choose another path.")
+    check_writable(path, "--plot: cannot write")
 
 
 # ---------------------------------------------------------------------------- command

@@ -15,7 +15,6 @@ from rich.markup import escape
 from rich.table import Table
 
 from zfctl.dashboard import fmt_bytes, fmt_duration, fmt_num
-from zfctl.errors import user_error
 
 # The parts of a step stacked in the plot; what is left up to wall_ms is data loading,
 # batch copies and the rest of the engine's step.
@@ -343,7 +342,7 @@ def write_plot(runs: list[dict], reports: list[dict], path: Path) -> None:
         handles, labels = handles + more[0], labels + more[1]
     ax_loss.legend(handles, labels, loc="upper right", fontsize=8)
     axes[-1].set_xlabel("step")
-    try:
-        fig.savefig(path, format="png", dpi=110)
-    except OSError as exc:
-        raise user_error(f"--plot {path}: cannot write it ({exc.strerror or exc}).") from None
+    from zenflow.outputs import write_file
+
+    write_file(path, lambda f: fig.savefig(f, format="png", dpi=110), what="--plot: cannot write",
+               binary=True)  # fmt: skip

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from clihelp import assert_user_error
 
+from zenflow.train import runs
 from zenflow.train.runs import write_json_atomic
 from zfctl.report import compare, run_report
 
@@ -195,6 +196,19 @@ def test_default_is_the_latest_run(cli, tmp_path):
     assert "comparison" not in doc
 
 
+def test_a_model_folder_is_not_taken_for_a_run(cli, tmp_path, model_folder):
+    """Issue 19: the old code took any folder with a config.json for a run, so the newest
+    "run" under runs/ could be a model someone saved there."""
+    root = tmp_path / "runs"
+    run = make_run(root, "20240101-120000-gpt2-sst2", [100.0] * 2)
+    model_folder.path.rename(root / "20250101-000000-my-model")
+    doc = run_json(cli, "--runs-root", root)
+    assert [r["run_dir"] for r in doc["runs"]] == [str(run)]
+    model = root / "20250101-000000-my-model"
+    assert_user_error(cli("report", model), f"{model} is not a zfctl run directory",
+                      "its config.json was not written by zfctl")  # fmt: skip
+
+
 def test_run_name_under_runs_root_and_file_inside_run(cli, tmp_path, monkeypatch):
     root = tmp_path / "runs"
     run = make_run(root, "20240101-120000-gpt2-sst2", [100.0] * 3)
@@ -348,14 +362,15 @@ def test_interrupted_run_names_its_checkpoint(cli, tmp_path):
 
 
 def test_missing_values_render_as_dash(cli, tmp_path):
-    """NaN loss, a step without timings, an empty config: '-' and null, never a crash."""
+    """NaN loss, a step without timings, a config with nothing but the run mark: '-' and
+    null, never a crash."""
     lines = [
         {"type": "step", "step": 1, "loss": math.nan, "skipped": True},
         {"type": "step", "step": 2, "loss": None, "wall_ms": None, "d2h_bytes": None},
     ]
     run = tmp_path / "20240101-120000-x-sst2"
     make_run(tmp_path, run.name, [], finished=False, lines=lines)
-    write_json_atomic(run / "config.json", {})
+    write_json_atomic(run / "config.json", {runs.RUN_MARK: runs.RUN_FORMAT})
     (r,) = run_json(cli, run)["runs"]
     assert r["steps"] == 2 and r["non_finite_steps"] == 2
     assert r["final_loss"] is None and r["timing_ms_mean"]["wall_ms"] is None
@@ -416,6 +431,28 @@ def test_bad_plot_path_is_a_user_error(cli, tmp_path, name, fragment):
     target = tmp_path / name
     assert_user_error(cli("report", run, "--plot", target), str(target), fragment)
     assert not target.exists()
+
+
+def test_plot_onto_what_is_not_a_file_is_refused_and_a_link_written_through(cli, tmp_path):
+    """Issue 19: a directory or socket named like a PNG is refused before any work; a link
+    keeps being a link (the PNG lands in the file it names)."""
+    import socket
+
+    run = make_run(tmp_path, "20240101-120000-gpt2-sst2", [100.0] * 2)
+    folder = tmp_path / "plots.png"
+    folder.mkdir()
+    assert_user_error(cli("report", run, "--plot", folder), f"{folder}: it is a directory")
+    sock_path = tmp_path / "s.png"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.bind(str(sock_path))
+        assert_user_error(cli("report", run, "--plot", sock_path), f"{sock_path}: it is a socket")
+    real = tmp_path / "real.png"
+    real.write_bytes(b"old")
+    link = tmp_path / "link.png"
+    link.symlink_to(real)
+    r = cli("report", run, "--plot", link)
+    assert r.exit_code == 0, r.output
+    assert link.is_symlink() and real.read_bytes()[:4] == b"\x89PNG"
 
 
 # ---------------------------------------------------------------------------- errors

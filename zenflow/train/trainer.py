@@ -540,8 +540,6 @@ class _Run:
         else:
             if self.par.main:
                 self.run_dir = self.dir.create(self.task.name)
-                with runs.writing(self.run_dir / runs.METRICS_FILE):
-                    (self.run_dir / runs.METRICS_FILE).write_text("", encoding="utf-8")
             self.run_dir = Path(broadcast_object(str(self.run_dir), self.par))
             self.metrics_lines = 0
             self.start_counts = {}
@@ -551,6 +549,7 @@ class _Run:
         if not self.par.main:
             return start
         cfg_json = self.config.to_json_dict(self.engine.resolved)
+        cfg_json[runs.RUN_MARK] = runs.RUN_FORMAT  # what makes the folder a run (runs.py)
         cfg_json["run"] = spec_record(spec)
         cfg_json["sources"] = self.sources
         cfg_json["engine_resolved"] = dict(self.engine.resolved)
@@ -559,6 +558,8 @@ class _Run:
             runs.write_json_atomic(self.run_dir / runs.CONFIG_FILE, cfg_json)
             if self.hw is not None:
                 runs.write_json_atomic(self.run_dir / runs.HW_FILE, self.hw)
+        if not spec.resume:  # after config.json, so a folder holding run files is a run
+            runs.write_text(self.run_dir / runs.METRICS_FILE, "")
         return start
 
     def _eval_missing(self, kept: list[dict], step: int) -> bool:
@@ -575,8 +576,7 @@ class _Run:
         spec = self.spec
         step, epoch, index, wall_before = self._prepare_run_dir()
         if self.par.main:
-            with runs.writing(self.run_dir / runs.METRICS_FILE, "cannot open"):
-                self.metrics_file = open(self.run_dir / runs.METRICS_FILE, "a", encoding="utf-8")
+            self.metrics_file = runs.open_append(self.run_dir / runs.METRICS_FILE, encoding="utf-8")
         else:  # rank > 0 writes no metrics
             self.metrics_file = open(os.devnull, "w", encoding="utf-8")
         # Phase timing on the device's timeline (CUDA events; wall clock elsewhere): never a
