@@ -24,7 +24,7 @@ from zfctl.dashboard import (
     render_dashboard,
     render_summary,
 )
-from zfctl.errors import err_console, user_error
+from zfctl.errors import check_config_file, err_console, user_error
 
 ENGINES = ("zenflow", "offload", "device", "deepspeed")
 DEVICES = ("cpu", "cuda", "sim")
@@ -189,10 +189,7 @@ def finetune(
     rank = int(os.environ.get("RANK", "0") or 0)
     _positive("--epochs", epochs)
     _positive("--lr", lr)
-    if config is not None and not config.is_file():
-        raise user_error(
-            f"--config {config}: no such file; write one with `zfctl init --output {config}`."
-        )
+    check_config_file(config)
     cfg = load_config(config or template_path("zenflow"), overrides=parse_set_args(set_ or []))
     if sim_profile is not None:
         from zenflow.engine.sim_profiles import PROFILES
