@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from zenflow.errors import StorageError, UserInputError, storage_error
+from zenflow.errors import StorageError, UserInputError, storage_error, undecodable_at
 
 CONFIG_FILE = "config.json"
 SUMMARY_FILE = "summary.json"
@@ -141,15 +141,17 @@ def trim_metrics(path: str | Path, keep_lines: int, *, drop_eval_at: int | None 
 
 def read_json(path: str | Path) -> dict | None:
     """The JSON object in ``path``, or None when the file does not exist. UserInputError
-    naming the file when it is not UTF-8 JSON."""
+    naming the file (and the line and byte) when it is not UTF-8 JSON; a byte-order mark
+    is skipped."""
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
+        with open(path, "rb") as f:
+            data = f.read()
+        return json.loads(data.decode("utf-8-sig"))
     except FileNotFoundError:
         return None
     except UnicodeDecodeError as exc:
         raise UserInputError(
-            f"{path} is not UTF-8 text (byte {exc.start}: {exc.reason}); restore it from a "
+            f"{path} is not UTF-8 text ({undecodable_at(data, exc)}); restore it from a "
             "copy, or delete it if zfctl can write it again."
         ) from exc
     except json.JSONDecodeError as exc:
