@@ -172,6 +172,7 @@ def finetune(
 ) -> None:
     """Fine-tune MODEL on a GLUE task with the ZenFlow engine (or a comparison engine)."""
     from zenflow.config import load_config, parse_set_args
+    from zenflow.train.spec import resume_or_new
     from zenflow.train.trainer import RunInterrupted, RunSpec, run_finetune
     from zfctl.init_cmd import template_path
 
@@ -219,15 +220,6 @@ def finetune(
             "[yellow]note:[/] config keys not used by the zenflow engine: "
             + escape(", ".join(cfg.ignored))
         )
-    if not force and resume is None:  # a resumed run keeps the settings it was checked with
-        from zenflow.engine.accelerator import default_kind
-        from zenflow.hardware.estimate import preflight
-        from zenflow.train.data import get_task
-
-        preflight(model, mode=engine, config=cfg, micro_batch=micro_batch, seq_len=seq_len,
-                  num_labels=get_task(task).num_labels, device_mem=device_mem,
-                  gradient_checkpointing=gradient_checkpointing,
-                  separate_device=(device or default_kind()) != "cpu")  # fmt: skip
     spec = RunSpec(
         model=model, task=task, config=cfg, init=init,
         data_dir=str(data_dir) if data_dir is not None else None, engine_mode=engine,
@@ -238,6 +230,17 @@ def finetune(
         gradient_checkpointing=gradient_checkpointing, sim_profile=sim_profile,
         device_mem=device_mem_bytes,
     )  # fmt: skip
+    # A resumed run keeps the settings it was checked with; --resume auto without an earlier
+    # run is a new run (resume_or_new) and is checked like one.
+    if not force and resume_or_new(spec)[0].resume is None:
+        from zenflow.engine.accelerator import default_kind
+        from zenflow.hardware.estimate import preflight
+        from zenflow.train.data import get_task
+
+        preflight(model, mode=engine, config=cfg, micro_batch=micro_batch, seq_len=seq_len,
+                  num_labels=get_task(task).num_labels, device_mem=device_mem,
+                  gradient_checkpointing=gradient_checkpointing,
+                  separate_device=(device or default_kind()) != "cpu")  # fmt: skip
     if rank != 0:  # data parallel: rank 0 reports; the others say only their own error
         renderer = _SilentRenderer()
     elif json_output:

@@ -167,7 +167,7 @@ def test_config_loader_names_directories_loops_and_bytes(tmp_path):
         load_config(loop)
     latin = tmp_path / "latin1.json"
     latin.write_bytes(b'{\n  "steps_per_print": 10, "x": "caf\xe9"\n}')
-    with pytest.raises(ConfigError, match=r"not UTF-8 text \(line 2, byte 36 \(0xe9\)"):
+    with pytest.raises(ConfigError, match=r"not UTF-8 text \(line 2, byte 36 = 0xe9"):
         load_config(latin)
 
 
@@ -186,9 +186,7 @@ def test_hw_json_not_utf8_names_line_and_byte(tmp_path):
 
     path = tmp_path / "hw.json"
     path.write_bytes(b'{"a": 1,\n "b": "\xff"}')
-    with pytest.raises(
-        UserInputError, match=r"hw.json is not UTF-8 text \(line 2, byte 16 \(0xff\)"
-    ):
+    with pytest.raises(UserInputError, match=r"hw.json is not UTF-8 text \(line 2, byte 16 = 0xff"):
         runs.read_json(path)
     path.write_bytes(b"\xef\xbb\xbf{}")
     assert runs.read_json(path) == {}
@@ -232,7 +230,7 @@ def test_tsv_not_utf8_names_file_line_and_byte(tmp_path):
     _sst2(tmp_path / "sst2")
     bad = tmp_path / "sst2" / "dev.tsv"
     bad.write_bytes(b"sentence\tlabel\nok .\t1\ncaf\xe9 .\t0\n")
-    with pytest.raises(DataError, match=rf"{bad}, line 3, byte 25 \(0xe9\)"):
+    with pytest.raises(DataError, match=rf"{bad}, line 3: not UTF-8 text \(byte 25 = 0xe9"):
         load_task("sst2", tmp_path)
 
 

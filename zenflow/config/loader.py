@@ -218,9 +218,7 @@ def _blame_overrides(exc: ConfigError, overrides: Mapping[str, Any]) -> ConfigEr
             problems.append(p)
             continue
         blamed += 1
-        problems.append(
-            dataclasses.replace(p, path=f"{p.path} (from {_set_text(key, overrides[key])})")
-        )
+        problems.append(dataclasses.replace(p, origin=_set_text(key, overrides[key])))
     source = "--set" if blamed == len(problems) else f"{exc.source} with --set"
     return ConfigError(problems, source)
 

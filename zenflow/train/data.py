@@ -160,22 +160,23 @@ def read_tsv(task: GlueTask, path: Path) -> list[Example]:
         return _read_tsv(task, path)
     except UnicodeDecodeError as exc:
         raise DataError(
-            f"{path}, {_where_not_utf8(path, exc)}: not UTF-8 text; GLUE files are UTF-8. "
+            f"{path}, {_where_not_utf8(path, exc)}; GLUE files are UTF-8. "
             "Re-encode the file (e.g. iconv -f latin1 -t utf-8) or restore the original."
         ) from None
 
 
 def _where_not_utf8(path: Path, exc: UnicodeDecodeError) -> str:
-    """Line and byte of the file's first byte that is not UTF-8. The decoder's own offset
+    """Line and byte of the file's first byte that is not UTF-8 ("line 6: not UTF-8 text
+    (byte 146 = 0xe9: invalid continuation byte)"). The decoder's own offset
     counts within its read chunk, so the whole file is decoded again."""
     try:
         data = path.read_bytes()
         data.decode("utf-8")
     except OSError:
-        return exc.reason
+        return f"not UTF-8 text ({exc.reason})"
     except UnicodeDecodeError as whole:
-        return undecodable_at(data, whole)
-    return exc.reason
+        return undecodable_at(data, whole, "not UTF-8 text")
+    return f"not UTF-8 text ({exc.reason})"
 
 
 def _read_tsv(task: GlueTask, path: Path) -> list[Example]:
