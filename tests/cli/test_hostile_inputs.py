@@ -97,7 +97,9 @@ def test_data_ids_past_the_embedding_are_named(tiny_gpt2_dir):
 )
 def test_numbers_past_any_use_are_refused_naming_the_flag(cli, tmp_path, args, fragments):
     """Old: --device-mem 1e400 and --epochs inf ended in OverflowError (exit 1), and
-    --max-steps 10**23 started a run whose ETA ran to 10**18 hours."""
+    --max-steps 10**23 started a run whose ETA ran to 10**18 hours; estimate --num-labels
+    10**20 and bench --steps 10**20 never returned (transformers built 10**20 label names;
+    the bench ran on)."""
     extra = ["--runs-root", tmp_path] if args[0] == "finetune" else []
     r = cli(*args, *extra)
     assert_clean_user_error(r, *fragments)
