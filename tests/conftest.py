@@ -1,7 +1,9 @@
-"""Shared fixtures: offline hub, GLUE data directory, a tiny randomly initialised GPT-2."""
+"""Shared fixtures: offline hub, GLUE data directory, a tiny randomly initialised GPT-2, a
+folder of someone else's files (a model folder)."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -74,3 +76,40 @@ def cli(monkeypatch):
         return runner.invoke(app, [str(a) for a in args], input=input)
 
     return invoke
+
+
+class ForeignFolder:
+    """A folder of someone else's files; ``unchanged()``: every entry (hidden ones
+    included) is still there with the same bytes, and nothing was added."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.before = self.listing()
+
+    def listing(self) -> dict:
+        out = {}
+        for root, dirs, names in os.walk(self.path):
+            for n in dirs:
+                out[os.path.relpath(os.path.join(root, n), self.path)] = "dir"
+            for n in names:
+                p = Path(root, n)
+                out[str(p.relative_to(self.path))] = p.read_bytes()
+        return out
+
+    def unchanged(self) -> bool:
+        return self.listing() == self.before
+
+
+@pytest.fixture
+def model_folder(tmp_path) -> ForeignFolder:
+    """A Hugging Face model folder: its own config.json (no zfctl run), weights, tokenizer
+    files, and even a file with a run's name (metrics.jsonl)."""
+    path = tmp_path / "my-model"
+    path.mkdir()
+    hf_config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": 2}
+    (path / "config.json").write_text(json.dumps(hf_config))
+    (path / "model.safetensors").write_bytes(bytes(range(256)))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (path / name).write_text("{}")
+    (path / "metrics.jsonl").write_text('{"step": 1}\n')
+    return ForeignFolder(path)

@@ -64,6 +64,10 @@ def bench(
     from zenflow.hardware import bench as lib
 
     check_config_file(config)
+    if json_file is not None:  # refused now, not after minutes of benchmarking
+        from zenflow.outputs import check_writable
+
+        check_writable(json_file, "--json: cannot write")
     spec = lib.BenchSpec(
         model=model,
         micro_batch=micro_batch,

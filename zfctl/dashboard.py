@@ -7,11 +7,9 @@ never touch the engine, the clock or the terminal (finetune.py owns the Live loo
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from rich.console import Group
@@ -19,6 +17,8 @@ from rich.markup import escape
 from rich.panel import Panel
 from rich.progress_bar import ProgressBar
 from rich.table import Table
+
+from zenflow import jsonout
 
 WINDOW = 20  # steps in the running means
 TIME_PARTS = ("forward_ms", "backward_ms", "device_opt_ms", "stall_ms")
@@ -68,6 +68,7 @@ class DashboardState:
     checkpoint: str | None = None
     summary: dict | None = None
     already_finished: bool = False
+    diverged: str | None = None  # "diverged at step N: why" (RunDiverged)
 
     def apply(self, event: Any) -> None:
         kind = type(event).__name__
@@ -100,6 +101,8 @@ class DashboardState:
             self.checkpoint = str(event.path)
         elif kind == "RunFinished":
             self.summary = dict(event.summary)
+        elif kind == "RunDiverged":
+            self.diverged = f"diverged at step {event.step}: {event.reason}"
         elif kind == "RunAlreadyFinished":
             self.summary = dict(event.summary)
             self.already_finished = True
@@ -247,8 +250,11 @@ def render_step(state: DashboardState) -> Table:
         "windows",
         f"last length {state.last_window or '-'}, host updates "
         f"{state.host_updates}, columns moved {state.selection_changed}, "
-        f"skipped steps {state.skipped}",
-    )
+        + (f"[yellow]skipped steps {state.skipped}[/] (non-finite)" if state.skipped else
+           "skipped steps 0"),
+    )  # fmt: skip
+    if state.diverged:
+        t.add_row("[bold red]stopped[/]", f"[red]{escape(state.diverged)}[/]")
     if state.evals:
         step, metrics = state.evals[-1]
         names = list(state.header.get("metrics") or []) + ["eval_loss"]
@@ -291,7 +297,8 @@ def format_plain_line(state: DashboardState) -> str:
         f"device {fmt_bytes(state.mean('device_bytes'))} "
         f"host {fmt_bytes(state.mean('host_bytes'))} "
         f"pinned {fmt_bytes(state.mean('pinned_host_bytes'))} "
-        f"host_updates {state.host_updates} ETA {fmt_duration(state.eta_s)}"
+        f"host_updates {state.host_updates} skipped {state.skipped} "
+        f"ETA {fmt_duration(state.eta_s)}"
     )
 
 
@@ -326,6 +333,9 @@ def render_summary(summary: dict) -> Table:
     timing = summary.get("timing_ms_mean") or {}
     t.add_row("steps", f"{summary.get('steps')} ({summary.get('status')})")
     t.add_row("final loss", fmt_num(summary.get("final_loss"), ".4f"))
+    if summary.get("skipped_steps"):
+        t.add_row("skipped steps", f"[yellow]{summary['skipped_steps']}[/] (non-finite loss or "
+                  "gradient: no update)")  # fmt: skip
     validation = summary.get("validation") or {}
     t.add_row("validation", ", ".join(f"{k} {v:.4f}" for k, v in validation.items()) or "-")
     t.add_row("mean step ms", fmt_num(timing.get("wall_ms"), ".1f"))
@@ -349,19 +359,6 @@ def render_summary(summary: dict) -> Table:
     t.add_row("wall time", fmt_duration(summary.get("wall_s")))
     t.add_row("run dir", escape(str(summary.get("run_dir"))))
     return t
-
-
-def jsonable(value: Any) -> Any:
-    """Plain JSON data: Paths as strings, keys as strings, NaN and inf as null (strict JSON)."""
-    if isinstance(value, Path):
-        return str(value)
-    if isinstance(value, dict):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [jsonable(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
 
 
 def event_to_json(event: Any) -> str:
@@ -388,8 +385,17 @@ def event_to_json(event: Any) -> str:
             "checkpoint": event.checkpoint,
             "resume_command": event.resume_command,
         }
+    elif kind == "RunDiverged":
+        body = {
+            "step": event.step,
+            "reason": event.reason,
+            "last_good_step": event.last_good_step,
+            "skipped_steps": event.skipped_steps,
+            "checkpoint": event.checkpoint,
+            "message": str(event),
+        }
     elif dataclasses.is_dataclass(event):
         body = {f.name: getattr(event, f.name) for f in dataclasses.fields(event)}
     else:
         body = {"value": str(event)}
-    return json.dumps({"event": kind, **jsonable(body)}, default=str)
+    return jsonout.dumps({"event": kind, **body})  # strict JSON: NaN and inf as null

@@ -21,6 +21,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
+from zenflow import jsonout
 from zfctl import __version__
 from zfctl.env_render import (
     CPU_FLAGS,
@@ -292,7 +293,7 @@ def env(
         if not attempt["ok"]:
             info["problems"].append(f"native CPU Adam: {attempt['error']}")
     if json_output:
-        typer.echo(json.dumps(info, indent=2))
+        typer.echo(jsonout.dumps(info, indent=2))
         return
 
     render(Console(highlight=False), info)

@@ -2,8 +2,9 @@
 the traceback in a log file, exit 1 (STYLE.md: a traceback is for bugs).
 
 Exit codes: 0 done; 1 an internal error (a bug); 2 a problem the user can fix (input,
-config, data, model, run directory, disk); 130 interrupted by Ctrl-C; 143 stopped by
-SIGTERM (both after saving a checkpoint when a run was going).
+config, data, model, run directory, disk); 3 a fine-tuning run diverged (its loss stayed
+non-finite: zenflow.train.divergence; the last good checkpoint is kept); 130 interrupted
+by Ctrl-C; 143 stopped by SIGTERM (both after saving a checkpoint when a run was going).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from rich.markup import escape
 
 EXIT_BUG = 1
 EXIT_USER_ERROR = 2
+EXIT_DIVERGED = 3
 EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143
 BUG_LOG = "zfctl-error.log"  # zenflow.train.runs.ERROR_LOG, inside a run directory

@@ -7,13 +7,13 @@ imported inside the command so ``zfctl --help`` stays light.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
 
+from zenflow import jsonout
 from zenflow.config.architectures import architecture_names
 from zfctl.errors import check_config_file, user_error
 
@@ -137,7 +137,7 @@ def estimate(
     census = est.resolve_census(model, head=head, num_labels=num_labels)
     data = est.estimate(census, settings, est.detect_budget(dev, hst), head=head).to_json()
     if json_output:
-        typer.echo(json.dumps(data, indent=2))
+        typer.echo(jsonout.dumps(data, indent=2))
         return
     from zfctl.estimate_render import render
 

@@ -1,7 +1,10 @@
 """`zfctl finetune MODEL --task TASK`: parse, call zenflow.train.trainer, render its events.
 
 Three renderers of the same events: a Rich Live dashboard on a terminal, plain lines
-every ``steps_per_print`` steps otherwise, one JSON object per event with ``--json``.
+every ``steps_per_print`` steps otherwise, one JSON object per event with ``--json``
+(strict JSON, ``zenflow.jsonout``). Without the dashboard, Hugging Face's progress bars are
+off (``quiet_hugging_face``): with ``--json`` stderr holds only zfctl's own messages. A run
+that diverges exits ``EXIT_DIVERGED`` (3) after one message naming the likely causes.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from zfctl.dashboard import (
     render_dashboard,
     render_summary,
 )
-from zfctl.errors import check_config_file, err_console, user_error
+from zfctl.errors import EXIT_DIVERGED, check_config_file, err_console, print_user_error, user_error
 
 ENGINES = ("zenflow", "offload", "device", "deepspeed")
 DEVICES = ("cpu", "cuda", "sim")
@@ -79,14 +82,19 @@ def finetune(
     seed: Annotated[int, typer.Option(help="Random seed (init, data order, dropout).")] = 42,
     run_dir: Annotated[
         Path | None,
-        typer.Option(help="Run directory (default: a new one under --runs-root)."),
+        typer.Option(
+            help="Run directory (default: a new one under --runs-root): a new or empty folder, "
+            "or a zfctl run (with --resume or --overwrite). A folder of other files (e.g. a "
+            "model) is refused."
+        ),
     ] = None,
     overwrite: Annotated[
         bool,
         typer.Option(
             "--overwrite",
-            help="--run-dir holds a run: delete its run files (config, metrics, summary, "
-            "hw.json, checkpoints, model) and start a new run there.",
+            help="--run-dir holds a zfctl run: delete the files zfctl wrote there (config, "
+            "metrics, summary, hw.json, checkpoints, model, monitor logs; your other files "
+            "stay) and start a new run there. Refused for a folder that is not a zfctl run.",
         ),
     ] = False,
     runs_root: Annotated[Path, typer.Option(help="Where new run directories go.")] = Path("runs"),
@@ -170,10 +178,13 @@ def finetune(
         ),
     ] = None,
 ) -> None:
-    """Fine-tune MODEL on a GLUE task with the ZenFlow engine (or a comparison engine)."""
+    """Fine-tune MODEL on a GLUE task with the ZenFlow engine (or a comparison engine).
+
+    Exits 3 when the run diverges (loss non-finite 5 steps running); the good checkpoint stays.
+    """
     from zenflow.config import load_config, parse_set_args
     from zenflow.train.spec import resume_or_new
-    from zenflow.train.trainer import RunInterrupted, RunSpec, run_finetune
+    from zenflow.train.trainer import RunDiverged, RunInterrupted, RunSpec, run_finetune
     from zfctl.init_cmd import template_path
 
     _choice("--engine", engine, ENGINES)
@@ -249,6 +260,8 @@ def finetune(
         renderer = _LiveRenderer(out)
     else:
         renderer = _PlainRenderer(cfg.steps_per_print or 10)
+    if not isinstance(renderer, _LiveRenderer):
+        quiet_hugging_face(errors_only=json_output or rank != 0)
     try:
         with renderer:
             summary = run_finetune(spec, renderer)
@@ -262,6 +275,10 @@ def finetune(
             console.print(f"checkpoint: {escape(str(exc.checkpoint))}")
             console.print(f"resume with: [bold]{escape(exc.resume_command)}[/]")
         raise typer.Exit(exc.exit_code) from None
+    except RunDiverged as exc:
+        if rank == 0:
+            print_user_error(exc)
+        raise typer.Exit(EXIT_DIVERGED) from None
     if rank != 0:
         return
     if not json_output:
@@ -273,6 +290,32 @@ def finetune(
         else:
             out.print(render_summary(summary))
         out.print(f"report: zfctl report {escape(str(summary['run_dir']))}")
+
+
+def _signal_notice(message: str) -> None:
+    """A repeated Ctrl-C/SIGTERM's notice ("already stopping: ..."). Called inside the
+    signal handler (zenflow.train.signals): one unbuffered write to stderr, because the
+    handler may have interrupted a write to a buffered stream."""
+    try:
+        os.write(2, f"{message}\n".encode("utf-8", "replace"))
+    except OSError:
+        pass  # stderr closed: the stop goes on regardless
+
+
+def quiet_hugging_face(errors_only: bool) -> None:
+    """No Hugging Face progress bars on stderr ("Loading weights", "Writing model shards"
+    of transformers, huggingface_hub's downloads, datasets' maps) where they are noise:
+    plain lines, a log file, ``--json``. ``errors_only`` (``--json``, ranks > 0): their
+    warnings too, so stderr holds zfctl's own messages alone."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # transformers' bars, and huggingface_hub's
+    if errors_only:
+        hf_logging.set_verbosity_error()
+    if "datasets" in sys.modules:
+        sys.modules["datasets"].disable_progress_bars()
+    else:  # read once, when datasets is imported (only some tasks' data need it)
+        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
 
 class _SilentRenderer:
@@ -294,6 +337,8 @@ class _SilentRenderer:
 class _JsonRenderer(_SilentRenderer):
     """One JSON object per event on stdout, nothing else."""
 
+    signal_notice = staticmethod(_signal_notice)
+
     def __call__(self, event) -> None:
         self.already_finished |= type(event).__name__ == "RunAlreadyFinished"
         sys.stdout.write(event_to_json(event) + "\n")
@@ -302,6 +347,8 @@ class _JsonRenderer(_SilentRenderer):
 
 class _PlainRenderer(_SilentRenderer):
     """Plain lines (not a terminal): the header, every ``every`` steps, evals, the end."""
+
+    signal_notice = staticmethod(_signal_notice)
 
     def __init__(self, every: int):
         self.every = max(1, int(every))
@@ -330,6 +377,8 @@ class _PlainRenderer(_SilentRenderer):
 
 class _LiveRenderer:
     """Rich Live dashboard: render_dashboard(state) after every event."""
+
+    signal_notice = staticmethod(_signal_notice)
 
     def __init__(self, console: Console):
         from rich.live import Live

@@ -6,7 +6,10 @@ result with the engine's own parser and only then writes it (atomically).
 
 from __future__ import annotations
 
+import io
 import json
+import os
+import sys
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -14,7 +17,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from zfctl.errors import user_error
+from zenflow import jsonout
+from zfctl.errors import err_console, user_error
 
 TEMPLATES = ("zenflow", "offload")
 ZF = "zero_optimization.zenflow."
@@ -56,15 +60,32 @@ def _doc(field: str) -> str:
 
 def init(
     output: Annotated[
-        Path, typer.Option("--output", "-o", help="Where to write the config.")
-    ] = Path("ds_config.json"),
+        Path | None,
+        typer.Option(
+            "--output",
+            "-o",
+            help="Where to write the config (default ds_config.json). - (or /dev/stdout) "
+            "writes it to stdout: the JSON alone on stdout, the messages on stderr. A FIFO or "
+            "a character device is written into; a directory, block device or socket is "
+            "refused.",
+            show_default=False,
+        ),
+    ] = None,
     template: Annotated[
         str,
         typer.Option(help="Template: zenflow (ZeRO-2 + CPU offload + zenflow) or offload."),
     ] = "zenflow",
-    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing file.")] = False,
+    force: Annotated[
+        bool,
+        typer.Option("--force", help="Overwrite an existing file (a link: the file it names)."),
+    ] = False,
     print_only: Annotated[
-        bool, typer.Option("--print", help="Print the config to stdout instead of writing.")
+        bool,
+        typer.Option(
+            "--print",
+            help="Same as --output -: the config on stdout, no file written (with --output "
+            "FILE it is refused: pass one of them).",
+        ),
     ] = False,
     topk_ratio: Annotated[float | None, typer.Option(help=_doc("topk_ratio"))] = None,
     select_strategy: Annotated[str | None, typer.Option(help=_doc("select_strategy"))] = None,
@@ -101,10 +122,18 @@ def init(
         str | None,
         typer.Option(help="LR scheduler: WarmupLR, WarmupDecayLR, WarmupCosineLR or none."),
     ] = None,
-    warmup_steps: Annotated[int | None, typer.Option(help="Scheduler warmup_num_steps.")] = None,
+    warmup_steps: Annotated[
+        int | None,
+        typer.Option(
+            help="Scheduler warmup_num_steps (dropped, with a warning, by --scheduler none)."
+        ),
+    ] = None,
     total_steps: Annotated[
         int | None,
-        typer.Option(help="Scheduler total_num_steps (WarmupDecayLR, WarmupCosineLR)."),
+        typer.Option(
+            help="Scheduler total_num_steps (WarmupDecayLR, WarmupCosineLR; dropped, with a "
+            "warning, for WarmupLR and --scheduler none, which have none)."
+        ),
     ] = None,
     tensorboard: Annotated[
         str | None,
@@ -134,9 +163,19 @@ def init(
         typer.Option("--set", help="Override any key: --set dotted.json.path=value (repeatable)."),
     ] = None,
 ) -> None:
-    """Write a DeepSpeed JSON config with a zenflow block, validated before it is written."""
+    """Write a DeepSpeed JSON config with a zenflow block, validated before it is written.
+
+    A flag that would have no effect is dropped with a yellow warning on stderr naming it
+    (exit 0): --warmup-steps and --total-steps with --scheduler none, --total-steps with
+    WarmupLR, --force when writing to stdout. --print with --output FILE is refused (exit 2).
+    """
     from zenflow.config import ConfigError, load_config, parse_set_args
 
+    to_stdout = _writes_stdout(output, print_only)
+    output = output or Path(DEFAULT_OUTPUT)
+    warnings: list[str] = []
+    if to_stdout and force:
+        warnings.append("--force has no effect when the config goes to stdout; ignored it.")
     path = template_path(template)
     raw = json.loads(path.read_text(encoding="utf-8"))
     zenflow_flags = {
@@ -157,7 +196,24 @@ def init(
             "use --template zenflow."
         )
     overrides: dict[str, Any] = dict(given)
+    set_args = parse_set_args(set_ or [])
     sched = "scheduler.params."
+    if scheduler is not None and scheduler.lower() == "none":
+        warnings += [
+            f"{flag} {value} dropped: --scheduler none writes no scheduler block."
+            for flag, value in (("--warmup-steps", warmup_steps), ("--total-steps", total_steps))
+            if value is not None
+        ]
+        warmup_steps = total_steps = None
+    else:
+        kind = set_args.get("scheduler.type", scheduler or (raw.get("scheduler") or {}).get("type"))
+        if total_steps is not None and kind == "WarmupLR":
+            warnings.append(
+                f"--total-steps {total_steps} dropped: the WarmupLR scheduler has no "
+                "total_num_steps (WarmupDecayLR and WarmupCosineLR do: add --scheduler "
+                "WarmupDecayLR)."
+            )
+            total_steps = None
     common = {
         "optimizer.params.lr": lr,
         "optimizer.params.weight_decay": weight_decay,
@@ -185,32 +241,75 @@ def init(
             overrides[f"{block}.output_path"] = folder
             if job_name is not None:
                 overrides[f"{block}.job_name"] = job_name
-    overrides.update(parse_set_args(set_ or []))
+    overrides.update(set_args)
     # Validate exactly what will be written; raises ConfigError listing every problem.
     try:
         config = load_config(raw, overrides=overrides)
     except ConfigError as exc:  # name what the user gave, not an anonymous dict
         raise ConfigError(exc.problems, f"zfctl init (template {template} + flags)") from None
     data = config.raw
-    if print_only:
-        typer.echo(json.dumps(data, indent=2))
+    err = err_console()
+    for line in warnings:
+        err.print(f"[yellow]warning:[/] {escape(line)}")
+    if to_stdout:
+        typer.echo(jsonout.dumps(data, indent=2))
+        describe(err, config, None, template)
         return
+    _write_file(output, data, force)
+    describe(Console(highlight=False), config, output, template)
+
+
+DEFAULT_OUTPUT = "ds_config.json"
+
+
+def _writes_stdout(output: Path | None, print_only: bool) -> bool:
+    """Whether the config goes to stdout: --print, --output -, or an --output that is this
+    process's stdout (/dev/stdout, /dev/fd/1: the messages would otherwise land in the
+    same place). --print with --output FILE contradict: refused."""
+    if output is not None and str(output) == "-":
+        return True
+    if print_only:
+        if output is not None:
+            raise user_error(
+                f"--print writes the config to stdout and --output {output} to a file; pass "
+                "one of them (--output - is the same as --print)."
+            )
+        return True
+    return output is not None and _is_stdout(output)
+
+
+def _is_stdout(path: Path) -> bool:
+    try:
+        named, out = os.stat(path), os.fstat(sys.stdout.fileno())
+    except (OSError, AttributeError, ValueError, io.UnsupportedOperation):
+        return False  # no such path, or stdout is not a file descriptor (a test's capture)
+    return (named.st_dev, named.st_ino) == (out.st_dev, out.st_ino)
+
+
+def _write_file(output: Path, data: dict, force: bool) -> None:
+    """Write the config to ``output`` (zenflow.outputs: a file atomically, a FIFO or
+    character device into it, anything else refused); an existing file needs --force."""
+    from zenflow.outputs import output_target, write_json_atomic
+
     if output.is_dir():
         raise user_error(
             f"--output {output} is a directory; give a file path, e.g. --output "
-            f"{output / 'ds_config.json'}."
+            f"{output / DEFAULT_OUTPUT}."
         )
-    if output.exists() and not force:
+    target = output_target(output, "--output: cannot write")
+    if target.exists and not target.direct and not force:
         raise user_error(
             f"{output} already exists; pass --force to overwrite it, or --output PATH to "
             "write elsewhere."
         )
-    from zenflow.train.runs import write_json_atomic, writing
+    write_json_atomic(output, data, "--output: cannot write")
 
-    with writing(output, "--output: cannot write"):
-        write_json_atomic(output, data)
-    console = Console(highlight=False)
-    console.print(f"[green]wrote[/] {escape(str(output))} (template {template})")
+
+def describe(console: Console, config, output: Path | None, template: str) -> None:
+    """What was written (``output``; None: stdout) and the settings that matter, then the
+    next command."""
+    where = "the config to stdout" if output is None else str(output)
+    console.print(f"[green]wrote[/] {escape(where)} (template {template})")
     if config.zenflow is not None:
         zf = config.zenflow
         console.print(
@@ -233,4 +332,5 @@ def init(
             "[yellow]note:[/] not used by the zenflow engine (kept for DeepSpeed): "
             + escape(", ".join(config.ignored))
         )
-    console.print(f"next: zfctl tune-hw --config {escape(str(output))} --write")
+    file = "FILE" if output is None else str(output)
+    console.print(f"next: zfctl tune-hw --config {escape(file)} --write")

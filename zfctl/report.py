@@ -10,8 +10,6 @@ split over steps (matplotlib, imported only when ``--plot`` is given).
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -19,9 +17,9 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from zenflow import jsonout
 from zenflow.engine.stats import TIMING_FIELDS
 from zenflow.train.runs import checkpoint_step
-from zfctl.dashboard import jsonable
 from zfctl.errors import err_console, user_error
 from zfctl.report_render import (
     _finite,
@@ -41,7 +39,8 @@ SUMMARY_KEYS = (
     "timing_ms_mean", "stall_fraction", "d2h_bytes_total", "h2d_bytes_total", "bytes_per_step",
     "bytes_per_step_x_model", "host_updates", "mean_window_len", "selection_changes",
     "samples", "tokens", "train_s", "samples_per_s", "tokens_per_s", "wall_s", "model_bytes",
-    "params", "sources", "device_bytes_per_param", "device", "world_size",
+    "params", "sources", "device_bytes_per_param", "device", "world_size", "skipped_steps",
+    "last_good_step", "divergence",
 )  # fmt: skip
 
 
@@ -109,6 +108,9 @@ def _from_metrics(steps: list[dict], evals: list[dict], config: dict, spec: dict
         "non_finite_steps": sum(
             1 for m in steps if m.get("skipped") or _finite(m.get("loss")) is None
         ),
+        "skipped_steps": sum(1 for m in steps if m.get("skipped")),
+        "last_good_step": None,  # said by summary.json when the run diverged
+        "divergence": None,
         "timing_ms_mean": timing,
         "stall_fraction": _ratio(timing["stall_ms"], timing["wall_ms"]),
         "d2h_bytes_total": d2h,
@@ -267,7 +269,7 @@ def report_document(reports: list[dict]) -> dict:
     if len(reports) > 1:
         doc["comparison"] = compare(reports)
     doc["warnings"] = report_warnings(reports)
-    return jsonable(doc)
+    return jsonout.plain(doc)
 
 
 def report_warnings(reports: list[dict]) -> list[str]:
@@ -281,7 +283,7 @@ def report_warnings(reports: list[dict]) -> list[str]:
 def resolve_runs(runs: list[Path] | None, runs_root: Path) -> list[Path]:
     """The run directories to report: the given ones (a name under --runs-root or a file
     inside a run directory also works), or the latest under ``runs_root``."""
-    from zenflow.train.runs import CONFIG_FILE, latest_run, list_runs
+    from zenflow.train.runs import holds_run, latest_run, list_runs, not_a_run_reason
 
     if not runs:
         latest = latest_run(runs_root)
@@ -301,18 +303,19 @@ def resolve_runs(runs: list[Path] | None, runs_root: Path) -> list[Path]:
                 f"run {path} does not exist; pass a run directory written by `zfctl finetune` "
                 f"(they are under {runs_root}/), or no RUN for the latest."
             )
-        elif path.is_file() and (path.parent / CONFIG_FILE).is_file():
+        elif path.is_file() and holds_run(path.parent):
             found.append(path.parent)
-        elif path.is_dir() and not (path / CONFIG_FILE).is_file() and list_runs(path):
+        elif path.is_dir() and not holds_run(path) and list_runs(path):
             inner = list_runs(path)
             problems.append(
                 f"{path} is not a run directory but holds {len(inner)} runs; pass one of them "
                 f"(e.g. {inner[-1]}), or --runs-root {path} for the latest."
             )
-        elif not (path.is_dir() and (path / CONFIG_FILE).is_file()):
+        elif not (path.is_dir() and holds_run(path)):
+            where = path if path.is_dir() else path.parent
             problems.append(
-                f"{path} is not a zfctl run directory (no {CONFIG_FILE}); pass a directory "
-                f"under {runs_root}/ written by `zfctl finetune`."
+                f"{path} is not a zfctl run directory ({not_a_run_reason(where)}); pass a "
+                f"directory under {runs_root}/ written by `zfctl finetune`."
             )
         else:
             found.append(path)
@@ -324,7 +327,11 @@ def resolve_runs(runs: list[Path] | None, runs_root: Path) -> list[Path]:
 
 
 def check_plot_path(path: Path) -> None:
-    """Refuse a --plot target that cannot be written as a PNG, before any work is done."""
+    """Refuse a --plot target that cannot be written as a PNG, before any work is done: a
+    name without .png, a directory, a device or socket, a folder that does not exist or
+    cannot be written (``zenflow.outputs.check_writable``)."""
+    from zenflow.outputs import check_writable
+
     if path.suffix.lower() != ".png":
         raise user_error(
             f"--plot {path}: the plot is written as PNG, so the file name must end in .png "
@@ -336,10 +343,7 @@ def check_plot_path(path: Path) -> None:
             f"--plot {path}: folder {parent} does not exist; create it (mkdir -p {parent}) "
             "or choose another path."
         )
-    if path.is_dir():
-        raise user_error(f"--plot {path} is a directory; give a file name ending in .png.")
-    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise user_error(f"--plot {path}: no permission to write there; choose another path.")
+    check_writable(path, "--plot: cannot write")
 
 
 # ---------------------------------------------------------------------------- command
@@ -385,7 +389,7 @@ def report(
     for line in report_warnings(reports):  # on stderr, so --json stays one document
         warn.print(f"[yellow]warning:[/] {escape(line)}")
     if as_json:
-        typer.echo(json.dumps(report_document(reports), indent=2, allow_nan=False))
+        typer.echo(jsonout.dumps(report_document(reports), indent=2))
     else:
         console = Console(highlight=False)
         for r in reports:

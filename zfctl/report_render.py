@@ -15,7 +15,6 @@ from rich.markup import escape
 from rich.table import Table
 
 from zfctl.dashboard import fmt_bytes, fmt_duration, fmt_num
-from zfctl.errors import user_error
 
 # The parts of a step stacked in the plot; what is left up to wall_ms is data loading,
 # batch copies and the rest of the engine's step.
@@ -83,6 +82,12 @@ def _count(n: Any) -> str:
 
 def _status_text(r: dict) -> str:
     status = str(r.get("status") or "-")
+    divergence = r.get("divergence")
+    if isinstance(divergence, dict):  # zenflow.train.divergence
+        return (
+            f"{status} at step {divergence.get('step')}: {divergence.get('reason')}; last good "
+            f"step {r.get('last_good_step')}"
+        )
     if r.get("has_summary"):
         return status
     if r.get("checkpoint"):
@@ -183,7 +188,8 @@ def render_run(r: dict) -> Table:
         "final loss",
         f"{fmt_num(_finite(r.get('final_loss')), '.4f')} (mean of last 10 "
         f"{fmt_num(_finite(r.get('final_loss_mean_last_10')), '.4f')}; "
-        f"{r.get('non_finite_steps') or 0} non-finite steps)",
+        f"{r.get('non_finite_steps') or 0} non-finite steps, {r.get('skipped_steps') or 0} "
+        "skipped)",
     )
     validation = _metrics_text(r.get("validation"))
     if validation != "-":
@@ -336,7 +342,7 @@ def write_plot(runs: list[dict], reports: list[dict], path: Path) -> None:
         handles, labels = handles + more[0], labels + more[1]
     ax_loss.legend(handles, labels, loc="upper right", fontsize=8)
     axes[-1].set_xlabel("step")
-    try:
-        fig.savefig(path, format="png", dpi=110)
-    except OSError as exc:
-        raise user_error(f"--plot {path}: cannot write it ({exc.strerror or exc}).") from None
+    from zenflow.outputs import write_file
+
+    write_file(path, lambda f: fig.savefig(f, format="png", dpi=110), what="--plot: cannot write",
+               binary=True)  # fmt: skip

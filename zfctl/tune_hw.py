@@ -1,7 +1,8 @@
 """`zfctl tune-hw`: probe this machine, measure, and choose the zenflow block.
 
 Thin: parse flags, call ``zenflow.hardware.tune_run.run_tune``, render its plain dict with
-Rich, write hw.json and (with ``--config``) the config's zenflow block. Torch and zenflow are
+Rich, write hw.json and (with ``--config``) the config's zenflow block. Both paths are
+checked (``zenflow.outputs.check_writable``) before anything is probed. Torch and zenflow are
 imported inside the command so ``zfctl --help`` stays light.
 """
 
@@ -15,6 +16,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+
+from zenflow import jsonout
 
 GIB = 2**30
 DEVICES = ("cpu", "sim", "cuda")
@@ -82,9 +85,16 @@ def tune_hw(
             "for it, as `zfctl finetune --gradient-checkpointing` trains.",
         ),
     ] = False,
-    output: Annotated[Path, typer.Option("--output", "-o", help="Where to write hw.json.")] = Path(
-        "hw.json"
-    ),
+    output: Annotated[
+        Path,
+        typer.Option(
+            "--output",
+            "-o",
+            help="Where to write hw.json. Checked before probing, as is --config with "
+            "--write: a folder that cannot be written, a directory, block device or socket "
+            "is refused at once.",
+        ),
+    ] = Path("hw.json"),
     config: Annotated[
         Path | None,
         typer.Option("--config", help="DeepSpeed JSON config whose zenflow block to update."),
@@ -109,11 +119,16 @@ def tune_hw(
 
     from zenflow.hardware import measure, tune_run, tuning
     from zenflow.hardware.estimate import parse_size
-    from zenflow.train import runs
+    from zenflow.outputs import check_writable, write_json_atomic
 
     dev_mem = parse_size(device_mem, "--device-mem") if device_mem is not None else None
     device = tune_run.resolve_device(device, dev_mem)  # refused here, before measuring
     config_doc = tuning.read_config_document(config) if config is not None else None
+    # Every file it will write is checked before minutes of probing: measurements are
+    # never lost to a path that cannot be written.
+    check_writable(output, "--output: cannot write")
+    if write and config is not None:
+        check_writable(config, "--config ... --write: cannot write")
     if bf16 is None:
         bf16 = config_bf16(config_doc, device) if config_doc is not None else device != "cpu"
     err = Console(stderr=True)
@@ -131,13 +146,13 @@ def tune_hw(
         progress=lambda msg: err.print(f"[dim]tune-hw: {msg}…[/dim]", highlight=False),
     )
     result = tune_run.run_tune(settings)
-    runs.write_json_atomic(output, result)
+    write_json_atomic(output, result, "--output: cannot write")
 
     update = None
     if config is not None:
         update = tuning.update_config(config, config_doc, result["choices"], write=write)
     if json_output:
-        typer.echo(json.dumps(result, indent=2))
+        typer.echo(jsonout.dumps(result, indent=2))
         return
     out = Console()
     render(out, result)

@@ -105,3 +105,13 @@ def test_bench_sim_skips_deepspeed(cli, tmp_path):
 )
 def test_bench_bad_input(cli, args, fragments):
     assert_user_error(cli("bench", *args), *fragments)
+
+
+def test_bench_json_onto_a_directory_is_refused_before_benchmarking(cli, tmp_path, monkeypatch):
+    from zenflow.hardware import bench
+
+    ran = []
+    monkeypatch.setattr(bench, "run_bench", lambda *a, **kw: ran.append(a))
+    assert_user_error(cli("bench", "--json", tmp_path), f"--json: cannot write {tmp_path}",
+                      "it is a directory")  # fmt: skip
+    assert ran == [] and list(tmp_path.iterdir()) == []

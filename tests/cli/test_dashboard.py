@@ -166,3 +166,31 @@ def test_header_names_the_fields_an_engine_does_not_report():
     assert f"not reported: {expected}" in format_plain_header(header)
     # our engine reports everything: no such line
     assert not any("not reported" in line for line in format_plain_header(HEADER))
+
+
+def test_skipped_steps_and_divergence_are_shown():
+    """A skipped step is counted on the dashboard and the plain line; RunDiverged stops it
+    with the reason, and its --json line is strict JSON with the fields to act on."""
+    import dataclasses
+    import math
+    from pathlib import Path
+
+    from zenflow import jsonout
+    from zenflow.train.events import RunDiverged
+
+    state = fed_state()
+    nan_step = step_event(9, skipped=True)
+    nan_step = dataclasses.replace(
+        nan_step, stats=dataclasses.replace(nan_step.stats, loss=math.nan)
+    )
+    state.apply(nan_step)
+    assert state.skipped == 1 and "skipped 1 " in format_plain_line(state)
+    event = RunDiverged(13, "the loss was NaN for 5 steps", 8, 5, Path("/r/step-0000008.pt"))
+    state.apply(event)
+    text = " ".join(render_text(render_dashboard(state), width=200).split())
+    assert "skipped steps 1 (non-finite)" in text
+    assert "stopped diverged at step 13: the loss was NaN for 5 steps" in text
+    line = jsonout.loads_strict(event_to_json(event))
+    assert line["event"] == "RunDiverged" and line["last_good_step"] == 8
+    assert line["checkpoint"] == "/r/step-0000008.pt" and "learning rate" in line["message"]
+    assert jsonout.loads_strict(event_to_json(nan_step))["loss"] is None

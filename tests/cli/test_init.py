@@ -1,8 +1,16 @@
-"""`zfctl init`: what it writes is accepted by our parser and by DeepSpeed; errors exit 2."""
+"""`zfctl init`: what it writes is accepted by our parser and by DeepSpeed; errors exit 2;
+--output - (and --print) is stdout; a FIFO or device is written into, never replaced; a
+flag that has no effect is named in a warning."""
 
 from __future__ import annotations
 
 import json
+import os
+import socket
+import stat
+import subprocess
+import sys
+import threading
 
 import pytest
 from clihelp import assert_user_error
@@ -135,3 +143,128 @@ def test_tensorboard_without_job_name_names_it_after_the_run(cli, tmp_path):
 def test_job_name_alone_is_an_error(cli, tmp_path):
     r = cli("init", "-o", tmp_path / "x.json", "--job-name", "a")
     assert_user_error(r, "--job-name", "--tensorboard")
+
+
+# ------------------------------------------------ issue 19: stdout, devices, dropped flags
+
+
+@pytest.mark.parametrize("flags", [["--output", "-"], ["--print"]], ids=["dash", "print"])
+def test_stdout_gets_the_json_alone(cli, tmp_path, monkeypatch, flags):
+    monkeypatch.chdir(tmp_path)
+    r = cli("init", *flags, "--topk-ratio", "0.3")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)  # nothing but the document on stdout
+    assert data["zero_optimization"]["zenflow"]["topk_ratio"] == pytest.approx(0.3)
+    assert "wrote the config to stdout (template zenflow)" in r.stderr
+    assert "next: zfctl tune-hw --config FILE --write" in r.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_print_with_an_output_file_is_refused(cli, tmp_path):
+    out = tmp_path / "ds.json"
+    r = cli("init", "--print", "--output", out)
+    assert_user_error(r, f"--print writes the config to stdout and --output {out} to a file",
+                      "--output - is the same as --print")  # fmt: skip
+    assert not out.exists()
+
+
+def test_dev_stdout_redirected_to_a_file_holds_only_the_json(tmp_path):
+    """`--output /dev/stdout > file`: /dev/stdout is the file, so the messages go to stderr
+    (the old code renamed its temp file onto the /dev/stdout link itself, as root)."""
+    out = tmp_path / "out.json"
+    was_link = os.path.islink("/dev/stdout")
+    with open(out, "w") as f:
+        r = subprocess.run([sys.executable, "-m", "zfctl", "init", "--output", "/dev/stdout"],
+                           stdout=f, stderr=subprocess.PIPE, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert json.loads(out.read_text())["zero_optimization"]["stage"] == 2
+    assert "wrote the config to stdout" in r.stderr
+    assert os.path.islink("/dev/stdout") == was_link  # not replaced by a file
+
+
+def test_a_fifo_output_is_written_into(cli, tmp_path):
+    """The old code asked for --force, then put a regular file in the FIFO's place."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got = []
+
+    def read():
+        with open(fifo, encoding="utf-8") as f:
+            got.append(f.read())
+
+    for force in ([], ["--force"]):  # nothing is replaced: --force is not needed
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        r = cli("init", "--output", fifo, *force)
+        reader.join(timeout=30)
+        assert r.exit_code == 0, r.output
+        assert json.loads(got.pop())["zero_optimization"]["stage"] == 2
+        assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+
+
+def test_dev_null_and_dev_full(cli):
+    r = cli("init", "--output", "/dev/null")
+    assert r.exit_code == 0, r.output
+    assert stat.S_ISCHR(os.lstat("/dev/null").st_mode)
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full on this system")
+    r = cli("init", "--output", "/dev/full", "--force")
+    assert_user_error(r, "--output: cannot write /dev/full: No space left on device",
+                      "character device")  # fmt: skip
+    assert stat.S_ISCHR(os.lstat("/dev/full").st_mode)
+
+
+def test_a_socket_output_is_refused(cli, tmp_path):
+    path = tmp_path / "s.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.bind(str(path))
+        r = cli("init", "--output", path, "--force")
+        assert_user_error(r, f"--output: cannot write {path}: it is a socket", "give a file path")
+        assert stat.S_ISSOCK(os.lstat(path).st_mode)
+
+
+def test_a_link_output_writes_the_file_it_names(cli, tmp_path):
+    real = tmp_path / "configs" / "ds.json"
+    real.parent.mkdir()
+    real.write_text("{}")
+    link = tmp_path / "ds.json"
+    link.symlink_to(real)
+    assert_user_error(cli("init", "--output", link), "already exists", "--force")
+    r = cli("init", "--output", link, "--force")
+    assert r.exit_code == 0, r.output
+    assert link.is_symlink() and json.loads(real.read_text())["zero_optimization"]["stage"] == 2
+
+
+@pytest.mark.parametrize(
+    ("flags", "warning", "absent"),
+    [
+        (["--scheduler", "none", "--warmup-steps", "5"],
+         "warning: --warmup-steps 5 dropped: --scheduler none writes no scheduler block.",
+         "scheduler"),
+        (["--scheduler", "none", "--total-steps", "100"],
+         "warning: --total-steps 100 dropped: --scheduler none", "scheduler"),
+        (["--total-steps", "100"],
+         "warning: --total-steps 100 dropped: the WarmupLR scheduler has no total_num_steps",
+         "total_num_steps"),
+        (["--print", "--force"],
+         "warning: --force has no effect when the config goes to stdout; ignored it.", None),
+    ],
+    ids=["warmup-none", "total-none", "total-warmuplr", "force-print"],
+)  # fmt: skip
+def test_a_dropped_flag_is_named(cli, tmp_path, flags, warning, absent):
+    """The old code dropped these without a word."""
+    out = tmp_path / "ds.json"
+    args = flags if "--print" in flags else [*flags, "--output", out]
+    r = cli("init", *args)
+    assert r.exit_code == 0, r.output
+    assert warning in " ".join(r.stderr.split())
+    if absent is not None:
+        assert absent not in out.read_text()
+
+
+def test_total_steps_with_a_scheduler_that_takes_it_is_kept(cli, tmp_path):
+    out = tmp_path / "ds.json"
+    r = cli("init", "--output", out, "--scheduler", "WarmupDecayLR", "--total-steps", "100")
+    assert r.exit_code == 0, r.output
+    assert "warning" not in r.stderr
+    assert json.loads(out.read_text())["scheduler"]["params"]["total_num_steps"] == 100

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from clihelp import assert_user_error
 
+from zenflow.train import runs
 from zenflow.train.runs import write_json_atomic
 from zfctl.report import compare, run_report
 
@@ -195,6 +196,19 @@ def test_default_is_the_latest_run(cli, tmp_path):
     assert "comparison" not in doc
 
 
+def test_a_model_folder_is_not_taken_for_a_run(cli, tmp_path, model_folder):
+    """Issue 19: the old code took any folder with a config.json for a run, so the newest
+    "run" under runs/ could be a model someone saved there."""
+    root = tmp_path / "runs"
+    run = make_run(root, "20240101-120000-gpt2-sst2", [100.0] * 2)
+    model_folder.path.rename(root / "20250101-000000-my-model")
+    doc = run_json(cli, "--runs-root", root)
+    assert [r["run_dir"] for r in doc["runs"]] == [str(run)]
+    model = root / "20250101-000000-my-model"
+    assert_user_error(cli("report", model), f"{model} is not a zfctl run directory",
+                      "its config.json was not written by zfctl")  # fmt: skip
+
+
 def test_run_name_under_runs_root_and_file_inside_run(cli, tmp_path, monkeypatch):
     root = tmp_path / "runs"
     run = make_run(root, "20240101-120000-gpt2-sst2", [100.0] * 3)
@@ -348,14 +362,15 @@ def test_interrupted_run_names_its_checkpoint(cli, tmp_path):
 
 
 def test_missing_values_render_as_dash(cli, tmp_path):
-    """NaN loss, a step without timings, an empty config: '-' and null, never a crash."""
+    """NaN loss, a step without timings, a config with nothing but the run mark: '-' and
+    null, never a crash."""
     lines = [
         {"type": "step", "step": 1, "loss": math.nan, "skipped": True},
         {"type": "step", "step": 2, "loss": None, "wall_ms": None, "d2h_bytes": None},
     ]
     run = tmp_path / "20240101-120000-x-sst2"
     make_run(tmp_path, run.name, [], finished=False, lines=lines)
-    write_json_atomic(run / "config.json", {})
+    write_json_atomic(run / "config.json", {runs.RUN_MARK: runs.RUN_FORMAT})
     (r,) = run_json(cli, run)["runs"]
     assert r["steps"] == 2 and r["non_finite_steps"] == 2
     assert r["final_loss"] is None and r["timing_ms_mean"]["wall_ms"] is None
@@ -418,6 +433,28 @@ def test_bad_plot_path_is_a_user_error(cli, tmp_path, name, fragment):
     assert not target.exists()
 
 
+def test_plot_onto_what_is_not_a_file_is_refused_and_a_link_written_through(cli, tmp_path):
+    """Issue 19: a directory or socket named like a PNG is refused before any work; a link
+    keeps being a link (the PNG lands in the file it names)."""
+    import socket
+
+    run = make_run(tmp_path, "20240101-120000-gpt2-sst2", [100.0] * 2)
+    folder = tmp_path / "plots.png"
+    folder.mkdir()
+    assert_user_error(cli("report", run, "--plot", folder), f"{folder}: it is a directory")
+    sock_path = tmp_path / "s.png"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.bind(str(sock_path))
+        assert_user_error(cli("report", run, "--plot", sock_path), f"{sock_path}: it is a socket")
+    real = tmp_path / "real.png"
+    real.write_bytes(b"old")
+    link = tmp_path / "link.png"
+    link.symlink_to(real)
+    r = cli("report", run, "--plot", link)
+    assert r.exit_code == 0, r.output
+    assert link.is_symlink() and real.read_bytes()[:4] == b"\x89PNG"
+
+
 # ---------------------------------------------------------------------------- errors
 
 
@@ -454,3 +491,48 @@ def test_import_pulls_in_neither_torch_nor_matplotlib():
         "sys.exit(int('torch' in sys.modules) + 2 * int('matplotlib' in sys.modules))"
     )
     assert subprocess.run([sys.executable, "-c", code], timeout=300).returncode == 0
+
+
+def test_bad_values_are_warned_once_per_kind_and_not_plotted(cli, tmp_path, monkeypatch):
+    """NaN (a bare token, as older files hold it), a null loss, negative step times and an
+    accuracy above 1: one warning per kind with its count and first line; the report and
+    the plot treat them as missing (before: no warning, and --plot drew them)."""
+    lines = [step_line(i + 1, 100.0) for i in range(5)]
+    lines[1]["loss"] = math.nan  # line 2
+    lines[2]["loss"] = None  # line 3: a skipped step
+    lines[3]["wall_ms"] = -5.0  # lines 4 and 5
+    lines[4]["wall_ms"] = -1.0
+    lines.append(eval_line(5, 1.5))  # line 6
+    run = make_run(tmp_path, "20240101-120000-gpt2-sst2", [], finished=False, lines=lines)
+    doc = run_json(cli, run)
+    m = run / "metrics.jsonl"
+    assert doc["warnings"] == [
+        f"{m}: 1 step line with loss not finite (nan), first at line 2; read as a missing value",
+        f"{m}: 1 step line with loss missing (null: a skipped, non-finite step), first at "
+        "line 3; read as a missing value",
+        f"{m}: 2 step lines with wall_ms out of range (-5; allowed 0 to inf), first at line 4; "
+        "read as a missing value",
+        f"{m}: 1 eval line with accuracy out of range (1.5; allowed 0 to 1), first at line 6; "
+        "read as a missing value",
+    ]
+    (r,) = doc["runs"]
+    assert r["timing_ms_mean"]["wall_ms"] == 100.0 and r["validation_accuracy"] is None
+    assert r["non_finite_steps"] == 2
+
+    import matplotlib.axes
+
+    drawn = []
+    real_plot = matplotlib.axes.Axes.plot
+
+    def plot(self, *args, **kw):
+        drawn.extend(v for a in args if isinstance(a, list) for v in a)
+        return real_plot(self, *args, **kw)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", plot)
+    out = tmp_path / "bad.png"
+    result = cli("report", run, "--plot", out)
+    assert result.exit_code == 0, result.output
+    assert out.read_bytes()[:4] == b"\x89PNG"
+    finite = [v for v in drawn if math.isfinite(v)]
+    assert finite and min(finite) >= 0 and 1.5 not in finite  # nothing bad was drawn
+    assert result.output.count("warning:") == 4

@@ -1,6 +1,8 @@
-"""`zfctl finetune` and its run directory through the CLI (issue 10 items 1-3 and 8): an
-existing run needs --resume or --overwrite, two processes never share a run dir, resuming
-a finished run says so and exits 0, a config without a zenflow block is announced."""
+"""`zfctl finetune` and its run directory through the CLI (issue 10 items 1-3 and 8, issue 19):
+an existing run needs --resume or --overwrite (which keeps files zfctl did not write), a
+folder that is not a zfctl run (a model folder) is refused and left as it was, two
+processes never share a run dir, resuming a finished run says so and exits 0, a config
+without a zenflow block is announced."""
 
 from __future__ import annotations
 
@@ -34,11 +36,25 @@ def test_existing_run_needs_resume_or_overwrite(cli, args, tmp_path):
     assert_user_error(r, f"--run-dir {run_dir} already holds a run", f"--resume {run_dir}",
                       "--overwrite")  # fmt: skip
     assert (run_dir / runs.METRICS_FILE).read_bytes() == before
+    (run_dir / "notes.txt").write_text("mine", encoding="utf-8")
     r = cli(*args, "--max-steps", "3", "--run-dir", run_dir, "--overwrite")
     assert r.exit_code == 0, r.output
     run = runs.read_run(run_dir)
     assert [m["step"] for m in run["metrics"]] == [1, 2, 3] and run["summary"]["steps"] == 3
     assert [p.name for p in runs.checkpoints(run_dir)] == ["step-0000003.pt"]
+    assert run["config"][runs.RUN_MARK] == runs.RUN_FORMAT  # what makes it a run
+    assert (run_dir / "notes.txt").read_text(encoding="utf-8") == "mine"  # not ours: kept
+
+
+@pytest.mark.parametrize("overwrite", [[], ["--overwrite"]], ids=["plain", "overwrite"])
+def test_a_model_folder_as_run_dir_exits_2_untouched(cli, args, model_folder, overwrite):
+    """Issue 19: the old code said the model folder "already holds a run", and with
+    --overwrite deleted its config.json and wrote a run there."""
+    r = cli(*args, "--max-steps", "1", "--run-dir", model_folder.path, *overwrite)
+    assert_user_error(r, f"--run-dir {model_folder.path} is not a zfctl run",
+                      "Choose an empty or new folder for --run-dir")  # fmt: skip
+    assert "already holds a run" not in r.output
+    assert model_folder.unchanged()
 
 
 def test_second_process_on_the_same_run_dir_exits_2(cli, args, tmp_path):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -265,6 +267,76 @@ def test_unreadable_config_is_a_user_error(tmp_path):
     else:  # zfctl's app: one red line, exit 2
         assert result.exit_code == 2 and "cannot be read" in result.output
     assert not out.exists()  # failed before measuring anything
+
+
+@pytest.fixture
+def probes(monkeypatch):
+    """Records every call of the probing entry point (and measures nothing)."""
+    from zenflow.hardware import tune_run
+
+    calls = []
+
+    def fake(settings):
+        calls.append(settings)
+        return {"choices": {}}
+
+    monkeypatch.setattr(tune_run, "run_tune", fake)
+    return calls
+
+
+def _refused_before_probing(result, probes, *fragments) -> str:
+    text = " ".join(result.output.split())
+    assert result.exit_code == 2, text
+    assert probes == []  # refused before any probe ran (the old code probed for minutes)
+    for fragment in fragments:
+        assert fragment in text, (fragment, text)
+    return text
+
+
+def test_output_that_cannot_be_written_is_refused_before_probing(tmp_path, probes):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    out = blocker / "hw.json"  # a file where a folder must be
+    r = invoke("--quick", "--output", str(out))
+    _refused_before_probing(r, probes, f"--output: cannot write {out}: Not a directory")
+    r = invoke("--quick", "--output", str(tmp_path))
+    _refused_before_probing(r, probes, f"--output: cannot write {tmp_path}: it is a directory")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_config_write_that_cannot_be_written_is_refused_before_probing(
+    tmp_path, probes, monkeypatch
+):
+    """The config's folder cannot be written into (os.access says so for it alone: a
+    read-only folder that works as root too); --config without --write is only read."""
+    import zenflow.outputs
+
+    folder = tmp_path / "configs"
+    folder.mkdir()
+    cfg = folder / "ds.json"
+    cfg.write_text(TEMPLATE.read_text())
+    real_access = os.access
+    monkeypatch.setattr(
+        zenflow.outputs.os, "access", lambda p, mode: Path(p) != folder and real_access(p, mode)
+    )
+    out = tmp_path / "hw.json"
+    r = invoke("--quick", "--output", str(out), "--config", str(cfg), "--write")
+    text = _refused_before_probing(r, probes, f"--config ... --write: cannot write {cfg}")
+    assert "Permission denied" in text and not out.exists()
+    r = invoke("--quick", "--output", str(out), "--config", str(cfg))
+    assert probes  # without --write nothing is written to the config: it probes
+
+
+def test_a_failed_write_names_the_output_not_its_temp_file(tmp_path, probes, monkeypatch):
+    def refuse(src, dst):
+        raise PermissionError(errno.EACCES, "Permission denied", src)
+
+    monkeypatch.setattr(os, "replace", refuse)
+    out = tmp_path / "hw.json"
+    r = invoke("--quick", "--output", str(out))
+    text = " ".join(r.output.split())
+    assert r.exit_code == 2 and f"--output: cannot write {out}: Permission denied" in text
+    assert ".tmp" not in text and list(tmp_path.iterdir()) == []
 
 
 def test_importing_the_command_imports_no_torch():

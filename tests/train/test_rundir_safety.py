@@ -1,5 +1,6 @@
 """Run directories are never silently reused or shared (issue 10 items 1-3): a directory that
-holds a run needs --resume or --overwrite; one process at a time (an flock, which a dead
+holds a run needs --resume or --overwrite; a folder that is not a zfctl run is never written
+into unless empty, nor cleared (issue 19); one process at a time (an flock, which a dead
 process does not keep); resuming a finished run does nothing, and a run stopped during its
 final save is completed."""
 
@@ -66,6 +67,47 @@ def test_overwrite_starts_clean_and_removes_only_run_files(tiny_gpt2_dir, sample
     # The new run alone: its losses are those of a fresh run with seed 7.
     fresh = run_finetune(dataclasses.replace(new, run_dir=tmp_path / "fresh", overwrite=False))
     assert losses(run_dir) == losses(fresh["run_dir"])
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_model_folder_as_run_dir_is_refused_and_untouched(
+    overwrite, model_folder, tiny_gpt2_dir, sample_dir, tmp_path
+):
+    """Issue 19: the old code said a model folder "already holds a run" (it has a
+    config.json), and with --overwrite deleted the model's config.json and wrote its own."""
+    model = model_folder.path
+    spec = make_spec(tiny_gpt2_dir, sample_dir, tmp_path, engine_mode="device", max_steps=1,
+                     run_dir=model, overwrite=overwrite)  # fmt: skip
+    with pytest.raises(UserInputError) as exc:
+        run_finetune(spec)
+    msg = str(exc.value)
+    assert msg.startswith(
+        f"--run-dir {model} is not a zfctl run (its config.json was not written by zfctl) and "
+        "is not empty (it holds config.json, metrics.jsonl, model.safetensors, "
+        "special_tokens_map.json, tokenizer.json, tokenizer_config.json)"
+    )
+    assert msg.endswith("Choose an empty or new folder for --run-dir.")
+    assert "already holds a run" not in msg
+    assert ("nothing was removed" in msg) == overwrite
+    assert model_folder.unchanged()  # every file as it was, and no lock file added
+
+
+def test_a_folder_of_other_files_is_refused_an_empty_one_taken(tiny_gpt2_dir, sample_dir, tmp_path):
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "notes.txt").write_text("mine")
+    spec = make_spec(tiny_gpt2_dir, sample_dir, tmp_path, engine_mode="device", max_steps=1,
+                     run_dir=notes)  # fmt: skip
+    with pytest.raises(UserInputError, match=r"not empty \(it holds notes.txt\)"):
+        run_finetune(spec)
+    assert os.listdir(notes) == ["notes.txt"]
+    # --overwrite of an empty (or new) folder has nothing to remove: the run starts there.
+    for run_dir in (tmp_path / "empty", tmp_path / "new"):
+        if run_dir.name == "empty":
+            run_dir.mkdir()
+        s = run_finetune(dataclasses.replace(spec, run_dir=run_dir, overwrite=True))
+        assert s["status"] == "finished" and runs.holds_run(run_dir)
+        assert runs.run_config(run_dir)[runs.RUN_MARK] == runs.RUN_FORMAT
 
 
 def test_overwrite_with_resume_or_without_run_dir_is_refused(tiny_gpt2_dir, sample_dir, tmp_path):

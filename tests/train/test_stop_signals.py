@@ -10,9 +10,9 @@ import signal
 import time
 
 import pytest
-from trainhelp import assert_same_params, final_model, losses, make_spec
+from trainhelp import CONFIG, assert_same_params, final_model, losses, make_spec
 
-from zenflow.train import signals
+from zenflow.train import runs, signals
 from zenflow.train.events import RunInterrupted, StepEvent
 from zenflow.train.trainer import run_finetune
 
@@ -93,15 +93,15 @@ def test_sigterm_grace_period_bounds_a_long_step(
     assert losses(run_dir) == ref_losses
 
 
-def test_grace_timer_waits_for_the_engine_step():
-    """While ``critical`` (the engine's step) the timer re-arms instead of interrupting."""
+def test_grace_timer_waits_for_a_protected_phase():
+    """Inside ``protect()`` (backward, the engine's step, a save) the timer re-arms instead
+    of interrupting; once the stop has begun it is off."""
     with signals.StopRequests(term_grace_s=0.01) as stops:
-        stops.critical = True
-        os.kill(os.getpid(), signal.SIGTERM)
-        assert stops.requested == "SIGTERM" and stops.exit_code == 143
-        for _ in range(30):  # the timer fires (and re-arms) during these sleeps
-            time.sleep(0.01)
-        stops.critical = False
+        with stops.protect("step 3"):
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert stops.requested == "SIGTERM" and stops.exit_code == 143
+            for _ in range(30):  # the timer fires (and re-arms) during these sleeps
+                time.sleep(0.01)
         with pytest.raises(KeyboardInterrupt):
             for _ in range(6000):
                 time.sleep(0.01)
@@ -116,3 +116,186 @@ def test_second_ctrl_c_interrupts_at_once_first_only_asks():
             os.kill(os.getpid(), signal.SIGINT)
             for _ in range(6000):
                 time.sleep(0.01)
+    assert stops.notices == ["stopping now: the step in progress is discarded (kill -9 to abort)"]
+
+
+def test_repeated_signals_in_a_protected_phase_or_a_stop_are_only_acknowledged():
+    """Any number of SIGINT/SIGTERM during a step or a save, or once the stop has begun,
+    never interrupt it: each is acknowledged through ``notify`` and the work completes."""
+    said = []
+    with signals.StopRequests(term_grace_s=0.01, notify=said.append) as stops:
+        with stops.protect("step 3, then checkpoint 3"):
+            for sig in (signal.SIGINT, signal.SIGINT, signal.SIGTERM):
+                os.kill(os.getpid(), sig)
+            for _ in range(5):  # the grace timer too fires in here
+                time.sleep(0.01)
+        assert (
+            said == ["already stopping: finishing step 3, then checkpoint 3 (kill -9 to abort)"] * 2
+        )
+        stops.begin_stop(3)
+        assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)  # off once stopping
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGTERM):
+            os.kill(os.getpid(), sig)
+        time.sleep(0.05)
+    assert said[2:] == ["already stopping: finishing checkpoint 3 (kill -9 to abort)"] * 3
+    assert stops.requested == "SIGTERM" and stops.exit_code == 143  # a SIGTERM's status
+    assert said == stops.notices
+
+
+def test_an_interrupted_wait_leaves_the_host_step_in_flight():
+    """A KeyboardInterrupt while the training thread waits for the host step must not
+    forget that step: the next wait (a checkpoint's drain) still waits for it. Before,
+    the wait dropped the future on the way out and the checkpoint then read the host
+    master in the middle of the update."""
+    from zenflow.engine.host import HostJob, HostWorker
+
+    worker = HostWorker()
+    job = HostJob(window_start=1, submit_step=4)
+    done = []
+    worker.submit(job, lambda: (time.sleep(0.4), done.append(True)))
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        with pytest.raises(KeyboardInterrupt):
+            worker.wait(job)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert job.future is not None and worker.in_flight == 1 and not done
+    worker.wait(job)
+    assert done == [True] and job.future is None and worker.in_flight == 0
+    worker.close()
+
+
+# ---- signal storms at the moment a checkpoint is saved (issue 19 item 2)
+# 8 steps; a host window of 4 with overlap: the host step submitted at step 4 is in flight
+# when checkpoint 4 is captured, and made slow so that the capture waits for it while the
+# signals arrive. Evaluations at steps 3 and 6.
+STORM = dict(max_steps=8, checkpoint_every=4, eval_every=3)
+STORM_CONFIG = {
+    **CONFIG,
+    "zero_optimization": {
+        **CONFIG["zero_optimization"],
+        "zenflow": {**CONFIG["zero_optimization"]["zenflow"], "update_interval": 4},
+    },
+}
+
+
+def _evals(run_dir):
+    return runs.read_run(run_dir)["evals"]
+
+
+@pytest.fixture(scope="module")
+def storm_straight(tiny_gpt2_dir, sample_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("storm-straight")
+    s = run_finetune(make_spec(tiny_gpt2_dir, sample_dir, root, config=STORM_CONFIG, **STORM))
+    return losses(s["run_dir"]), _evals(s["run_dir"]), final_model(s["run_dir"])
+
+
+def _slow_host_steps(monkeypatch, seconds: float) -> None:
+    """Every host step sleeps first (the optimizer arithmetic is unchanged)."""
+    from zenflow.engine import host
+
+    real = host.HostWorker.submit
+
+    def submit(self, job, fn):
+        def slow():
+            time.sleep(seconds)
+            fn()
+
+        return real(self, job, slow)
+
+    monkeypatch.setattr(host.HostWorker, "submit", submit)
+
+
+@pytest.mark.parametrize(
+    "storm",
+    [
+        ("SIGINT", 0.02, "SIGINT"),  # two Ctrl-C 20 ms apart
+        ("SIGTERM", 0.0, "SIGTERM"),  # two SIGTERM at the same moment
+        ("SIGINT", 0.01, "SIGTERM", 0.01, "SIGINT"),  # a mix of three
+    ],
+    ids=["int-int", "term-term", "int-term-int"],
+)
+def test_signals_during_a_save_end_with_a_whole_checkpoint_and_exact_resume(
+    tiny_gpt2_dir, sample_dir, tmp_path, monkeypatch, storm, storm_straight
+):
+    """Real signals sent to this process while checkpoint 4 is being captured (waiting for
+    the in-flight host step): the save completes, the run stops naming checkpoint 4, each
+    further signal is acknowledged, and the resumed run equals the uninterrupted one in
+    losses, evaluations and final weights."""
+    import threading
+
+    from zenflow.train import trainer
+
+    ref_losses, ref_evals, ref_params = storm_straight
+    _slow_host_steps(monkeypatch, 0.5)
+    real_state = trainer._Run.checkpoint_state
+
+    def send_storm():
+        for item in storm:
+            if isinstance(item, float):
+                time.sleep(item)
+            else:
+                os.kill(os.getpid(), getattr(signal, item))
+
+    def checkpoint_state(self, step, *a, **kw):
+        if step == 4:
+            threading.Thread(target=send_storm).start()
+            time.sleep(0.005)  # the first signal lands in the capture, before its drain ends
+        return real_state(self, step, *a, **kw)
+
+    monkeypatch.setattr(trainer._Run, "checkpoint_state", checkpoint_state)
+
+    class Events(list):
+        def __call__(self, e):
+            self.append(e)
+
+        def signal_notice(self, message):
+            self.append(message)
+
+    events = Events()
+    spec = make_spec(tiny_gpt2_dir, sample_dir, tmp_path, config=STORM_CONFIG, **STORM)
+    with pytest.raises(RunInterrupted) as exc:
+        run_finetune(spec, events)
+    err = exc.value
+    status = "SIGTERM" if "SIGTERM" in storm else "SIGINT"  # a scheduler's SIGTERM wins
+    assert err.step == 4 and err.checkpoint.name == "step-0000004.pt"
+    assert err.signal == status and err.exit_code == signals.EXIT_CODES[status]
+    notices = [e for e in events if isinstance(e, str)]
+    assert all(n.startswith("already stopping: finishing") for n in notices)
+    if 0.0 not in storm:  # signals sent at the same moment may arrive as one
+        assert len(notices) == len([s for s in storm if isinstance(s, str)]) - 1
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    monkeypatch.undo()
+    run_dir = err.checkpoint.parent.parent
+    run_finetune(dataclasses.replace(spec, resume=str(run_dir)))
+    assert losses(run_dir) == ref_losses and _evals(run_dir) == ref_evals
+    assert_same_params(final_model(run_dir), ref_params)
+
+
+def test_the_evaluation_due_at_the_stop_step_is_done_on_resume(
+    tiny_gpt2_dir, sample_dir, tmp_path, storm_straight
+):
+    """Ctrl-C during step 3, whose evaluation is due: the run stops at the boundary before
+    it, and the resumed run evaluates at step 3 first, so metrics.jsonl (and every eval)
+    equals the uninterrupted run's. Before, that evaluation was dropped for good."""
+    ref_losses, ref_evals, ref_params = storm_straight
+
+    def on_event(e):
+        if isinstance(e, StepEvent) and e.stats.step == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    spec = make_spec(tiny_gpt2_dir, sample_dir, tmp_path, config=STORM_CONFIG, **STORM)
+    with pytest.raises(RunInterrupted) as exc:
+        run_finetune(spec, on_event)
+    run_dir = exc.value.checkpoint.parent.parent
+    assert exc.value.step == 3 and [e["step"] for e in _evals(run_dir)] == []
+    run_finetune(dataclasses.replace(spec, resume=str(run_dir)))
+    assert losses(run_dir) == ref_losses and _evals(run_dir) == ref_evals
+    assert [e["step"] for e in ref_evals] == [3, 6, 8]
+    assert_same_params(final_model(run_dir), ref_params)

@@ -271,16 +271,17 @@ class HostWorker:
         job.future = self._pool.submit(fn)
 
     def wait(self, job: HostJob) -> None:
-        """Block until ``job`` finished; re-raise its exception."""
+        """Block until ``job`` finished; re-raise its exception. A wait cut short (a
+        KeyboardInterrupt in the training thread) leaves the job in flight, so the next
+        wait (a checkpoint's drain) still waits for it: the host state is read only once
+        the host step has written all of it."""
         fut = job.future
         if fut is None:
             return
-        try:
-            exc = fut.exception()
-        finally:
-            if self.in_flight:
-                self.in_flight -= 1
-            job.future = None
+        exc = fut.exception()  # returns only once the job finished
+        if self.in_flight:
+            self.in_flight -= 1
+        job.future = None
         if exc is not None:
             _reraise(exc)
 

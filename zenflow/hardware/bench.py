@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
-import json
 import os
 import shutil
 import signal
@@ -49,7 +48,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from zenflow import jsonout
 from zenflow.errors import UserInputError
+from zenflow.outputs import write_text
 
 ENGINES = ("floor", "device", "offload", "zenflow-sync", "zenflow-overlap",
            "deepspeed-offload", "deepspeed-zenflow")  # fmt: skip
@@ -440,4 +441,4 @@ def _machine() -> dict:
 
 def write_json(result: dict, path: str | os.PathLike) -> None:
     """``--json FILE``: the result, strict JSON (no NaN)."""
-    Path(path).write_text(json.dumps(result, indent=2, allow_nan=False) + "\n")
+    write_text(path, jsonout.dumps(result, indent=2) + "\n", "--json: cannot write")

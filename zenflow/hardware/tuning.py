@@ -18,7 +18,7 @@ from pathlib import Path
 from zenflow.hardware import topk as topk_bounds
 from zenflow.hardware.measure import OverlapProbe
 from zenflow.hardware.topk import MemoryBudget, TimeModel, TopkMemory
-from zenflow.train.runs import write_json_atomic
+from zenflow.outputs import write_json_atomic
 
 UPDATE_INTERVAL_MIN = 1
 UPDATE_INTERVAL_MAX = 64
@@ -387,7 +387,7 @@ def update_config(path: Path, doc: dict, block: dict, *, write: bool) -> dict:
     new = new_doc["zero_optimization"]["zenflow"]
     changed = any(old.get(k, _UNSET) != new[k] for k in block)
     if write and changed:
-        write_json_atomic(path, new_doc)
+        write_json_atomic(path, new_doc, "--config: cannot write")
     return {"old": dict(old), "new": {k: new[k] for k in block}, "written": write and changed}
 
 

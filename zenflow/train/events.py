@@ -73,3 +73,45 @@ class RunInterrupted(Exception):  # noqa: N818 - also the event's name
         super().__init__(
             f"Interrupted ({signal}) after step {step}; {where}. Resume: {resume_command}"
         )
+
+
+class RunDiverged(Exception):  # noqa: N818 - also the event's name
+    """The run diverged and stopped (``zenflow.train.divergence``). Emitted as an event,
+    then raised.
+
+    ``step`` is the step it stopped at, ``reason`` what was seen there, ``last_good_step``
+    the last step whose loss was finite and not skipped, ``skipped_steps`` the steps
+    skipped as non-finite in the whole run, ``checkpoint`` the newest checkpoint (taken
+    before the run diverged; None when none was written) and ``lr`` the peak learning rate.
+    No checkpoint and no model of the diverged weights is written.
+    """
+
+    def __init__(
+        self,
+        step: int,
+        reason: str,
+        last_good_step: int,
+        skipped_steps: int,
+        checkpoint: Path | None,
+        lr: float | None = None,
+    ):
+        self.step = step
+        self.reason = reason
+        self.last_good_step = last_good_step
+        self.skipped_steps = skipped_steps
+        self.checkpoint = checkpoint
+        self.lr = lr
+        lr_now = f" (now {lr:g})" if lr is not None else ""
+        kept = (
+            f"The last good checkpoint, {checkpoint}, is kept"
+            if checkpoint is not None
+            else "No checkpoint was written before it diverged"
+        )
+        super().__init__(
+            f"training diverged at step {step}: {reason}. Likely causes: a learning rate too "
+            f"high{lr_now}: lower --lr or optimizer.params.lr; bad input data (NaN or "
+            "extreme regression labels, garbled rows); or bf16/fp16 overflow: train in fp32 with "
+            f"--set bf16.enabled=false. Last good step: {last_good_step}; {skipped_steps} "
+            f"step(s) skipped as non-finite in all. {kept}; no checkpoint or model of the "
+            "diverged weights was written."
+        )

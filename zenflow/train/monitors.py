@@ -36,7 +36,15 @@ from pathlib import Path
 from typing import Any
 
 from zenflow.errors import UserInputError
-from zenflow.train.events import EvalEvent, RunFinished, RunInterrupted, RunStarted, StepEvent
+from zenflow.outputs import open_append, write_file
+from zenflow.train.events import (
+    EvalEvent,
+    RunDiverged,
+    RunFinished,
+    RunInterrupted,
+    RunStarted,
+    StepEvent,
+)
 
 TRAIN_PREFIX = "Train/Steps/"
 EVAL_PREFIX = "Eval/Steps/"
@@ -137,7 +145,7 @@ class _Csv:
             if writer is None:
                 path = self.directory / csv_filename(tag)
                 new = not path.exists() or path.stat().st_size == 0
-                fh = self.files[tag] = open(path, "a", newline="", encoding="utf-8")
+                fh = self.files[tag] = open_append(path, newline="", encoding="utf-8")
                 writer = self.writers[tag] = csv.writer(fh)
                 if new:
                     writer.writerow(["step", tag.rsplit("/", 1)[-1]])
@@ -161,10 +169,7 @@ def _truncate_csv(path: Path, last_step: int) -> None:
     keep = rows[:1] + [r for r in rows[1:] if r and int(r[0]) <= last_step]
     if len(keep) == len(rows):
         return
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", newline="", encoding="utf-8") as fh:
-        csv.writer(fh).writerows(keep)
-    os.replace(tmp, path)
+    write_file(path, lambda fh: csv.writer(fh).writerows(keep), newline="")
 
 
 class _Wandb:
@@ -257,7 +262,7 @@ class MonitorSink:
         elif isinstance(event, EvalEvent):
             self._write(event.step, eval_scalars(event))
             self.flush()
-        elif isinstance(event, (RunFinished, RunInterrupted)):
+        elif isinstance(event, (RunFinished, RunInterrupted, RunDiverged)):
             self.flush()
 
     def _open(self, header: dict) -> None:

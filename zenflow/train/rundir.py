@@ -2,14 +2,18 @@
 
 ``RunDirectory(spec)`` (the spec after ``merge_resumed_spec`` when resuming):
 
-- ``claim()``, before the slow setup: an existing directory (``resume``, or a ``run_dir``
-  that exists) is locked for this process (``runs.RunDirLock``), and one that already
-  holds a run is refused unless resuming or ``overwrite`` -- so a second process, or a
-  typo in ``--run-dir``, fails at once and touches nothing.
+- ``claim()``, before the slow setup: an existing ``run_dir`` that is not a zfctl run
+  (``runs.holds_run``: by its config.json, never by file names) and is not empty (someone
+  else's files, e.g. a Hugging Face model folder) is refused before anything is written
+  in it, ``--overwrite`` or not; an existing directory (``resume``, or a ``run_dir``) is
+  then locked for this process (``runs.RunDirLock``), and one that already holds a run is
+  refused unless resuming or ``overwrite`` -- so a second process, or a typo in
+  ``--run-dir``, fails at once and touches nothing.
 - ``create(task)``, after setup: a new directory (under ``runs_root``, or a ``run_dir``
   that did not exist) is made and locked only now, so a setup error (model, data,
   ``--seq-len``) leaves no empty run directory behind; ``overwrite`` removes the old run's
-  files there (``runs.clear_run``: ours only).
+  files there (``runs.clear_run``: ours only). ``--overwrite`` with an empty or new folder
+  has nothing to remove and simply starts the run there.
 - ``reopen(metrics_lines, step, total_steps)`` for a resumed run: metrics.jsonl cut back
   to the lines its checkpoint counted, summary.json removed (no longer true).
 - ``finished_summary(total_steps)``: the summary of a resumed run with nothing left to do.
@@ -37,6 +41,7 @@ class RunDirectory:
             self._take(self.path)
         elif spec.run_dir is not None and Path(spec.run_dir).is_dir():
             self.path = Path(spec.run_dir)
+            self._refuse_foreign_folder()  # before the lock file is made in it
             self._take(self.path)
             self._refuse_existing_run()
 
@@ -52,9 +57,10 @@ class RunDirectory:
         if self._lock is None:  # it did not exist at claim time
             with runs.writing(self.path, "cannot create the run directory"):
                 self.path.mkdir(parents=True, exist_ok=True)
+            self._refuse_foreign_folder()  # made by someone else since claim()
             self._take(self.path)
             self._refuse_existing_run()
-        if spec.overwrite:
+        if spec.overwrite and runs.holds_run(self.path):  # an empty folder: nothing to remove
             runs.clear_run(self.path)
         return self.path
 
@@ -95,6 +101,26 @@ class RunDirectory:
 
     def _take(self, path: Path) -> None:
         self._lock = runs.RunDirLock(path).acquire()
+
+    def _refuse_foreign_folder(self) -> None:
+        """A folder that is not a zfctl run is used only when empty: zfctl never writes a
+        run among, nor deletes, files it did not write."""
+        if runs.holds_run(self.path):
+            return
+        foreign = runs.foreign_entries(self.path)
+        if not foreign:
+            return
+        shown = ", ".join(foreign[:6]) + (", ..." if len(foreign) > 6 else "")
+        done = (
+            "--overwrite deletes only a zfctl run's files, so nothing was removed"
+            if self.spec.overwrite
+            else "nothing was written there"
+        )
+        raise UserInputError(
+            f"--run-dir {self.path} is not a zfctl run ({runs.not_a_run_reason(self.path)}) "
+            f"and is not empty (it holds {shown}): zfctl writes a run only into an empty or "
+            f"new folder, and {done}. Choose an empty or new folder for --run-dir."
+        )
 
     def _refuse_existing_run(self) -> None:
         if not self.spec.overwrite and runs.holds_run(self.path):

@@ -3,7 +3,8 @@
 Layout of one run (written by ``zenflow.train.trainer``)::
 
     runs/<YYYYmmdd-HHMMSS>-<model basename>-<task>/
-        config.json     resolved DeepSpeed config + {"run": spec, "sources": ...}
+        config.json     resolved DeepSpeed config + {"zfctl_run": 1, "run": spec,
+                        "sources": ...}: what makes the folder a zfctl run (``run_config``)
         hw.json         copy of the hardware probe, when one was given or found
         metrics.jsonl   one JSON object per line: {"type": "step", ...} or {"type": "eval", ...}
         summary.json    written when the run finishes
@@ -11,9 +12,11 @@ Layout of one run (written by ``zenflow.train.trainer``)::
         model/          the fine-tuned model (Hugging Face format), written at the end
         .zfctl.lock     flock held by the process running it (see ``RunDirLock``)
         zfctl-error.log the traceback of an internal error (a bug), when one happened
+        tensorboard/, csv_monitor/, wandb/   the monitors' logs, when enabled with no path
 
-``OUR_ENTRIES`` are the names zfctl writes; ``clear_run`` (``--overwrite``) removes those
-and nothing else.
+A folder is a run only when its config.json says so (``run_config``). ``OUR_ENTRIES`` are
+the names zfctl writes; ``clear_run`` (``--overwrite``) removes those from a run and
+nothing else, and nothing at all from a folder that is not a run.
 """
 
 from __future__ import annotations
@@ -21,14 +24,18 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import math
 import os
 import re
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
-from zenflow.errors import StorageError, UserInputError, storage_error, undecodable_at
+from zenflow.errors import UserInputError, storage_error, undecodable_at
+from zenflow.outputs import open_append, write_file, write_json_atomic, write_text, writing
+
+# The writers live in zenflow.outputs; the trainer calls them from here.
+__all__ = ["open_append", "write_json_atomic", "write_text", "writing"]
 
 CONFIG_FILE = "config.json"
 SUMMARY_FILE = "summary.json"
@@ -38,9 +45,20 @@ CHECKPOINT_DIR = "checkpoints"
 MODEL_DIR = "model"  # the fine-tuned model, Hugging Face format
 LOCK_FILE = ".zfctl.lock"
 ERROR_LOG = "zfctl-error.log"
-# A directory holding any of these holds a run (hw.json or a log alone do not make one).
-RUN_MARKERS = (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, CHECKPOINT_DIR, MODEL_DIR)
-OUR_ENTRIES = (*RUN_MARKERS, HW_FILE, ERROR_LOG)
+# The monitors' folders when their output_path is "" (zenflow.train.monitors.log_dir).
+MONITOR_DIRS = ("tensorboard", "csv_monitor", "wandb")
+# config.json's key saying zfctl wrote it, with the layout's version. A folder is a zfctl
+# run only by its config.json (``run_config``): never by the mere names of its files (a
+# Hugging Face model folder holds a config.json too).
+RUN_MARK = "zfctl_run"
+RUN_FORMAT = 1
+# What ``clear_run`` (--overwrite) removes from a run, config.json last: a run cleared
+# halfway is still recognised as a run and can be cleared again.
+OUR_ENTRIES = (METRICS_FILE, SUMMARY_FILE, CHECKPOINT_DIR, MODEL_DIR, HW_FILE, ERROR_LOG,
+               *MONITOR_DIRS, CONFIG_FILE)  # fmt: skip
+# What zfctl may leave in a folder before the run's config.json exists (the lock, a bug's
+# log): such a folder still counts as empty.
+HOUSEKEEPING = (LOCK_FILE, ERROR_LOG)
 _CKPT_RE = re.compile(r"^step-(\d+)\.pt$")
 
 
@@ -67,49 +85,6 @@ def create_run_dir(runs_root: str | Path, model: str, task: str, now: float | No
     raise UserInputError(f"Could not create a new run directory under {root} for {base}.")
 
 
-def write_json_atomic(path: str | Path, obj) -> None:
-    """Write JSON to a temporary file beside ``path`` (parents created), fsync, then
-    os.replace: never a half-written file, and an existing file keeps its permissions."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=2, sort_keys=False, default=_json_default)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        if path.exists():
-            os.chmod(tmp, path.stat().st_mode & 0o777)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
-def _json_default(obj):
-    if isinstance(obj, Path):
-        return str(obj)
-    if isinstance(obj, (set, frozenset, tuple)):
-        return list(obj)
-    if hasattr(obj, "items"):
-        return dict(obj.items())
-    return repr(obj)
-
-
-@contextlib.contextmanager
-def writing(path: str | Path, what: str = "cannot write"):
-    """Turn an OSError raised inside into a StorageError naming ``path``, the reason and
-    the free space there (full disk, read-only file system, no permission)."""
-    try:
-        yield
-    except StorageError:
-        raise
-    except OSError as exc:
-        raise storage_error(exc, path, what) from exc
-
-
 def trim_metrics(path: str | Path, keep_lines: int, *, drop_eval_at: int | None = None) -> list:
     """Cut metrics.jsonl back to its first ``keep_lines`` lines (those a checkpoint
     counted; later lines belong to steps that run again), and also drop a last eval line
@@ -128,8 +103,7 @@ def trim_metrics(path: str | Path, keep_lines: int, *, drop_eval_at: int | None 
             and last.get("step") == drop_eval_at
         ):
             keep.pop()
-    with writing(path):
-        path.write_bytes(b"".join(keep))
+    write_file(path, lambda f: f.write(b"".join(keep)), binary=True)
     records = []
     for line in keep:
         with contextlib.suppress(ValueError):
@@ -158,11 +132,63 @@ def read_json(path: str | Path) -> dict | None:
         raise UserInputError(f"{path} is not valid JSON: {exc}.") from exc
 
 
+# The numbers a metrics line may hold: (lowest, highest) allowed. A value outside, or NaN or
+# inf (bare tokens in files written before zfctl wrote strict JSON), reads back as missing
+# (None); so does a step's null loss (a skipped step). ``read_metrics`` describes each kind.
+_NON_NEGATIVE = (0.0, math.inf)
+_SHARE = (0.0, 1.0)
+_CORRELATION = (-1.0, 1.0)
+VALUE_RANGES = {
+    **dict.fromkeys(
+        ("loss", "eval_loss", "lr", "grad_norm", "epoch", "samples_per_s", "tokens_per_s",
+         "d2h_bytes", "h2d_bytes", "device_bytes", "device_peak_bytes", "host_bytes",
+         "pinned_host_bytes", "wall_ms", "step_ms", "forward_ms", "backward_ms",
+         "device_opt_ms", "stall_ms", "transfer_ms"),
+        _NON_NEGATIVE,
+    ),
+    **dict.fromkeys(("accuracy", "f1", "overlap_share"), _SHARE),
+    **dict.fromkeys(("matthews", "pearson", "spearman"), _CORRELATION),
+}  # fmt: skip
+
+
+def _value_problem(record: dict, key: str) -> str | None:
+    """What is wrong with ``record[key]`` (then set to None), or None when it is fine."""
+    value = record.get(key)
+    if value is None:  # not reported; only a step's loss is always reported
+        return "loss missing (null: a skipped, non-finite step)" if (
+            key == "loss" and key in record and record.get("type", "step") == "step"
+        ) else None  # fmt: skip
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        problem = f"{key} not a number"
+    elif not math.isfinite(value):
+        problem = f"{key} not finite ({value})"
+    else:
+        lo, hi = VALUE_RANGES[key]
+        if lo <= value <= hi:
+            return None
+        problem = f"{key} out of range ({value:g}; allowed {lo:g} to {hi:g})"
+    record[key] = None
+    return problem
+
+
+def _check_values(record: dict, line: int, seen: dict) -> None:
+    """Set each bad number of ``record`` to None; count it in ``seen`` by kind:
+    (line type, problem) -> [count, first line, first problem]."""
+    for key in [k for k in record if k in VALUE_RANGES]:
+        problem = _value_problem(record, key)
+        if problem is not None:  # the kind: the problem without the value
+            kind = (str(record.get("type", "step")), problem.split(" (")[0])
+            seen.setdefault(kind, [0, line, problem])[0] += 1
+
+
 def read_metrics(path: str | Path, problems: list[str] | None = None) -> list[dict]:
     """Every JSON-object line of a metrics.jsonl. A line that is not UTF-8, not JSON or not
     an object is skipped and reading goes on; each such line is described in ``problems``
-    (when given). A torn last line (a crash mid-write) is described as such."""
+    (when given). A torn last line (a crash mid-write) is described as such. A number out
+    of ``VALUE_RANGES`` or not finite, and a step's null loss, read back as None; each kind
+    is described once in ``problems``, with its count and first line."""
     out: list[dict] = []
+    seen: dict[tuple[str, str], list] = {}
     try:
         with open(path, "rb") as f:
             raw_lines = f.read().split(b"\n")
@@ -185,11 +211,17 @@ def read_metrics(path: str | Path, problems: list[str] | None = None) -> list[di
                 problem = f"{where} is not valid JSON; skipped it"
         else:
             if isinstance(record, dict):
+                _check_values(record, i + 1, seen)
                 out.append(record)
                 continue
             problem = f"{where} is not a JSON object; skipped it"
         if problems is not None:
             problems.append(problem)
+    if problems is not None:
+        for (kind, _), (count, first, problem) in seen.items():
+            lines = f"{count} {kind} line{'s' if count > 1 else ''}"
+            problems.append(f"{path}: {lines} with {problem}, first at line {first}; read "
+                            "as a missing value")  # fmt: skip
     return out
 
 
@@ -213,9 +245,34 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return ckpts[-1] if ckpts else None
 
 
+def is_run_config(cfg) -> bool:
+    """Whether a config.json's content is one zfctl wrote for a run: it carries
+    ``RUN_MARK``, or (written before the mark existed) a "run" object naming the model
+    (the spec zfctl has always saved there; no model's own config.json has one)."""
+    if not isinstance(cfg, dict):
+        return False
+    mark = cfg.get(RUN_MARK)
+    if isinstance(mark, int) and not isinstance(mark, bool) and mark >= 1:
+        return True
+    run = cfg.get("run")
+    return isinstance(run, dict) and isinstance(run.get("model"), str)
+
+
+def run_config(run_dir: str | Path) -> dict | None:
+    """The config.json of the zfctl run in ``run_dir``, or None when ``run_dir`` holds
+    none (no config.json, or one zfctl did not write: unreadable, not JSON, no mark)."""
+    path = Path(run_dir) / CONFIG_FILE
+    if not path.is_file():
+        return None
+    try:
+        cfg = read_json(path)
+    except (UserInputError, OSError):
+        return None
+    return cfg if is_run_config(cfg) else None
+
+
 def _run_info(run_dir: Path) -> dict:
-    cfg = read_json(run_dir / CONFIG_FILE) or {}
-    return cfg.get("run") or {}
+    return (run_config(run_dir) or {}).get("run") or {}
 
 
 def same_model(a: str | None, b: str) -> bool:
@@ -228,11 +285,11 @@ def same_model(a: str | None, b: str) -> bool:
 
 
 def list_runs(runs_root: str | Path) -> list[Path]:
-    """Run directories under ``runs_root`` (those with a config.json), oldest first."""
+    """The zfctl runs under ``runs_root`` (``holds_run``), oldest first."""
     root = Path(runs_root)
     if not root.is_dir():
         return []
-    runs = [d for d in root.iterdir() if d.is_dir() and (d / CONFIG_FILE).is_file()]
+    runs = [d for d in root.iterdir() if d.is_dir() and holds_run(d)]
     # Names start with a timestamp; mtime breaks ties and orders renamed directories.
     return sorted(runs, key=lambda d: (d.name[:15], (d / CONFIG_FILE).stat().st_mtime, d.name))
 
@@ -265,17 +322,18 @@ def read_run(run_dir: str | Path) -> dict:
     for a run that has not finished (interrupted or still running).
     """
     d = Path(run_dir)
-    if not (d / CONFIG_FILE).is_file():
+    config = read_json(d / CONFIG_FILE) if (d / CONFIG_FILE).is_file() else None
+    if not is_run_config(config):
         raise UserInputError(
-            f"{d} is not a zfctl run directory (no {CONFIG_FILE}). Pass a directory under "
-            "runs/ written by `zfctl finetune`."
+            f"{d} is not a zfctl run directory ({not_a_run_reason(d)}). Pass a directory "
+            "under runs/ written by `zfctl finetune`."
         )
     problems: list[str] = []
     lines = read_metrics(d / METRICS_FILE, problems)
     return {
         "run_dir": str(d),
         "warnings": problems,
-        "config": read_json(d / CONFIG_FILE),
+        "config": config,
         "summary": read_json(d / SUMMARY_FILE),
         "metrics": [m for m in lines if m.get("type", "step") == "step"],
         "evals": [m for m in lines if m.get("type") == "eval"],
@@ -288,15 +346,39 @@ def read_run(run_dir: str | Path) -> dict:
 
 
 def holds_run(run_dir: str | Path) -> bool:
-    """Whether ``run_dir`` holds (part of) a run: any of ``RUN_MARKERS``."""
-    d = Path(run_dir)
-    return any(os.path.lexists(d / name) for name in RUN_MARKERS)
+    """Whether ``run_dir`` holds a zfctl run: its config.json is one zfctl wrote
+    (``run_config``). File names alone never make a run."""
+    return run_config(run_dir) is not None
+
+
+def not_a_run_reason(run_dir: str | Path) -> str:
+    """Why ``run_dir`` is not a zfctl run, for messages: "no config.json" or "its
+    config.json was not written by zfctl"."""
+    if not (Path(run_dir) / CONFIG_FILE).is_file():
+        return f"no {CONFIG_FILE}"
+    return f"its {CONFIG_FILE} was not written by zfctl"
+
+
+def foreign_entries(run_dir: str | Path) -> list[str]:
+    """The names in ``run_dir`` that are not zfctl's housekeeping (``HOUSEKEEPING``),
+    sorted: what makes a folder that is not a run "not empty"."""
+    try:
+        names = os.listdir(run_dir)
+    except FileNotFoundError:
+        return []
+    return sorted(n for n in names if n not in HOUSEKEEPING)
 
 
 def clear_run(run_dir: str | Path) -> list[str]:
-    """Remove the run files zfctl writes (``OUR_ENTRIES``) from ``run_dir`` and nothing
-    else (a link is removed, never followed); returns the names removed."""
+    """Remove the run files zfctl writes (``OUR_ENTRIES``) from the run in ``run_dir`` and
+    nothing else (a link is removed, never followed); returns the names removed. A folder
+    that is not a zfctl run (``holds_run``) is refused with UserInputError, untouched."""
     d = Path(run_dir)
+    if not holds_run(d):
+        raise UserInputError(
+            f"{d} is not a zfctl run ({not_a_run_reason(d)}); nothing in it was removed. "
+            "--overwrite replaces only a run zfctl wrote; choose an empty or new folder."
+        )
     removed = []
     for name in OUR_ENTRIES:
         p = d / name

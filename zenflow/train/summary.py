@@ -117,11 +117,12 @@ def run_summary(run, lines: list[dict], wall_s: float, status: str) -> dict:
     evals = [m for m in lines if m.get("type") == "eval"]
     n = len(steps)
     model_bytes = run.engine.model_bytes
-    d2h = sum(int(m.get("d2h_bytes", 0)) for m in steps)
-    h2d = sum(int(m.get("h2d_bytes", 0)) for m in steps)
+    # a value read back as missing (None: runs.read_metrics) counts as 0
+    d2h = sum(int(m.get("d2h_bytes") or 0) for m in steps)
+    h2d = sum(int(m.get("h2d_bytes") or 0) for m in steps)
     samples = n * run.global_micro * run.gas  # every rank's samples (data parallel)
     tokens = samples * run.spec.seq_len
-    train_s = sum(float(m.get("wall_ms", 0.0)) for m in steps) / 1e3
+    train_s = sum(float(m.get("wall_ms") or 0.0) for m in steps) / 1e3
     losses = [m.get("loss") for m in steps]
     timing = {f: finite_mean(m.get(f) for m in steps) for f in TIMING_FIELDS}
     windows = [m["window_len"] for m in steps if m.get("window_len")]
@@ -141,6 +142,11 @@ def run_summary(run, lines: list[dict], wall_s: float, status: str) -> dict:
         "eval": last_eval,
         "validation": {k: last_eval[k] for k in run.task.metrics} if last_eval else None,
         "validation_accuracy": (last_eval or {}).get("accuracy"),
+        # steps the engine skipped as non-finite (no state changed); a run that diverged
+        # also says where (set by the trainer: zenflow.train.divergence)
+        "skipped_steps": sum(1 for m in steps if m.get("skipped")),
+        "last_good_step": None,
+        "divergence": None,
         "non_finite_steps": sum(
             1
             for m in steps

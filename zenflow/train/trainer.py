@@ -2,7 +2,11 @@
 
 ``run_finetune(spec, on_event)`` does the whole run and reports through plain event objects
 (``RunStarted``, ``StepEvent``, ``EvalEvent``, ``CheckpointSaved``, ``RunFinished``,
-``RunInterrupted``); the CLI decides how to show them. Nothing here prints.
+``RunInterrupted``, ``RunDiverged``); the CLI decides how to show them. Nothing here prints.
+
+Divergence (``zenflow.train.divergence``): ``DIVERGED_AFTER`` consecutive non-finite steps,
+or non-finite parameters before a checkpoint or the final model, stop the run with
+``RunDiverged``; nothing of the diverged weights is saved.
 
 Exact resume: a checkpoint is taken at an optimizer-step boundary and holds the model, the
 engine (optimizer/ZenFlow state), the data position (epoch, index into that epoch's
@@ -32,6 +36,7 @@ and a stop request is agreed so all ranks stop at the same step boundary.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -40,6 +45,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from zenflow import jsonout
 from zenflow.config.rules import MAX_INT, run_length_notes
 from zenflow.errors import (
     CheckpointError,
@@ -62,10 +68,12 @@ from zenflow.train.checkpointing import (
 from zenflow.train.data import batches as data_batches
 from zenflow.train.data import compute_metrics, encode, eval_batches, get_task, load_task
 from zenflow.train.data import steps_per_epoch as data_steps_per_epoch
+from zenflow.train.divergence import DivergenceWatch
 from zenflow.train.events import (
     CheckpointSaved,
     EvalEvent,
     RunAlreadyFinished,
+    RunDiverged,
     RunFinished,
     RunInterrupted,
     RunStarted,
@@ -99,11 +107,20 @@ from zenflow.train.spec import (
 )
 from zenflow.train.summary import run_header, run_summary, step_counts, zenflow_settings
 
-__all__ = ["RunInterrupted", "RunSpec", "resume_command", "run_finetune"]
+__all__ = ["RunDiverged", "RunInterrupted", "RunSpec", "resume_command", "run_finetune"]
 
 
 def _noop(_event) -> None:
     pass
+
+
+class _Diverging(Exception):  # noqa: N818 - a stop, not an error
+    """Raised in the step loop when the run has diverged (``zenflow.train.divergence``)."""
+
+    def __init__(self, step: int, reason: str):
+        super().__init__(reason)
+        self.step = step
+        self.reason = reason
 
 
 # ---------------------------------------------------------------------------- the run
@@ -123,6 +140,7 @@ class _Run:
         self.par = Parallel()
         self.monitor: MonitorSink | None = None
         self.notes: list[str] = []  # said in the header (RunStarted)
+        self.redo_eval = False  # resumed: the evaluation due at the checkpoint's step is owed
         if spec.engine_mode not in ENGINE_MODES:
             raise UserInputError(
                 f"engine mode {spec.engine_mode!r} is not allowed; use one of "
@@ -432,13 +450,11 @@ class _Run:
         return metrics
 
     def write_metrics(self, record: dict) -> None:
-        import json
-
         if not self.par.main:  # counted on every rank: checkpoints record the count
             self.metrics_lines += 1
             return
         with runs.writing(self.run_dir / runs.METRICS_FILE):
-            self.metrics_file.write(json.dumps(record, default=str) + "\n")
+            self.metrics_file.write(jsonout.dumps(record) + "\n")  # NaN loss: null
             self.metrics_file.flush()
         self.metrics_lines += 1
 
@@ -540,14 +556,15 @@ class _Run:
                 self.metrics_lines = int(state["metrics_lines"])
                 self.start_counts = {}
             set_rng_state(torch, self.device, state["rng"])
+            self.redo_eval = broadcast_object(
+                self._eval_missing(kept, step) if self.par.main else None, self.par
+            )
             pos = state["position"]
             self.last_checkpoint = self.resumed_from
             start = (step, pos["epoch"], pos["index"], float(state.get("wall_s", 0.0)))
         else:
             if self.par.main:
                 self.run_dir = self.dir.create(self.task.name)
-                with runs.writing(self.run_dir / runs.METRICS_FILE):
-                    (self.run_dir / runs.METRICS_FILE).write_text("", encoding="utf-8")
             self.run_dir = Path(broadcast_object(str(self.run_dir), self.par))
             self.metrics_lines = 0
             self.start_counts = {}
@@ -557,6 +574,7 @@ class _Run:
         if not self.par.main:
             return start
         cfg_json = self.config.to_json_dict(self.engine.resolved)
+        cfg_json[runs.RUN_MARK] = runs.RUN_FORMAT  # what makes the folder a run (runs.py)
         cfg_json["run"] = spec_record(spec)
         cfg_json["sources"] = self.sources
         cfg_json["engine_resolved"] = dict(self.engine.resolved)
@@ -565,14 +583,25 @@ class _Run:
             runs.write_json_atomic(self.run_dir / runs.CONFIG_FILE, cfg_json)
             if self.hw is not None:
                 runs.write_json_atomic(self.run_dir / runs.HW_FILE, self.hw)
+        if not spec.resume:  # after config.json, so a folder holding run files is a run
+            runs.write_text(self.run_dir / runs.METRICS_FILE, "")
         return start
+
+    def _eval_missing(self, kept: list[dict], step: int) -> bool:
+        """Whether the periodic evaluation due at ``step`` (a resumed run's checkpoint) is
+        not in the kept metrics: a stop that came during that step or its evaluation saved
+        the boundary before it. The resumed run does it first, so its metrics.jsonl equals
+        an uninterrupted run's."""
+        every = self.spec.eval_every
+        if not every or step <= 0 or step % every or step >= self.total_steps:
+            return False
+        return not any(r.get("type") == "eval" and r.get("step") == step for r in kept)
 
     def _run_with_engine(self, torch) -> dict:
         spec = self.spec
         step, epoch, index, wall_before = self._prepare_run_dir()
         if self.par.main:
-            with runs.writing(self.run_dir / runs.METRICS_FILE, "cannot open"):
-                self.metrics_file = open(self.run_dir / runs.METRICS_FILE, "a", encoding="utf-8")
+            self.metrics_file = runs.open_append(self.run_dir / runs.METRICS_FILE, encoding="utf-8")
         else:  # rank > 0 writes no metrics
             self.metrics_file = open(os.devnull, "w", encoding="utf-8")
         # Phase timing on the device's timeline (CUDA events; wall clock elsewhere): never a
@@ -596,48 +625,59 @@ class _Run:
         step_times: list[float] = []
         per_step_samples = self.global_micro * self.gas
         rows = slice(self.par.rank * self.micro_batch, (self.par.rank + 1) * self.micro_batch)
-        stops = StopRequests()
+        stops = StopRequests(notify=getattr(self.on_event, "signal_notice", None))
+        watch = DivergenceWatch(step)
 
         def stop_now() -> bool:
             """A stop request, agreed: every rank stops at the same step boundary."""
             return any_rank(bool(stops.requested), self.par)
 
-        try:
-            with self.metrics_file, stops:
+        # The handlers stay installed until the stop's checkpoint is written: a signal
+        # during that save is acknowledged, never the default action (exit, no message).
+        with self.metrics_file, stops:
+            try:
                 self.on_event(RunStarted(self.header(step, self.start_counts)))
                 if stop_now():
                     raise KeyboardInterrupt
+                if self.redo_eval:  # due at the checkpoint's step; the stop came before it
+                    self.evaluate(step)
                 while step < self.total_steps:
                     t_step = time.perf_counter()
                     marks = []
                     losses = []
-                    for _ in range(self.gas):
-                        if index >= self.epoch_samples:
-                            epoch, index, it = epoch + 1, 0, None
-                        if it is None:
-                            it = data_batches(
-                                self.encoded.train, self.global_micro, spec.seed, epoch, index
-                            )
-                        index, batch = next(it)
-                        batch = {k: to_device(v[rows], k) for k, v in batch.items()}
-                        m0, w0 = mark(), time.perf_counter()
-                        try:
-                            with self.engine.autocast():
-                                out = self.train_module(**batch)
-                            loss = out.loss.float()
-                            m1 = mark()
-                            self.engine.backward(loss / self.gas)
-                        except torch.OutOfMemoryError as exc:
-                            raise self._out_of_memory(exc) from None
-                        m2, w2 = mark(), time.perf_counter()
-                        marks.append((m0, m1, m2))
-                        if accel is not None:  # the device computed (the overlap figure)
-                            accel.note_compute(w0, w2)
-                        losses.append(loss.detach())
-                    mean_loss = torch.stack(losses).mean()
-                    in_engine_step = stops.critical = True
-                    stats = self.engine.step(mean_loss)
-                    in_engine_step = stops.critical = False
+                    # From the first backward on, the step changes engine state (gradient
+                    # pieces stream to the host accumulator): it is finished, not interrupted.
+                    with contextlib.ExitStack() as held:
+                        for i in range(self.gas):
+                            if index >= self.epoch_samples:
+                                epoch, index, it = epoch + 1, 0, None
+                            if it is None:
+                                it = data_batches(
+                                    self.encoded.train, self.global_micro, spec.seed, epoch, index
+                                )
+                            index, batch = next(it)
+                            batch = {k: to_device(v[rows], k) for k, v in batch.items()}
+                            m0, w0 = mark(), time.perf_counter()
+                            try:
+                                with self.engine.autocast():
+                                    out = self.train_module(**batch)
+                                loss = out.loss.float()
+                                m1 = mark()
+                                if i == 0:
+                                    what = f"step {step + 1}, then checkpoint {step + 1}"
+                                    held.enter_context(stops.protect(what))
+                                    in_engine_step = True
+                                self.engine.backward(loss / self.gas)
+                            except torch.OutOfMemoryError as exc:
+                                raise self._out_of_memory(exc) from None
+                            m2, w2 = mark(), time.perf_counter()
+                            marks.append((m0, m1, m2))
+                            if accel is not None:  # the device computed (the overlap figure)
+                                accel.note_compute(w0, w2)
+                            losses.append(loss.detach())
+                        mean_loss = torch.stack(losses).mean()
+                        stats = self.engine.step(mean_loss)
+                    in_engine_step = False
                     # the step's one read waited for backward: the marks are complete
                     fwd_ms = sum(elapsed_ms(a, b) for a, b, _ in marks)
                     bwd_ms = sum(elapsed_ms(b, c) for _, b, c in marks)
@@ -680,14 +720,25 @@ class _Run:
                             total_steps=self.total_steps,
                         )
                     )
+                    if watch.observe(stats):
+                        raise _Diverging(step, watch.reason())
                     if stop_now():
                         raise KeyboardInterrupt
                     evaluated = False
                     if spec.eval_every and step % spec.eval_every == 0 and step < self.total_steps:
                         self.evaluate(step)
                         evaluated = True
-                    if evaluated or (spec.checkpoint_every and step % spec.checkpoint_every == 0):
-                        self.save_checkpoint(step, epoch, index, boundary["rng"], session_wall())
+                    checkpoint_due = evaluated or (
+                        spec.checkpoint_every and step % spec.checkpoint_every == 0
+                    )
+                    # not while the loss is non-finite: the last good checkpoint stays the
+                    # newest (a run that recovers is checkpointed at its next due step)
+                    if checkpoint_due and not watch.streak:
+                        self._check_finite_params(step)
+                        with stops.protect(f"checkpoint {step}"):
+                            self.save_checkpoint(
+                                step, epoch, index, boundary["rng"], session_wall()
+                            )
                     if stop_now():
                         raise KeyboardInterrupt
                 # The final checkpoint holds the engine exactly as an uninterrupted longer run
@@ -698,44 +749,88 @@ class _Run:
                 # resume of a run stopped after it drops and redoes that evaluation). The
                 # flush applies what is still in a host window, so the final weights
                 # (evaluated and saved) include every gradient.
-                final_state = self.checkpoint_state(
-                    step, epoch, index, boundary["rng"], session_wall(), share_host=True
-                )
-                self.save_checkpoint(step, epoch, index, None, 0.0, state=final_state,
-                                     lines_to_come=1)  # fmt: skip
-                del final_state
+                self._check_finite_params(step)
+                if watch.streak:  # it ended before the loss came back: no final save
+                    raise _Diverging(step, watch.reason() + ", up to the run's last step")
+                with stops.protect(f"checkpoint {step}"):
+                    final_state = self.checkpoint_state(
+                        step, epoch, index, boundary["rng"], session_wall(), share_host=True
+                    )
+                    self.save_checkpoint(step, epoch, index, None, 0.0, state=final_state,
+                                         lines_to_come=1)  # fmt: skip
+                    del final_state
                 self.engine.flush()
                 self.evaluate(step)
+                self._check_finite_params(step)  # the flush applied the last host work
                 if self.par.main:
                     self.save_final_model()
-        except KeyboardInterrupt:
-            return self._interrupted(boundary, in_engine_step, session_wall(), stops)
-        if not self.par.main:
-            barrier(self.par)  # rank 0 writes the summary
-            return {"status": "finished", "rank": self.par.rank, "run_dir": str(self.run_dir)}
-        summary = self.summary(session_wall(), "finished")
-        with runs.writing(self.run_dir / runs.SUMMARY_FILE):
-            runs.write_json_atomic(self.run_dir / runs.SUMMARY_FILE, summary)
-        barrier(self.par)
-        self.on_event(RunFinished(summary))
-        return summary
+            except KeyboardInterrupt:
+                return self._interrupted(boundary, in_engine_step, session_wall(), stops)
+            except _Diverging as why:
+                return self._diverged(why, watch.last_good_step, session_wall())
+            if not self.par.main:
+                barrier(self.par)  # rank 0 writes the summary
+                return {"status": "finished", "rank": self.par.rank, "run_dir": str(self.run_dir)}
+            summary = self.summary(session_wall(), "finished")
+            with runs.writing(self.run_dir / runs.SUMMARY_FILE):
+                runs.write_json_atomic(self.run_dir / runs.SUMMARY_FILE, summary)
+            barrier(self.par)
+            self.on_event(RunFinished(summary))
+            return summary
+
+    def _check_finite_params(self, step: int) -> None:
+        """Raise ``_Diverging`` when a parameter holds NaN or inf: the weights about to be
+        checkpointed or saved are those of a diverged run (one device read; every rank
+        agrees). Per-tensor max-norms (NaN and inf carry through a max, and it cannot
+        overflow as a sum of squares would): no parameter-sized temporary on the device."""
+        torch = self.torch
+        params = [p.detach() for p in self.model.parameters()]
+        norms = torch._foreach_norm(params, ord=math.inf) if params else []
+        bad = bool(norms) and not bool(torch.stack([n.float() for n in norms]).isfinite().all())
+        if any_rank(bad, self.par):
+            raise _Diverging(step, "the model's parameters hold NaN or inf values")
+
+    def _diverged(self, why: _Diverging, last_good_step: int, wall_s: float):
+        """Stop a run that diverged: nothing of its weights is saved (the newest checkpoint
+        stays the last good one); summary.json says "diverged"; emit and raise RunDiverged."""
+        self.engine.zero_grad()
+        skipped = 0
+        if self.par.main:
+            summary = self.summary(wall_s, "diverged")
+            summary["last_good_step"] = last_good_step
+            summary["divergence"] = {"step": why.step, "reason": why.reason}
+            skipped = summary["skipped_steps"]
+            with runs.writing(self.run_dir / runs.SUMMARY_FILE):
+                runs.write_json_atomic(self.run_dir / runs.SUMMARY_FILE, summary)
+        event = RunDiverged(why.step, why.reason, last_good_step, skipped,
+                            self.last_checkpoint, self.config.optimizer.lr)  # fmt: skip
+        self.on_event(event)
+        raise event
 
     def _interrupted(self, boundary: dict, in_engine_step: bool, wall_s: float, stops):
-        """Save a checkpoint at the last step boundary, emit and raise RunInterrupted."""
+        """Save a checkpoint at the last step boundary, emit and raise RunInterrupted.
+
+        The stop has begun: further signals are only acknowledged (``stops.begin_stop``)
+        and the save is protected, so the checkpoint is whole and of one step boundary
+        (its capture waits for the in-flight host step), or the previous one is kept."""
         ckpt = self.last_checkpoint
         step = boundary["step"]
         if not in_engine_step:
-            # Mid-step work (forward/backward) is discarded: gradients dropped, data position
-            # and RNG rewound to the boundary, so the resumed run redoes this step exactly.
+            # Mid-step work (a forward) is discarded: data position and RNG rewound to the
+            # boundary, so the resumed run redoes this step exactly. (No backward of it has
+            # run: from the first backward on a step is protected and finishes.)
             self.engine.zero_grad()
             if not self.metrics_file.closed:
                 self.metrics_file.flush()
             if ckpt is None or runs.checkpoint_step(ckpt) != step:
-                ckpt = self.save_checkpoint(
-                    step, boundary["epoch"], boundary["index"], boundary["rng"], wall_s
-                )
-        # else: the engine was interrupted inside its step; its state may be half-updated, so
-        # the last checkpoint on disk (if any) is the one to resume from.
+                stops.begin_stop(step)
+                with stops.protect(f"checkpoint {step}"):
+                    ckpt = self.save_checkpoint(
+                        step, boundary["epoch"], boundary["index"], boundary["rng"], wall_s
+                    )
+        # else: interrupted inside a step by something other than a signal (a
+        # KeyboardInterrupt raised by a callback); the engine's state may be half-updated,
+        # so the last checkpoint on disk (if any) is the one to resume from.
         cmd = resume_command(self.spec, self.run_dir) if ckpt is not None else None
         ckpt_step = runs.checkpoint_step(ckpt) or 0
         event = RunInterrupted(
@@ -749,7 +844,9 @@ def run_finetune(spec: RunSpec, on_event: Callable[[object], None] = _noop) -> d
     """Fine-tune ``spec.model`` on ``spec.task``; returns the summary (also summary.json).
 
     Emits RunStarted, then StepEvent per optimizer step, EvalEvent, CheckpointSaved, and
-    finally RunFinished, or RunInterrupted (then raised) on Ctrl-C or SIGTERM; a resumed
+    finally RunFinished, or RunInterrupted (then raised) on Ctrl-C or SIGTERM, or
+    RunDiverged (then raised) when the loss stays non-finite
+    (``zenflow.train.divergence``); a resumed
     run that had already finished emits only RunAlreadyFinished. The run directory is
     locked for the whole call. An unexpected error (a bug) carries the run directory
     (``zenflow.errors.attach_log_dir``) so the caller can write its traceback there.
@@ -761,7 +858,8 @@ def run_finetune(spec: RunSpec, on_event: Callable[[object], None] = _noop) -> d
         run.setup()
         return run.run()
     except Exception as exc:
-        if not isinstance(exc, (UserInputError, RunInterrupted)) and run.run_dir is not None:
+        known = (UserInputError, RunInterrupted, RunDiverged)
+        if not isinstance(exc, known) and run.run_dir is not None:
             attach_log_dir(exc, run.run_dir)
         raise
     finally:
