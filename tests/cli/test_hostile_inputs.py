@@ -24,14 +24,14 @@ def assert_clean_user_error(result, *fragments: str) -> None:
 def small_vocab_dir(tmp_path_factory, tiny_gpt2_dir):
     """A GPT-2 classifier with 1000 token rows saved with the full GPT-2 tokenizer."""
     import torch
-    from conftest import TINY_GPT2
     from transformers import AutoTokenizer, GPT2Config, GPT2ForSequenceClassification
 
     d = tmp_path_factory.mktemp("small-vocab")
     torch.manual_seed(0)
-    shape = {**TINY_GPT2, "vocab_size": 1000, "pad_token_id": 999, "eos_token_id": 999,
-             "bos_token_id": 999}  # fmt: skip
-    GPT2ForSequenceClassification(GPT2Config(**shape)).save_pretrained(d)
+    shape = GPT2Config.from_pretrained(tiny_gpt2_dir)  # the tiny model, 1000 token rows
+    shape.update({"vocab_size": 1000, "pad_token_id": 999, "eos_token_id": 999,
+                  "bos_token_id": 999})  # fmt: skip
+    GPT2ForSequenceClassification(shape).save_pretrained(d)
     AutoTokenizer.from_pretrained(tiny_gpt2_dir).save_pretrained(d)
     return d
 

@@ -61,6 +61,8 @@ def _read_json(path: str) -> Any:
         raise _file_problem(
             path, f"is not UTF-8 text ({undecodable_at(data, exc)})", "save the config as UTF-8"
         ) from None
+    if _nests_too_deep(text):  # before the recursive parser is ever near its limit
+        raise ConfigError([_depth_problem("(top level)")], path)
     try:
         return _parse_strict(text, path)
     except RecursionError:
@@ -80,6 +82,33 @@ def _read_json(path: str) -> Any:
             ],
             path,
         ) from None
+
+
+def _nests_too_deep(text: str) -> bool:
+    """Whether the JSON ``text`` opens more than ``MAX_DEPTH`` objects/arrays at once, by a
+    linear scan (brackets inside strings do not count). Parsing 50,000 levels would run
+    the recursive decoder to Python's recursion limit, where any finalizer that runs then
+    fails too."""
+    if text.count("[") + text.count("{") <= MAX_DEPTH:
+        return False
+    depth, in_string, escaped = 0, False, False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            if depth > MAX_DEPTH:
+                return True
+        elif ch in "]}":
+            depth -= 1
+    return False
 
 
 def _depth_problem(where: str) -> ConfigProblem:
