@@ -96,6 +96,16 @@ def storage_error(
     return err
 
 
+def undecodable_at(data: bytes, exc: UnicodeDecodeError, what: str = "") -> str:
+    """Where in ``data`` a UTF-8 decode failed, in words: "line 3, byte 41 = 0xff: invalid
+    start byte" (the byte offset counts from the start of the file, from 0); with ``what``:
+    "line 3: WHAT (byte 41 = 0xff: invalid start byte)"."""
+    line = data.count(b"\n", 0, exc.start) + 1
+    bad = data[exc.start : exc.start + 1].hex() or "end of file"
+    byte = f"byte {exc.start} = 0x{bad}: {exc.reason}"
+    return f"line {line}: {what} ({byte})" if what else f"line {line}, {byte}"
+
+
 def attach_log_dir(exc: BaseException, path: str | os.PathLike) -> None:
     """Remember on an unexpected exception (a bug) the directory its log belongs in (the
     run directory); the CLI writes the traceback there (``log_dir_of``)."""

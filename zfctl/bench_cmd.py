@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from zfctl.bench_render import progress_line, render_result
-from zfctl.errors import user_error
+from zfctl.errors import check_config_file
 
 ENGINE_HELP = (
     "Comma-separated engines: floor, device, offload, zenflow-sync, zenflow-overlap, "
@@ -63,10 +63,7 @@ def bench(
     """Benchmark the engines (ours and DeepSpeed's) on one model and batch shape."""
     from zenflow.hardware import bench as lib
 
-    if config is not None and not config.is_file():
-        raise user_error(
-            f"--config {config}: no such file; write one with `zfctl init --output {config}`."
-        )
+    check_config_file(config)
     if json_file is not None:  # refused now, not after minutes of benchmarking
         from zenflow.outputs import check_writable
 

@@ -9,8 +9,11 @@ by Ctrl-C; 143 stopped by SIGTERM (both after saving a checkpoint when a run was
 
 from __future__ import annotations
 
+import errno
 import functools
+import math
 import os
+import stat
 import tempfile
 import time
 import traceback
@@ -109,6 +112,7 @@ def handle_user_errors(func: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
+            check_numeric_flags(func, kwargs)
             return func(*args, **kwargs)
         except _PASS_THROUGH:
             raise  # typer's and click's own exits and usage errors
@@ -125,6 +129,74 @@ def handle_user_errors(func: Callable[..., Any]) -> Callable[..., Any]:
 
     wrapper.zfctl_boundary = True  # type: ignore[attr-defined]  # tests check every command
     return wrapper
+
+
+def flag_name(func: Callable[..., Any], param: str) -> str:
+    """The command-line spelling of ``func``'s parameter ``param``: the first long name its
+    ``typer.Option`` declares, else typer's default (``max_steps`` -> ``--max-steps``)."""
+    import typing
+
+    try:
+        hints = typing.get_type_hints(func, include_extras=True)
+    except Exception:  # an annotation that cannot be resolved: fall back to the default
+        hints = {}
+    for meta in getattr(hints.get(param), "__metadata__", ()):
+        for decl in getattr(meta, "param_decls", None) or ():
+            for name in str(decl).split("/"):
+                if name.startswith("--"):
+                    return name
+        if type(meta).__name__ == "ArgumentInfo":
+            return param.upper()
+    return "--" + param.rstrip("_").replace("_", "-")
+
+
+def check_numeric_flags(func: Callable[..., Any], kwargs: dict[str, Any]) -> None:
+    """Refuse a number no command can use before the command runs: a float flag that is
+    inf or nan (``--lr inf``, or ``--lr 1e400``, which the parser reads as inf) and a whole
+    number past ``MAX_INT`` either way (``--max-steps 99999999999999999999999``): every
+    count, size and seed of zfctl fits in 31 bits, as every integer of a config does."""
+    from zenflow.config.rules import MAX_INT
+
+    for param, value in kwargs.items():
+        if isinstance(value, bool):
+            continue
+        if isinstance(value, float) and not math.isfinite(value):
+            raise user_error(
+                f"{flag_name(func, param)} is not a finite number (read as {value}: inf, nan, "
+                "or an exponent too large for a float); give an ordinary number such as 1e-5."
+            )
+        if isinstance(value, int) and abs(value) > MAX_INT:
+            raise user_error(
+                f"{flag_name(func, param)} {value} is out of range; give a whole number of at "
+                f"most {MAX_INT} either way (check for extra digits)."
+            )
+
+
+def check_config_file(config: Path | None) -> None:
+    """Refuse a ``--config`` that is not a readable JSON file, naming what it is instead: a
+    missing path, a directory, a symbolic link loop or a device / pipe."""
+    if config is None:
+        return
+    try:
+        mode = config.stat().st_mode  # follows symbolic links
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise user_error(
+                f"--config {config} is a symbolic link loop (the links point back at each "
+                "other, never at a file); point it at the JSON file."
+            ) from None
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+            raise user_error(
+                f"--config {config}: no such file; write one with `zfctl init --output {config}`."
+            ) from None
+        raise
+    if stat.S_ISDIR(mode):
+        raise user_error(
+            f"--config {config} is a directory; give the JSON file "
+            f"(e.g. {config / 'ds_config.json'})."
+        )
+    if not stat.S_ISREG(mode):
+        raise user_error(f"--config {config} is not a regular file; give the JSON file.")
 
 
 def report_bug(exc: BaseException, command: str) -> None:

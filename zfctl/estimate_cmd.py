@@ -15,7 +15,7 @@ from rich.console import Console
 
 from zenflow import jsonout
 from zenflow.config.architectures import architecture_names
-from zfctl.errors import user_error
+from zfctl.errors import check_config_file, user_error
 
 
 def estimate(
@@ -99,7 +99,9 @@ def estimate(
     head: Annotated[
         str, typer.Option(help="classification (what zfctl finetune trains) or causal-lm.")
     ] = "classification",
-    num_labels: Annotated[int, typer.Option(min=1, help="Labels of the classifier.")] = 2,
+    num_labels: Annotated[
+        int, typer.Option(min=1, max=100_000, help="Labels of the classifier.")
+    ] = 2,
     config: Annotated[
         Path | None,
         typer.Option(help="DeepSpeed JSON config: topk_ratio, bf16, overlap_step, pin_memory."),
@@ -115,11 +117,8 @@ def estimate(
     from zenflow.hardware import estimate as est
 
     cfg = None
+    check_config_file(config)
     if config is not None:
-        if not config.is_file():
-            raise user_error(
-                f"--config {config}: no such file; write one with `zfctl init --output {config}`."
-            )
         from zenflow.config import load_config
 
         cfg = load_config(config)

@@ -176,6 +176,8 @@ def render(console: Console, data: dict, *, items: bool = True) -> None:
     activation note."""
     for line in header_lines(data):
         console.print(escape(line))
+    for line in data.get("warnings") or []:
+        console.print(f"[yellow]warning:[/] {escape(line)}")
     if items:
         for mode in data["engines"]:
             console.print(engine_table(data, mode))

@@ -27,7 +27,7 @@ from zfctl.dashboard import (
     render_dashboard,
     render_summary,
 )
-from zfctl.errors import EXIT_DIVERGED, err_console, print_user_error, user_error
+from zfctl.errors import EXIT_DIVERGED, check_config_file, err_console, print_user_error, user_error
 
 ENGINES = ("zenflow", "offload", "device", "deepspeed")
 DEVICES = ("cpu", "cuda", "sim")
@@ -183,6 +183,7 @@ def finetune(
     Exits 3 when the run diverges (loss non-finite 5 steps running); the good checkpoint stays.
     """
     from zenflow.config import load_config, parse_set_args
+    from zenflow.train.spec import resume_or_new
     from zenflow.train.trainer import RunDiverged, RunInterrupted, RunSpec, run_finetune
     from zfctl.init_cmd import template_path
 
@@ -200,10 +201,7 @@ def finetune(
     rank = int(os.environ.get("RANK", "0") or 0)
     _positive("--epochs", epochs)
     _positive("--lr", lr)
-    if config is not None and not config.is_file():
-        raise user_error(
-            f"--config {config}: no such file; write one with `zfctl init --output {config}`."
-        )
+    check_config_file(config)
     cfg = load_config(config or template_path("zenflow"), overrides=parse_set_args(set_ or []))
     if sim_profile is not None:
         from zenflow.engine.sim_profiles import PROFILES
@@ -233,15 +231,6 @@ def finetune(
             "[yellow]note:[/] config keys not used by the zenflow engine: "
             + escape(", ".join(cfg.ignored))
         )
-    if not force and resume is None:  # a resumed run keeps the settings it was checked with
-        from zenflow.engine.accelerator import default_kind
-        from zenflow.hardware.estimate import preflight
-        from zenflow.train.data import get_task
-
-        preflight(model, mode=engine, config=cfg, micro_batch=micro_batch, seq_len=seq_len,
-                  num_labels=get_task(task).num_labels, device_mem=device_mem,
-                  gradient_checkpointing=gradient_checkpointing,
-                  separate_device=(device or default_kind()) != "cpu")  # fmt: skip
     spec = RunSpec(
         model=model, task=task, config=cfg, init=init,
         data_dir=str(data_dir) if data_dir is not None else None, engine_mode=engine,
@@ -252,6 +241,17 @@ def finetune(
         gradient_checkpointing=gradient_checkpointing, sim_profile=sim_profile,
         device_mem=device_mem_bytes,
     )  # fmt: skip
+    # A resumed run keeps the settings it was checked with; --resume auto without an earlier
+    # run is a new run (resume_or_new) and is checked like one.
+    if not force and resume_or_new(spec)[0].resume is None:
+        from zenflow.engine.accelerator import default_kind
+        from zenflow.hardware.estimate import preflight
+        from zenflow.train.data import get_task
+
+        preflight(model, mode=engine, config=cfg, micro_batch=micro_batch, seq_len=seq_len,
+                  num_labels=get_task(task).num_labels, device_mem=device_mem,
+                  gradient_checkpointing=gradient_checkpointing,
+                  separate_device=(device or default_kind()) != "cpu")  # fmt: skip
     if rank != 0:  # data parallel: rank 0 reports; the others say only their own error
         renderer = _SilentRenderer()
     elif json_output:

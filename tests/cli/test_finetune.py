@@ -71,10 +71,20 @@ def test_bad_config_file_lists_problems(cli, tmp_path, tiny_gpt2_dir, glue_dir):
     assert_user_error(r, str(cfg), "topk_ratio", "update_interval")
 
 
-def test_resume_without_runs(cli, tmp_path, tiny_gpt2_dir, glue_dir):
+def test_resume_auto_without_runs_starts_a_new_run(cli, tmp_path, tiny_gpt2_dir, glue_dir):
+    """--resume auto is safe to pass always (README): with no earlier run it starts a new
+    one and says so (it used to be an error, exit 2)."""
     r = cli("finetune", tiny_gpt2_dir, "--task", "sst2", "--data-dir", glue_dir,
-            "--runs-root", tmp_path, "--resume", "auto", *SHORT)  # fmt: skip
-    assert_user_error(r, "resume")
+            "--runs-root", tmp_path, "--resume", "auto", "--device", "cpu",
+            "--max-steps", "1", "--micro-batch", "4", "--seq-len", "16",
+            "--max-eval-samples", "8")  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert (
+        f"no earlier run of {tiny_gpt2_dir} on sst2 under {tmp_path} to resume; starting a "
+        "new run" in " ".join(r.output.split())
+    )
+    (run_dir,) = runs.list_runs(tmp_path)
+    assert runs.latest_checkpoint(run_dir) is not None
 
 
 def test_end_to_end_finetune_then_report(cli, tmp_path, tiny_gpt2_dir, glue_dir):

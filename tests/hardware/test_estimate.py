@@ -226,7 +226,7 @@ def test_architectures_come_from_the_registry_finetune_uses():
     assert q.source == "built-in architecture qwen2-0.5b (Qwen2Config)"
     assert q.params == 494_034_560  # Qwen2.5-0.5B's 494,032,768 + a 896 x 2 classifier
     assert q.arch == ArchShape(hidden=896, heads=14, layers=24, vocab=151936, num_labels=2,
-                               causal_lm=False)  # fmt: skip
+                               causal_lm=False, positions=32768)  # fmt: skip
     assert q.tied_numel == 0  # the classifier has no LM head to tie
     # causal-lm: the embedding doubles as the LM head (tied), counted once and marked tied
     assert resolve_census("qwen2-0.5b", head="causal-lm").tied_numel == 151936 * 896

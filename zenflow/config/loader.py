@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import errno
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -20,6 +21,7 @@ from typing import Any
 
 from zenflow.config.rules import parse_zenflow, validate
 from zenflow.config.schema import Config, ConfigError, ConfigProblem
+from zenflow.errors import undecodable_at
 
 # Levels of objects/arrays allowed (the top-level object is level 1).
 MAX_DEPTH = 32
@@ -29,34 +31,38 @@ MAX_DEPTH = 32
 # --------------------------------------------------------------------------------------
 
 
+def _file_problem(path: str, what: str, fix: str) -> ConfigError:
+    return ConfigError([ConfigProblem("(file)", path, what, fix)], path)
+
+
 def _read_json(path: str) -> Any:
+    """The JSON document in ``path``. A UTF-8 byte-order mark (Windows editors write one) is
+    skipped; a directory, a symbolic link loop, bytes that are not UTF-8 (by line and byte)
+    and bad JSON (by line and column) are ``ConfigError``s naming the file."""
+    if os.path.isdir(path):
+        raise _file_problem(path, "is a directory", "give the JSON file, not its folder")
     try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
+        with open(path, "rb") as fh:
+            data = fh.read()
     except OSError as exc:
-        raise ConfigError(
-            [
-                ConfigProblem(
-                    "(file)",
-                    path,
-                    f"cannot be read ({exc.strerror or exc})",
-                    "check the path, or create a config with `zfctl init`",
-                )
-            ],
+        if exc.errno == errno.ELOOP:
+            raise _file_problem(
+                path, "is a symbolic link loop (the links never reach a file)",
+                "point the link at the JSON file",
+            ) from None  # fmt: skip
+        raise _file_problem(
             path,
+            f"cannot be read ({exc.strerror or exc})",
+            "check the path, or create a config with `zfctl init`",
         ) from None
+    try:
+        text = data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
-        raise ConfigError(
-            [
-                ConfigProblem(
-                    "(file)",
-                    path,
-                    f"is not UTF-8 text ({exc.reason})",
-                    "save the config as UTF-8 JSON",
-                )
-            ],
-            path,
+        raise _file_problem(
+            path, f"is not UTF-8 text ({undecodable_at(data, exc)})", "save the config as UTF-8"
         ) from None
+    if _nests_too_deep(text):  # before the recursive parser is ever near its limit
+        raise ConfigError([_depth_problem("(top level)")], path)
     try:
         return _parse_strict(text, path)
     except RecursionError:
@@ -76,6 +82,33 @@ def _read_json(path: str) -> Any:
             ],
             path,
         ) from None
+
+
+def _nests_too_deep(text: str) -> bool:
+    """Whether the JSON ``text`` opens more than ``MAX_DEPTH`` objects/arrays at once, by a
+    linear scan (brackets inside strings do not count). Parsing 50,000 levels would run
+    the recursive decoder to Python's recursion limit, where any finalizer that runs then
+    fails too."""
+    if text.count("[") + text.count("{") <= MAX_DEPTH:
+        return False
+    depth, in_string, escaped = 0, False, False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            if depth > MAX_DEPTH:
+                return True
+        elif ch in "]}":
+            depth -= 1
+    return False
 
 
 def _depth_problem(where: str) -> ConfigProblem:
@@ -185,7 +218,38 @@ def load_config(
             validate(raw, source, world_size)  # raises the top-level problem
         _check_depth(dict(overrides), "--set")
         raw = apply_overrides(raw, overrides, source=source)
+        try:
+            return validate(raw, source, world_size)
+        except ConfigError as exc:
+            raise _blame_overrides(exc, overrides) from None
     return validate(raw, source, world_size)
+
+
+def _set_text(key: str, value: Any) -> str:
+    """The ``--set`` item as the user wrote it (as near as the parsed value allows)."""
+    text = value if isinstance(value, str) else json.dumps(value)
+    return f"--set {key}={text}"
+
+
+def _blame_overrides(exc: ConfigError, overrides: Mapping[str, Any]) -> ConfigError:
+    """``exc`` with each problem at (or inside, or above) an overridden key said to come
+    from that ``--set`` item, not from the file it was applied to; the source is "--set"
+    when every problem came from one."""
+    problems = []
+    blamed = 0
+    for p in exc.problems:
+        key = next(
+            (k for k in overrides
+             if p.path == k or p.path.startswith(k + ".") or str(k).startswith(p.path + ".")),
+            None,
+        )  # fmt: skip
+        if key is None:
+            problems.append(p)
+            continue
+        blamed += 1
+        problems.append(dataclasses.replace(p, origin=_set_text(key, overrides[key])))
+    source = "--set" if blamed == len(problems) else f"{exc.source} with --set"
+    return ConfigError(problems, source)
 
 
 def apply_overrides(raw: Mapping, overrides: Mapping[str, Any], *, source: str = "--set") -> dict:

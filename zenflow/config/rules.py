@@ -38,6 +38,11 @@ from zenflow.config.schema import (
 # --------------------------------------------------------------------------------------
 
 
+# The largest whole number a config key takes (steps, rounds, intervals, batch sizes): a
+# bigger one is a typo or a pasted exponent, and would overflow a C int further in.
+MAX_INT = 2**31 - 1
+
+
 def _is_bool(v: Any) -> bool:
     return isinstance(v, bool)
 
@@ -102,6 +107,8 @@ class _Reader:
         if not _is_int(value):
             self.problem(path, value, f"must be {rng}", _type_fix(path, rng, value))
             return default
+        if hi is None and value > MAX_INT:
+            hi, rng = MAX_INT, f"an integer from {lo} to {MAX_INT}"
         if value < lo or (hi is not None and value > hi):
             self.problem(path, value, f"must be {rng}", f"set {key} to {rng}")
             return default
@@ -222,11 +229,11 @@ def parse_zenflow(block: Mapping, path: str, problems: list[ConfigProblem]) -> Z
         value = block.get(key, "auto")
         if value is None or value == "auto":
             return "auto"
-        if not _is_int(value) or value < 1:
+        if not _is_int(value) or not 1 <= value <= MAX_INT:
             r.problem(
                 p(key),
                 value,
-                'must be an integer >= 1 or "auto"',
+                f'must be an integer from 1 to {MAX_INT} or "auto"',
                 f'set {key} to a whole number of steps such as 4, or to "auto"',
             )
             return "auto"
@@ -253,6 +260,35 @@ def parse_zenflow(block: Mapping, path: str, problems: list[ConfigProblem]) -> Z
         auto_ratio=auto_ratio,
         pt_reserved_cores_perc=cores,
     )
+
+
+def run_length_notes(zf: ZenFlowConfig | None, total_steps: int) -> list[str]:
+    """The zenflow block bounded against the run: each interval or count that is valid on
+    its own but at least as long as the run's ``total_steps``, said as what then never
+    happens (the run goes on; a note, not an error)."""
+    if zf is None:
+        return []
+    notes = []
+    block = "zero_optimization.zenflow"
+    if _is_int(zf.update_interval) and zf.update_interval > total_steps:
+        notes.append(
+            f"{block}.update_interval {zf.update_interval} is longer than this run's "
+            f"{total_steps} steps: the host never updates the non-selected columns during the "
+            "run (only the final flush applies them); set it below the run's length."
+        )
+    if zf.full_warm_up_rounds >= total_steps:
+        notes.append(
+            f"{block}.full_warm_up_rounds {zf.full_warm_up_rounds} covers all {total_steps} "
+            "steps: the whole run is warm-up (every parameter updated by offloaded AdamW), "
+            "and selection never starts; lower it to use ZenFlow."
+        )
+    if zf.select_strategy == "step" and _is_int(zf.select_interval) \
+            and zf.select_interval > total_steps:  # fmt: skip
+        notes.append(
+            f"{block}.select_interval {zf.select_interval} steps is longer than the run's "
+            f"{total_steps}: the columns chosen first are never re-selected."
+        )
+    return notes
 
 
 # --------------------------------------------------------------------------------------
@@ -568,9 +604,10 @@ def _parse_engine(r: _Reader, raw: Mapping) -> EngineOptions:
             values[f.name] = r.boolean(block, f.name, path, default)
     buckets = block.get("copy_buckets", "auto")
     if buckets != "auto" and (
-        isinstance(buckets, bool) or not isinstance(buckets, int) or buckets < 2
+        isinstance(buckets, bool) or not isinstance(buckets, int) or not 2 <= buckets <= MAX_INT
     ):
-        r.problem("zfctl.copy_buckets", buckets, 'must be an integer >= 2 or "auto"',
+        r.problem("zfctl.copy_buckets", buckets,
+                  f'must be an integer from 2 to {MAX_INT} or "auto"',
                   'set copy_buckets to 2, 8, 16, ... or "auto"')  # fmt: skip
         buckets = "auto"
     values["copy_buckets"] = buckets

@@ -78,9 +78,12 @@ class ConfigProblem:
     """What is allowed there, as a phrase."""
     fix: str
     """What to do about it, as a sentence."""
+    origin: str = ""
+    """Where the value came from when not from the file: the ``--set key=value`` item."""
 
     def __str__(self) -> str:
-        return f"{self.path} = {self.value!r}: {self.allowed}. Fix: {self.fix}"
+        where = f"{self.path} (from {self.origin})" if self.origin else self.path
+        return f"{where} = {self.value!r}: {self.allowed}. Fix: {self.fix}"
 
 
 class ConfigError(UserInputError, ValueError):

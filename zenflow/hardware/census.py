@@ -46,6 +46,7 @@ class ArchShape:
     vocab: int
     num_labels: int
     causal_lm: bool
+    positions: int | None = None  # n_positions / max_position_embeddings, when the config says
 
 
 @dataclass(frozen=True)
@@ -138,12 +139,22 @@ def census_of(model, *, name: str, source: str, arch: ArchShape | None = None) -
     return ParamCensus(name, source, params, dense, tuple(weights), largest, arch, tied)
 
 
+def _positions(config) -> int | None:
+    """The longest sequence the config's position embeddings cover (as
+    ``zenflow.train.models.max_positions`` reads a model's), None when it says neither."""
+    for attr in ("n_positions", "max_position_embeddings"):
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
 def _arch_of(config, num_labels: int, causal_lm: bool) -> ArchShape | None:
     try:
         return ArchShape(
             hidden=int(config.hidden_size), heads=int(config.num_attention_heads),
             layers=int(config.num_hidden_layers), vocab=int(config.vocab_size),
-            num_labels=num_labels, causal_lm=causal_lm,
+            num_labels=num_labels, causal_lm=causal_lm, positions=_positions(config),
         )  # fmt: skip
     except (AttributeError, TypeError):
         return None

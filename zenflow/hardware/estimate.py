@@ -71,6 +71,8 @@ _UNITS = {
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }  # fmt: skip
+# More memory than any machine holds (1 EiB): a size past it is a typo or a pasted exponent.
+MAX_SIZE = 2**60
 
 
 def parse_size(text: str | int, flag: str = "size") -> int:
@@ -86,7 +88,13 @@ def parse_size(text: str | int, flag: str = "size") -> int:
                 "number of bytes (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)."
             )
         value = float(m.group(1))
-    n = int(value * _UNITS[unit])
+    value *= _UNITS[unit]
+    if not value <= MAX_SIZE:  # also inf ("1e400")
+        raise EstimateError(
+            f"{flag} {text!r} is more memory than any machine has (at most 1 EiB = {MAX_SIZE} "
+            "bytes); check the number and its unit, e.g. 24GiB."
+        )
+    n = int(value)
     if n <= 0:
         raise EstimateError(f"{flag} {text!r} must be more than 0 bytes.")
     return n
@@ -495,7 +503,20 @@ class Estimate:
             "grad_accumulation": s.grad_accumulation,
             "gradient_checkpointing": s.gradient_checkpointing,
             "activations": {"bytes": act, "formula": formula, "is_estimate": True},
+            "warnings": self.warnings(),
         }
+
+    def warnings(self) -> list[str]:
+        """Settings the run would refuse although the memory fits (the estimate is still
+        computed for them): a sequence past the model's positions."""
+        positions = self.census.arch.positions if self.census.arch is not None else None
+        if positions is not None and self.settings.seq_len > positions:
+            return [
+                f"--seq-len {self.settings.seq_len} is past the {positions} positions of "
+                f"{self.census.model} (n_positions / max_position_embeddings): zfctl finetune "
+                f"refuses it; pass --seq-len {positions} or less."
+            ]
+        return []
 
 
 def estimate(

@@ -19,6 +19,7 @@ import errno
 import os
 import pickle
 import random
+import warnings
 from pathlib import Path
 
 from zenflow.errors import CheckpointError, StorageError, os_error_message
@@ -146,10 +147,21 @@ def write_shard(torch, run_dir: Path, step: int, rank: int, state: dict) -> Path
 def read_checkpoint(torch, path: Path) -> dict:
     """The checkpoint dict at ``path``, loaded onto the CPU with ``weights_only=True``.
 
-    UnsafeCheckpointError when the file holds pickled Python objects (it could run code:
-    refused, nothing of it executed); CheckpointError when it is unreadable or foreign."""
+    UnsafeCheckpointError when the file holds pickled Python objects or is a raw pickle
+    (either could run code: refused, nothing of it executed); CheckpointError when it is
+    unreadable or foreign. PyTorch's own advice in its refusal (load with
+    ``weights_only=False``) is never passed on: that is the unsafe way."""
+    if _is_raw_pickle(path):
+        raise UnsafeCheckpointError(
+            f"{path} is a raw Python pickle (pickle.dump, or torch.save with "
+            "_use_new_zipfile_serialization=False), not the zip of tensors zfctl writes; "
+            "loading a pickle could run code, so it was refused and nothing in it was "
+            "executed. Use a checkpoint written by zfctl, or start a new run."
+        )
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch's notes on pickle protocols: not for users
+            warnings.simplefilter("ignore")
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         if "global" in str(exc).lower():  # an object that only code can rebuild
             raise UnsafeCheckpointError(
@@ -157,7 +169,11 @@ def read_checkpoint(torch, path: Path) -> dict:
                 "it could run code; it was refused and nothing in it was executed. zfctl "
                 "never writes such checkpoints: use one written by zfctl, or start a new run."
             ) from None
-        raise CheckpointError(f"Cannot read checkpoint {path}: {_first_line(exc)}.") from None
+        raise CheckpointError(
+            f"Cannot read checkpoint {path}: its pickled data is not what zfctl writes "
+            "(tensors and plain data only), so it was refused unread. Use a checkpoint "
+            "written by zfctl, or start a new run."
+        ) from None
     except FileNotFoundError:
         raise CheckpointError(f"Checkpoint {path} does not exist.") from None
     except OSError as exc:
@@ -172,6 +188,18 @@ def read_checkpoint(torch, path: Path) -> dict:
             "with the zfctl that wrote it, or start a new run."
         )
     return state
+
+
+def _is_raw_pickle(path: Path) -> bool:
+    """Whether ``path`` starts like a bare pickle (the PROTO opcode 0x80 and a protocol
+    number 2..5) rather than a zip archive ("PK", what torch.save writes by default). An
+    unreadable file is left to ``torch.load`` to report."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(2)
+    except OSError:
+        return False
+    return len(head) == 2 and head[0] == 0x80 and 2 <= head[1] <= 5
 
 
 def _first_line(exc: BaseException) -> str:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from zenflow.errors import DataError
+from zenflow.errors import DataError, undecodable_at
 
 csv.field_size_limit(1 << 24)  # a few GLUE fields (MNLI parses) are long
 
@@ -159,31 +159,32 @@ def read_tsv(task: GlueTask, path: Path) -> list[Example]:
     try:
         return _read_tsv(task, path)
     except UnicodeDecodeError as exc:
-        line = _line_of_byte(path, exc.start)
         raise DataError(
-            f"{path}, line {line}: not UTF-8 text ({exc.reason}); GLUE files are UTF-8. "
+            f"{path}, {_where_not_utf8(path, exc)}; GLUE files are UTF-8. "
             "Re-encode the file (e.g. iconv -f latin1 -t utf-8) or restore the original."
         ) from None
 
 
-def _line_of_byte(path: Path, offset: int) -> str:
-    """The 1-based line of the file's first byte that is not UTF-8. The decoder's own
-    ``offset`` counts within its read chunk, so the whole file is decoded again."""
+def _where_not_utf8(path: Path, exc: UnicodeDecodeError) -> str:
+    """Line and byte of the file's first byte that is not UTF-8 ("line 6: not UTF-8 text
+    (byte 146 = 0xe9: invalid continuation byte)"). The decoder's own offset
+    counts within its read chunk, so the whole file is decoded again."""
     try:
         data = path.read_bytes()
-    except OSError:
-        return "?"
-    try:
         data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        return str(data.count(b"\n", 0, exc.start) + 1)
-    return "?"
+    except OSError:
+        return f"not UTF-8 text ({exc.reason})"
+    except UnicodeDecodeError as whole:
+        return undecodable_at(data, whole, "not UTF-8 text")
+    return f"not UTF-8 text ({exc.reason})"
 
 
 def _read_tsv(task: GlueTask, path: Path) -> list[Example]:
     rows: list[Example] = []
     try:
-        f = open(path, encoding="utf-8", newline="")
+        # utf-8-sig: a byte-order mark (Excel and Windows editors write one) is not part of
+        # the first column's name.
+        f = open(path, encoding="utf-8-sig", newline="")
     except OSError as exc:
         raise DataError(f"Cannot read {path}: {exc}.") from exc
     with f:
@@ -244,6 +245,15 @@ def load_task(task: str | GlueTask, data_dir: str | Path | None = None) -> TaskD
         root = Path(data_dir).expanduser()
         d, looked = _task_dir(t, root)
         if d is None:
+            for folder in dict.fromkeys(looked):  # one of the two files there: name the other
+                have = [f for f in ("train.tsv", t.dev_file) if (folder / f).is_file()]
+                if have:
+                    (lacking,) = {"train.tsv", t.dev_file} - set(have)
+                    raise DataError(
+                        f"{folder / lacking} is missing: {folder} holds {have[0]} but not "
+                        f"{lacking} (task {t.name} needs both). Fix: copy {lacking} from the "
+                        f"GLUE download into {folder}."
+                    )
             where = ", ".join(str(p) for p in dict.fromkeys(looked))
             raise DataError(
                 f"No {t.name} data under {root}: looked for train.tsv and {t.dev_file} in "

@@ -129,6 +129,51 @@ def max_positions(model) -> int | None:
     return None
 
 
+def embedding_rows(model) -> int | None:
+    """Rows of the model's input embedding (the token ids it can look up), else
+    ``config.vocab_size``; None when it says neither."""
+    try:
+        rows = model.get_input_embeddings().weight.shape[0]
+    except (AttributeError, NotImplementedError, IndexError):
+        rows = getattr(getattr(model, "config", None), "vocab_size", None)
+    return int(rows) if isinstance(rows, int) and rows > 0 else None
+
+
+def check_token_ids(model, tokenizer, splits, model_name: str, *, batch: int = 512) -> None:
+    """Refuse, before any step, a tokenizer whose ids the model cannot look up: the pad id
+    or an id the data encodes to at or past the embedding's rows (the first forward would
+    end in an IndexError deep in torch). ``splits`` are ``data.Encoded`` splits; they are
+    tokenised only when the tokenizer is larger than the embedding (the fast path costs
+    nothing), and the scan stops at the first id out of range."""
+    rows = embedding_rows(model)
+    if rows is None:
+        return
+    fix = (
+        "pass the tokenizer the model was trained with (tokenizer.save_pretrained into the "
+        "model directory), or a model whose vocabulary covers this tokenizer (--init random "
+        f"with a config whose vocab_size is at least {len(tokenizer)}, or "
+        f"model.resize_token_embeddings({len(tokenizer)}) before save_pretrained)."
+    )
+    head = (
+        f"Model {model_name} and its tokenizer do not match: the model's vocabulary has "
+        f"{rows} tokens (config.vocab_size / input embedding rows, ids 0..{rows - 1}) but"
+    )
+    pad = getattr(tokenizer, "pad_token_id", None)
+    if isinstance(pad, int) and not 0 <= pad < rows:
+        raise ModelSourceError(f"{head} the tokenizer's pad id is {pad}. Fix: {fix}")
+    if len(tokenizer) <= rows:
+        return
+    for split in splits:
+        for start in range(0, len(split), batch):
+            ids = split.take(range(start, min(start + batch, len(split))))["input_ids"]
+            top = int(ids.max())
+            if top >= rows:
+                raise ModelSourceError(
+                    f"{head} the tokenizer ({len(tokenizer)} tokens) encodes the data to ids "
+                    f"up to at least {top}. Fix: {fix}"
+                )
+
+
 def save_model(model, tokenizer, out: Path) -> None:
     """save_pretrained the model (and tokenizer) into ``out``; a write failure (disk full,
     read-only) raises StorageError naming ``out`` and the free space. safetensors reports

@@ -31,7 +31,7 @@ import shutil
 import time
 from pathlib import Path
 
-from zenflow.errors import UserInputError, storage_error
+from zenflow.errors import UserInputError, storage_error, undecodable_at
 from zenflow.outputs import open_append, write_file, write_json_atomic, write_text, writing
 
 # The writers live in zenflow.outputs; the trainer calls them from here.
@@ -115,15 +115,17 @@ def trim_metrics(path: str | Path, keep_lines: int, *, drop_eval_at: int | None 
 
 def read_json(path: str | Path) -> dict | None:
     """The JSON object in ``path``, or None when the file does not exist. UserInputError
-    naming the file when it is not UTF-8 JSON."""
+    naming the file (and the line and byte) when it is not UTF-8 JSON; a byte-order mark
+    is skipped."""
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
+        with open(path, "rb") as f:
+            data = f.read()
+        return json.loads(data.decode("utf-8-sig"))
     except FileNotFoundError:
         return None
     except UnicodeDecodeError as exc:
         raise UserInputError(
-            f"{path} is not UTF-8 text (byte {exc.start}: {exc.reason}); restore it from a "
+            f"{path} is not UTF-8 text ({undecodable_at(data, exc)}); restore it from a "
             "copy, or delete it if zfctl can write it again."
         ) from exc
     except json.JSONDecodeError as exc:

@@ -136,12 +136,27 @@ def read_hw_json(spec: RunSpec) -> dict | None:
     return data
 
 
+def resume_or_new(spec: RunSpec) -> tuple[RunSpec, str | None]:
+    """``--resume auto`` is safe to pass always: with no earlier run of the model on the
+    task (holding a checkpoint) under ``runs_root`` it means a new run. Returns the spec to
+    run (``resume`` None then) and the note that says so, else ``spec`` unchanged and None."""
+    if spec.resume != "auto":
+        return spec, None
+    if runs.latest_run(spec.runs_root, spec.model, spec.task, with_checkpoint=True) is not None:
+        return spec, None
+    note = (
+        f"no earlier run of {spec.model} on {spec.task} under {spec.runs_root} to resume; "
+        "starting a new run"
+    )
+    return dataclasses.replace(spec, resume=None), note
+
+
 def resolve_resume(spec: RunSpec) -> tuple[Path, list[Path], bool]:
     """(run_dir, checkpoints to try newest first, whether one file was named) for
     ``spec.resume``; UserInputError when there is none."""
     if spec.resume == "auto":
         run_dir = runs.latest_run(spec.runs_root, spec.model, spec.task, with_checkpoint=True)
-        if run_dir is None:
+        if run_dir is None:  # resume_or_new made this a new run
             raise UserInputError(
                 f"--resume auto: no run of {spec.model!r} on {spec.task} with a checkpoint "
                 f"under {spec.runs_root}. Start a new run (omit --resume) or pass --resume "
@@ -150,7 +165,16 @@ def resolve_resume(spec: RunSpec) -> tuple[Path, list[Path], bool]:
         return run_dir, runs.checkpoints(run_dir)[::-1], False
     p = Path(spec.resume).expanduser()
     if p.is_file():
-        return p.parent.parent, [p], True
+        run_dir = p.parent.parent
+        if p.parent.name != runs.CHECKPOINT_DIR or not (run_dir / runs.CONFIG_FILE).is_file():
+            raise UserInputError(
+                f"--resume {p}: the checkpoint is not inside a zfctl run directory "
+                f"(runs/<run>/{runs.CHECKPOINT_DIR}/step-NNNNNNN.pt beside the run's "
+                f"{runs.CONFIG_FILE}); a checkpoint alone does not say how its run was set "
+                "up. Pass the run directory (--resume runs/<run>), or put the file back in "
+                f"its run's {runs.CHECKPOINT_DIR}/ folder."
+            )
+        return run_dir, [p], True
     if p.is_dir():
         ckpts = runs.checkpoints(p)[::-1]
         if not ckpts:
@@ -178,7 +202,7 @@ def merge_resumed_spec(spec: RunSpec, run_dir: Path) -> RunSpec:
         if name == "model" and runs.same_model(theirs, mine):
             continue
         if mine != theirs and mine != _DEFAULTS[name]:
-            conflicts.append(f"{name}: run has {theirs!r}, given {mine!r}")
+            conflicts.append(f"{name}: {_saved_setting(saved, name)}, given {mine!r}")
         changes[name] = theirs
     if (
         spec.config_given
@@ -207,6 +231,15 @@ def merge_resumed_spec(spec: RunSpec, run_dir: Path) -> RunSpec:
     if spec.max_steps is not None or spec.epochs is not None:  # a new extent replaces the old
         changes["max_steps"], changes["epochs"] = spec.max_steps, spec.epochs
     return dataclasses.replace(spec, **changes)
+
+
+def _saved_setting(saved: dict, name: str) -> str:
+    """What the saved run had for ``name``, in words (never "run has None")."""
+    if name not in saved:
+        return f"the run's {runs.CONFIG_FILE} does not record it"
+    if saved[name] is None:
+        return "the run did not set it (it took the config's value)"
+    return f"run has {saved[name]!r}"
 
 
 def resume_command(spec: RunSpec, run_dir: Path) -> str:

@@ -46,6 +46,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from zenflow import jsonout
+from zenflow.config.rules import MAX_INT, run_length_notes
 from zenflow.errors import (
     CheckpointError,
     StorageError,
@@ -101,6 +102,7 @@ from zenflow.train.spec import (
     read_hw_json,
     resolve_resume,
     resume_command,
+    resume_or_new,
     spec_record,
 )
 from zenflow.train.summary import run_header, run_summary, step_counts, zenflow_settings
@@ -145,6 +147,9 @@ class _Run:
                 f"{', '.join(ENGINE_MODES)} (--engine)."
             )
         check_paths(spec)
+        spec, note = resume_or_new(spec)
+        if note is not None:
+            self.notes.append(note)
         # A resumed run keeps its hw.json unless another one is named.
         self.hw = read_hw_json(spec) if not spec.resume or spec.hw_json else None
         if spec.resume:
@@ -195,7 +200,12 @@ class _Run:
     def setup(self) -> None:
         import torch
 
-        from zenflow.train.models import count_params, max_positions, resolve_model
+        from zenflow.train.models import (
+            check_token_ids,
+            count_params,
+            max_positions,
+            resolve_model,
+        )
 
         spec = self.spec
         self.torch = torch
@@ -225,24 +235,37 @@ class _Run:
             )
         self.sources = {**resolved.sources, "data": self.task_data.source}
         self.tokenizer = resolved.tokenizer
+        self.encoded = encode(self.task_data, resolved.tokenizer, spec.seq_len)
+        # Before the run directory is made and the model is placed: a tokenizer the model
+        # cannot look up would otherwise end the first forward in an IndexError.
+        check_token_ids(
+            resolved.model, resolved.tokenizer, (self.encoded.train, self.encoded.dev), spec.model
+        )
         self.device = device_for(self.device_kind, self.par)
         self.masters = None
         self.model = self._place_model(resolved.model)
         if spec.gradient_checkpointing:
             self._enable_checkpointing()
         self.params = count_params(self.model)
-        self.encoded = encode(self.task_data, resolved.tokenizer, spec.seq_len)
         # Data parallel: each step reads micro_batch x world samples of the epoch order and
         # every rank takes its micro_batch of them (the same order one process would use).
         self.global_micro = self.micro_batch * self.par.world
         self.spe = data_steps_per_epoch(len(self.task_data.train), self.global_micro, self.gas)
         self.epoch_samples = self.spe * self.gas * self.global_micro
+        # --epochs 1e300 is finite, but its steps are not a number a run can count to.
+        epoch_steps = min((spec.epochs or 1.0) * self.spe, MAX_INT)
+        if spec.max_steps is None and epoch_steps >= MAX_INT:
+            raise UserInputError(
+                f"--epochs {spec.epochs:g} is {spec.epochs * self.spe:.3g} steps at {self.spe} "
+                f"steps per epoch, past the most one run counts ({MAX_INT}); pass fewer "
+                "epochs, or --max-steps."
+            )
         if spec.max_steps is not None and spec.epochs is not None:
-            self.total_steps = min(spec.max_steps, math.ceil(spec.epochs * self.spe))
+            self.total_steps = min(spec.max_steps, math.ceil(epoch_steps))
         elif spec.max_steps is not None:
             self.total_steps = spec.max_steps
         else:
-            self.total_steps = max(1, math.ceil((spec.epochs or 1.0) * self.spe))
+            self.total_steps = max(1, math.ceil(epoch_steps))
         self.eval_batch = 2 * self.micro_batch
 
     def _place_model(self, model):
@@ -480,6 +503,8 @@ class _Run:
                 "docs/BENCHMARKS.md, loss bursts); set zero_optimization.zenflow.overlap_step="
                 "false or use --engine device for training from scratch."
             )
+        if spec.engine_mode == "zenflow":
+            self.notes += run_length_notes(self.config.zenflow, self.total_steps)
         if spec.engine_mode == "zenflow" and self.config.zenflow is None:
             zf = self.zenflow_settings() or {}
             self.notes.append(
