@@ -197,19 +197,16 @@ def storm_straight(tiny_gpt2_dir, sample_dir, tmp_path_factory):
 
 
 def _slow_host_steps(monkeypatch, seconds: float) -> None:
-    """Every host step sleeps first (the optimizer arithmetic is unchanged)."""
-    from zenflow.engine import host
+    """Every host step sleeps first (the optimizer arithmetic is unchanged): the patch the
+    real-process test's script applies (tests/cli/slow_host_zfctl.py), loaded by path."""
+    import importlib.util
+    from pathlib import Path
 
-    real = host.HostWorker.submit
-
-    def submit(self, job, fn):
-        def slow():
-            time.sleep(seconds)
-            fn()
-
-        return real(self, job, slow)
-
-    monkeypatch.setattr(host.HostWorker, "submit", submit)
+    path = Path(__file__).resolve().parent.parent / "cli" / "slow_host_zfctl.py"
+    spec = importlib.util.spec_from_file_location("slow_host_zfctl", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.slow_host_steps(seconds, monkeypatch.setattr)
 
 
 @pytest.mark.parametrize(

@@ -166,7 +166,7 @@ def resolve_resume(spec: RunSpec) -> tuple[Path, list[Path], bool]:
     p = Path(spec.resume).expanduser()
     if p.is_file():
         run_dir = p.parent.parent
-        if p.parent.name != runs.CHECKPOINT_DIR or not (run_dir / runs.CONFIG_FILE).is_file():
+        if p.parent.name != runs.CHECKPOINT_DIR or not runs.holds_run(run_dir):
             raise UserInputError(
                 f"--resume {p}: the checkpoint is not inside a zfctl run directory "
                 f"(runs/<run>/{runs.CHECKPOINT_DIR}/step-NNNNNNN.pt beside the run's "
