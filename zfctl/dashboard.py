@@ -69,6 +69,9 @@ class DashboardState:
     summary: dict | None = None
     already_finished: bool = False
     diverged: str | None = None  # "diverged at step N: why" (RunDiverged)
+    # finetune --reference: that run's evaluations ({step: metrics}) and its name
+    reference: dict = field(default_factory=dict)
+    reference_name: str = ""
 
     def apply(self, event: Any) -> None:
         kind = type(event).__name__
@@ -259,9 +262,27 @@ def render_step(state: DashboardState) -> Table:
         step, metrics = state.evals[-1]
         names = list(state.header.get("metrics") or []) + ["eval_loss"]
         t.add_row("eval", f"step {step}: {_metric_text(metrics, names)}")
+        vs = reference_text(state, step, metrics)
+        if vs:
+            t.add_row("reference", escape(vs))
     else:
         t.add_row("eval", "-")
     return t
+
+
+def reference_text(state: DashboardState, step: int, metrics: dict) -> str:
+    """The reference run's main metric at ``step`` and this run's difference in points
+    ("" without --reference)."""
+    if not state.reference:
+        return ""
+    names = [n for n in state.header.get("metrics") or [] if n in metrics] or ["eval_loss"]
+    name = names[0]
+    ref = state.reference.get(step, {}).get(name)
+    if not isinstance(ref, (int, float)) or not isinstance(metrics.get(name), (int, float)):
+        return f"{state.reference_name}: no {name} at step {step}"
+    diff = metrics[name] - ref
+    points = f"{100 * diff:+.2f} points" if name != "eval_loss" else f"{diff:+.4f}"
+    return f"{state.reference_name}: {name} {ref:.4f} at step {step}, this run {points}"
 
 
 def render_progress(state: DashboardState) -> Table:

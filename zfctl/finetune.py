@@ -24,6 +24,7 @@ from zfctl.dashboard import (
     event_to_json,
     format_plain_header,
     format_plain_line,
+    reference_text,
     render_dashboard,
     render_summary,
 )
@@ -170,6 +171,13 @@ def finetune(
             "checkpointing): far less activation memory for about a third more compute.",
         ),
     ] = False,
+    reference: Annotated[
+        Path | None,
+        typer.Option(
+            help="An earlier run to compare with as this one trains (e.g. an AdamW run with "
+            "the same seed): each evaluation is shown beside that run's at the same step.",
+        ),
+    ] = None,
     sim_profile: Annotated[
         str | None,
         typer.Option(
@@ -260,6 +268,10 @@ def finetune(
         renderer = _LiveRenderer(out)
     else:
         renderer = _PlainRenderer(cfg.steps_per_print or 10)
+    if reference is not None and rank == 0:  # checked with --json too, shown where drawn
+        ref_name, ref_evals = _reference_evals(reference, runs_root)
+        if hasattr(renderer, "state"):
+            renderer.state.reference_name, renderer.state.reference = ref_name, ref_evals
     if not isinstance(renderer, _LiveRenderer):
         quiet_hugging_face(errors_only=json_output or rank != 0)
     try:
@@ -290,6 +302,22 @@ def finetune(
         else:
             out.print(render_summary(summary))
         out.print(f"report: zfctl report {escape(str(summary['run_dir']))}")
+
+
+def _reference_evals(reference: Path, runs_root: Path) -> tuple[str, dict]:
+    """--reference: the run's name and its evaluations by step (exit 2 for a path that is
+    not a run, or a run without evaluations)."""
+    from zenflow.train.runs import read_run
+    from zfctl.report import resolve_runs
+
+    (run_dir,) = resolve_runs([reference], runs_root)
+    evals = {e["step"]: e for e in read_run(run_dir)["evals"] if isinstance(e.get("step"), int)}
+    if not evals:
+        raise user_error(
+            f"--reference {reference}: that run has no evaluations to compare with; pass a "
+            "run that evaluated (--eval-every), or leave it out."
+        )
+    return run_dir.name, evals
 
 
 def _signal_notice(message: str) -> None:
@@ -372,7 +400,9 @@ class _PlainRenderer(_SilentRenderer):
             metrics = ", ".join(
                 f"{k} {v:.4f}" for k, v in event.metrics.items() if isinstance(v, float)
             )
-            print(f"eval at step {event.step}: {metrics}", flush=True)
+            vs = reference_text(self.state, event.step, dict(event.metrics))
+            print(f"eval at step {event.step}: {metrics}" + (f" | {vs}" if vs else ""),
+                  flush=True)  # fmt: skip
 
 
 class _LiveRenderer:

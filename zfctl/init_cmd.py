@@ -58,6 +58,12 @@ def _doc(field: str) -> str:
     return FIELD_DOCS[field]
 
 
+def _engine_doc(field: str) -> str:
+    from zenflow.config import ENGINE_FIELD_DOCS
+
+    return f"zfctl.{field}: {ENGINE_FIELD_DOCS[field]}"
+
+
 def init(
     output: Annotated[
         Path | None,
@@ -101,6 +107,7 @@ def init(
     pt_reserved_cores_perc: Annotated[
         float | None, typer.Option(help=_doc("pt_reserved_cores_perc"))
     ] = None,
+    window_lr: Annotated[str | None, typer.Option(help=_engine_doc("window_lr"))] = None,
     lr: Annotated[float | None, typer.Option(help="Peak learning rate.")] = None,
     weight_decay: Annotated[float | None, typer.Option(help="AdamW weight decay.")] = None,
     micro_batch: Annotated[int | None, typer.Option(help="train_micro_batch_size_per_gpu.")] = None,
@@ -189,8 +196,10 @@ def init(
         "pt_reserved_cores_perc": pt_reserved_cores_perc,
     }
     given = {ZF + k: v for k, v in zenflow_flags.items() if v is not None}
+    if window_lr is not None:  # a ZenFlow setting of zfctl's engine (the top-level block)
+        given["zfctl.window_lr"] = window_lr
     if given and template != "zenflow":
-        flags = ", ".join("--" + k[len(ZF) :].replace("_", "-") for k in given)
+        flags = ", ".join("--" + k.rpartition(".")[2].replace("_", "-") for k in given)
         raise user_error(
             f"{flags} set zenflow fields, but --template {template} has no zenflow block; "
             "use --template zenflow."

@@ -26,6 +26,7 @@ from zfctl.report_render import (
     _get,
     _ratio,
     render_comparison,
+    render_learning_curve,
     render_run,
     write_plot,
 )
@@ -262,19 +263,54 @@ def compare(reports: list[dict]) -> list[dict]:
     return rows
 
 
-def report_document(reports: list[dict]) -> dict:
-    """The ``--json`` document: {"runs": [...], "comparison": [...] (2+ runs),
-    "warnings": [...]} (warnings: lines skipped in a metrics.jsonl, runs not comparable)."""
+def learning_curve(runs: list[dict], reports: list[dict]) -> dict | None:
+    """The runs' evaluations at the steps every run evaluated, against the first run: for
+    2+ runs, ``{"metric": m, "steps": [...], "runs": [{"name", "values": {step: v},
+    "vs_first": {step: v - first's}, "eval_loss": {step: loss}}]}``. The metric is the
+    first run's accuracy, else its task's first metric; None for one run, or when the runs
+    share no evaluated step (``report_warnings`` says so)."""
+    from zenflow.train.learning import eval_curve, matching_steps
+
+    if len(runs) < 2:
+        return None
+    first = reports[0].get("validation") or {}
+    metric = "accuracy" if "accuracy" in first else next(iter(first), "accuracy")
+    curves = [eval_curve(r.get("evals") or [], metric) for r in runs]
+    steps = matching_steps(curves)
+    if not steps:
+        return None
+    rows = []
+    for run, rep, curve in zip(runs, reports, curves, strict=True):
+        loss = eval_curve(run.get("evals") or [], "eval_loss")
+        rows.append({
+            "name": rep.get("name"),
+            "values": {s: curve[s] for s in steps},
+            "vs_first": {s: curve[s] - curves[0][s] for s in steps},
+            "eval_loss": {s: loss.get(s) for s in steps},
+        })  # fmt: skip
+    return {"metric": metric, "steps": steps, "runs": rows}
+
+
+def report_document(reports: list[dict], curve: dict | None = None) -> dict:
+    """The ``--json`` document: {"runs": [...], "comparison": [...] and "learning_curve"
+    (2+ runs; ``learning_curve``), "warnings": [...]} (warnings: lines skipped in a
+    metrics.jsonl, runs not comparable)."""
     doc: dict[str, Any] = {"runs": reports}
     if len(reports) > 1:
         doc["comparison"] = compare(reports)
-    doc["warnings"] = report_warnings(reports)
+        doc["learning_curve"] = curve
+    doc["warnings"] = report_warnings(reports, curve)
     return jsonout.plain(doc)
 
 
-def report_warnings(reports: list[dict]) -> list[str]:
+def report_warnings(reports: list[dict], curve: dict | None = None) -> list[str]:
     lines = [w for r in reports for w in r.get("warnings") or []]
-    return lines + (comparison_warnings(reports) if len(reports) > 1 else [])
+    if len(reports) > 1:
+        lines += comparison_warnings(reports)
+        if curve is None and all(r.get("eval_step") is not None for r in reports):
+            lines.append("the runs share no evaluated step: no learning curve to compare "
+                         "(give them the same --eval-every)")  # fmt: skip
+    return lines
 
 
 # ---------------------------------------------------------------------------- finding runs
@@ -383,19 +419,22 @@ def report(
         check_plot_path(plot)
     loaded = [read_run(p) for p in resolve_runs(runs, runs_root)]
     reports = [run_report(r) for r in loaded]
+    curve = learning_curve(loaded, reports)
     if plot is not None:
         write_plot(loaded, reports, plot)
     warn = err_console()
-    for line in report_warnings(reports):  # on stderr, so --json stays one document
+    for line in report_warnings(reports, curve):  # on stderr, so --json stays one document
         warn.print(f"[yellow]warning:[/] {escape(line)}")
     if as_json:
-        typer.echo(jsonout.dumps(report_document(reports), indent=2))
+        typer.echo(jsonout.dumps(report_document(reports, curve), indent=2))
     else:
         console = Console(highlight=False)
         for r in reports:
             console.print(render_run(r))
         if len(reports) > 1:
             console.print(render_comparison(compare(reports)))
+            if curve is not None:
+                console.print(render_learning_curve(curve))
     if plot is not None:
         note = err_console() if as_json else Console(highlight=False)
         note.print(f"wrote plot to {escape(str(plot))}")

@@ -275,6 +275,24 @@ def render_comparison(rows: list[dict]) -> Table:
     return t
 
 
+def render_learning_curve(curve: dict) -> Table:
+    """The runs' metric at the steps they all evaluated (one row per step), each with its
+    difference from #1 in points."""
+    metric = curve["metric"]
+    t = Table(title=f"learning curve: {metric} at matching steps (points vs #1)",
+              title_justify="left")  # fmt: skip
+    t.add_column("step", justify="right", style="bold")
+    for i, r in enumerate(curve["runs"], 1):
+        t.add_column(escape(f"#{i} {r.get('name') or '-'}"), justify="right")
+    for step in curve["steps"]:
+        cells = []
+        for i, r in enumerate(curve["runs"]):
+            v, d = r["values"][step], r["vs_first"][step]
+            cells.append(f"{v:.4f}" if i == 0 else f"{v:.4f} ({100 * d:+.2f})")
+        t.add_row(str(step), *cells)
+    return t
+
+
 # ---------------------------------------------------------------------------- plot
 
 

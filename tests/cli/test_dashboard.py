@@ -194,3 +194,15 @@ def test_skipped_steps_and_divergence_are_shown():
     assert line["event"] == "RunDiverged" and line["last_good_step"] == 8
     assert line["checkpoint"] == "/r/step-0000008.pt" and "learning rate" in line["message"]
     assert jsonout.loads_strict(event_to_json(nan_step))["loss"] is None
+
+
+def test_reference_row_shows_the_reference_at_the_same_step():
+    from zfctl.dashboard import reference_text
+
+    state = fed_state()
+    assert reference_text(state, 8, {"accuracy": 0.625}) == ""  # no --reference
+    state.reference_name = "adamw-s1"
+    state.reference = {8: {"step": 8, "accuracy": 0.7, "eval_loss": 0.6}}
+    text = render_text(render_dashboard(state))
+    assert "adamw-s1: accuracy 0.7000 at step 8, this run -7.50 points" in text
+    assert reference_text(state, 4, {"accuracy": 0.5}) == "adamw-s1: no accuracy at step 4"

@@ -124,3 +124,24 @@ def test_plain_lines_when_not_a_terminal(cli, tmp_path, tiny_gpt2_dir, glue_dir)
     assert "report: zfctl report" in out
     # sources are announced, never silent
     assert "tokenizer" in out and str(tiny_gpt2_dir) in out
+
+
+def test_reference_run_is_shown_beside_each_evaluation(cli, tmp_path, tiny_gpt2_dir, glue_dir):
+    """Issue 17: `--reference RUN` shows that run's accuracy at the same step, and this
+    run's difference in points, with every evaluation."""
+    common = ("finetune", tiny_gpt2_dir, "--task", "sst2", "--data-dir", glue_dir,
+              "--max-steps", "2", "--micro-batch", "4", "--seq-len", "16",
+              "--max-eval-samples", "8", "--eval-every", "1")  # fmt: skip
+    ref = cli(*common, "--engine", "device", "--run-dir", tmp_path / "adamw")
+    assert ref.exit_code == 0, ref.output
+    acc = {e["step"]: e["accuracy"] for e in runs.read_run(tmp_path / "adamw")["evals"]}
+    r = cli(*common, "--run-dir", tmp_path / "zf", "--reference", tmp_path / "adamw")
+    assert r.exit_code == 0, r.output
+    mine = {e["step"]: e["accuracy"] for e in runs.read_run(tmp_path / "zf")["evals"]}
+    for step in (1, 2):
+        line = next(ln for ln in r.stdout.splitlines() if ln.startswith(f"eval at step {step}:"))
+        diff = f"{100 * (mine[step] - acc[step]):+.2f} points"
+        assert f"| adamw: accuracy {acc[step]:.4f} at step {step}, this run {diff}" in line
+    assert_user_error(cli(*common, "--run-dir", tmp_path / "x", "--reference", tmp_path / "no"),
+                      f"run {tmp_path / 'no'} does not exist")  # fmt: skip
+    assert not (tmp_path / "x").exists()

@@ -102,6 +102,18 @@ def test_zenflow_flag_on_offload_template(cli, tmp_path):
     assert_user_error(r, "--topk-ratio", "--template zenflow")
 
 
+def test_window_lr_flag(cli, tmp_path):
+    out = tmp_path / "ds.json"
+    r = cli("init", "-o", out, "--window-lr", "sum")
+    assert r.exit_code == 0, r.output
+    assert json.loads(out.read_text())["zfctl"]["window_lr"] == "sum"
+    assert load_config(out).engine.window_lr == "sum"
+    assert_user_error(cli("init", "-o", tmp_path / "y.json", "--window-lr", "mean"),
+                      "zfctl.window_lr", '"last" or "sum"')  # fmt: skip
+    r = cli("init", "--template", "offload", "-o", tmp_path / "x.json", "--window-lr", "sum")
+    assert_user_error(r, "--window-lr", "--template zenflow")
+
+
 def test_unknown_template(cli, tmp_path):
     r = cli("init", "--template", "nope", "-o", tmp_path / "x.json")
     assert_user_error(r, "'nope'", "zenflow, offload")

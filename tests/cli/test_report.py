@@ -262,6 +262,41 @@ def test_comparison_speedup_against_the_first_run(cli, tmp_path):
     assert "2.00x" in table.stdout and "1.00x" in table.stdout
 
 
+def test_learning_curves_at_matching_steps_against_the_first_run(cli, tmp_path):
+    """Issue 17: `zfctl report A B` shows the accuracy of both at every step both
+    evaluated, with B's difference from A (an evaluation only one run has is left out)."""
+    steps = [step_line(i, 100.0) for i in range(1, 7)]
+    a = make_run(
+        tmp_path,
+        "20240101-120000-gpt2-sst2",
+        [100.0] * 6,
+        engine_mode="device",
+        lines=[*steps, eval_line(2, 0.70), eval_line(4, 0.80), eval_line(6, 0.84)],
+    )
+    b = make_run(tmp_path, "20240101-130000-gpt2-sst2", [100.0] * 6,
+                 lines=[*steps, eval_line(2, 0.65), eval_line(3, 0.7), eval_line(4, 0.79),
+                        eval_line(6, 0.845)])  # fmt: skip
+    curve = run_json(cli, a, b)["learning_curve"]
+    assert curve["metric"] == "accuracy" and curve["steps"] == [2, 4, 6]
+    first, second = curve["runs"]
+    assert first["values"] == {"2": 0.70, "4": 0.80, "6": 0.84}
+    assert first["vs_first"] == {"2": 0.0, "4": 0.0, "6": 0.0}
+    assert second["vs_first"] == {"2": pytest.approx(-0.05), "4": pytest.approx(-0.01),
+                                  "6": pytest.approx(0.005)}  # fmt: skip
+    assert second["eval_loss"] == {"2": 0.5, "4": 0.5, "6": 0.5}
+    table = cli("report", a, b)
+    assert table.exit_code == 0, table.output
+    assert "learning curve: accuracy at matching steps" in table.stdout
+    assert "0.6500 (-5.00)" in table.stdout and "0.8450 (+0.50)" in table.stdout
+    # runs that evaluated at different steps: said, not a silent empty table
+    c = make_run(tmp_path, "20240101-140000-gpt2-sst2", [100.0] * 6,
+                 lines=[*steps, eval_line(5, 0.8)])  # fmt: skip
+    result = cli("report", "--json", a, c)
+    assert json.loads(result.stdout)["learning_curve"] is None
+    assert "share no evaluated step" in result.stderr
+    assert "learning_curve" not in run_json(cli, a)
+
+
 def test_runs_of_other_tasks_or_models_get_no_speedup(cli, tmp_path):
     a = make_run(tmp_path, "20240101-120000-gpt2-sst2", [200.0] * 5)
     b = make_run(tmp_path, "20240101-130000-gpt2-rte", [100.0] * 5, task="rte")

@@ -25,6 +25,7 @@ def test_values_read_and_written_back():
         "stream_grads": False,
         "grad_accumulation": "device",
         "copy_buckets": "auto",
+        "window_lr": "last",
     }
 
 
@@ -97,3 +98,14 @@ def test_copy_buckets_sizes_the_engine_and_the_estimate():
         assert engine.resolved["copy_buckets"] == 8
     # 8 buckets of the ZenFlow weights' bucket size, fp32 (no overlap: no return buckets)
     assert held == 8 * bucket * 4
+
+
+def test_window_lr_is_last_or_sum():
+    assert load_config({}).engine.window_lr == "last"
+    cfg = load_config({"zfctl": {"window_lr": "sum"}})
+    assert cfg.engine.window_lr == "sum"
+    assert load_config(cfg.to_json_dict()).engine.window_lr == "sum"
+    with pytest.raises(ConfigError) as err:
+        load_config({"zfctl": {"window_lr": "mean"}})
+    (problem,) = err.value.problems
+    assert problem.path == "zfctl.window_lr" and '"last" or "sum"' in str(err.value)

@@ -98,6 +98,34 @@ def test_one_step_windows_without_overlap_equal_adamw(kind, topk, accelerator):
 
 
 @pytest.mark.parametrize("accelerator", ACCELERATORS)
+@pytest.mark.parametrize(
+    "zf",
+    [
+        {"topk_ratio": 1.0, "update_interval": 3},
+        {"topk_ratio": 0.1, "update_interval": 1, "overlap_step": False,
+         "select_strategy": "step", "select_interval": 3},
+    ],
+    ids=["topk1", "S1"],
+)  # fmt: skip
+def test_window_lr_sum_equals_adamw(zf, accelerator):
+    """zfctl.window_lr "sum" changes only what a window of several steps does: with every
+    column selected (topk 1.0) or one-step windows without overlap (the lr sum of one step
+    is its lr) ZenFlow still equals AdamW. Its effect on longer windows is checked against
+    the reference schedule (test_reference_schedule.py)."""
+    model, batches = _models("mlp")
+    ref = copy.deepcopy(model)
+    cfg = make_config(zf, zfctl={"window_lr": "sum"})
+    kw = engine_kw(accelerator)
+    with ZenFlowEngine(model, cfg, host_kernel=torch_style_kernel, **kw) as e:
+        assert e.resolved["window_lr"] == "sum"
+        stats = train_engine(e, model, batches)
+    train_adamw(ref, batches, threads=e.training_threads)
+    if zf["topk_ratio"] < 1.0:
+        assert all(s.host_update for s in stats)
+    assert_params_close(model, ref, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("accelerator", ACCELERATORS)
 @pytest.mark.parametrize("device_adam", ["fused", "reference"])
 def test_topk1_device_path_bit_exact(device_adam, accelerator):
     """topk=1.0 never touches the host: the device AdamW is torch's, bit for bit. The fused

@@ -64,6 +64,13 @@ CASES = {
     # S = 4 with a re-selection every 8 steps: columns move between a side that counted 2
     # host windows and one that counted 8 device steps; each keeps its own count
     "S4-sel8-overlap": dict(update_interval=4, select_interval=8, overlap_step=True),
+    # zfctl.window_lr "sum": a host step at the sum of its window's lrs
+    "S4-sel8-overlap-sumlr": dict(
+        update_interval=4, select_interval=8, overlap_step=True, window_lr="sum"
+    ),
+    "auto-sel5-sync-sumlr": dict(
+        update_interval="auto", select_interval=5, overlap_step=False, window_lr="sum"
+    ),
 }
 
 
@@ -72,6 +79,7 @@ CASES = {
 @pytest.mark.parametrize("clip", [0.0, 30.0])
 def test_engine_matches_reference(case, accelerator, clip):
     zf = {"topk_ratio": 0.1, **CASES[case], "select_strategy": "step", "auto_ratio": 0.99}
+    window_lr = zf.pop("window_lr", "last")
     attempts = 21 if case.startswith("S4") else 17
     skip_at = (5,)
     model = ParamModel()
@@ -79,7 +87,8 @@ def test_engine_matches_reference(case, accelerator, clip):
     init = [p.detach().clone() for p in model.parameters()]
     grad_fn = make_grad_fn(attempts, nonfinite_at=skip_at)
     engine = ZenFlowEngine(
-        model, make_config(zf, clip=clip), host_kernel="reference", min_numel=100,
+        model, make_config(zf, clip=clip, zfctl={"window_lr": window_lr}),
+        host_kernel="reference", min_numel=100,
         **engine_kw(accelerator),
     )  # fmt: skip
     assert [w.spec.name for w in engine.zweights] == ["lin.weight", "conv.weight"]
@@ -90,6 +99,7 @@ def test_engine_matches_reference(case, accelerator, clip):
         lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, topk_ratio=zf["topk_ratio"],
         update_interval=ui, select_every=zf["select_interval"], overlap=zf["overlap_step"],
         warmup_rounds=zf.get("full_warm_up_rounds", 0), auto_ratio=0.99, clip=clip,
+        window_lr=window_lr,
     )  # fmt: skip
     # Bit for bit where the gradient is whole (the CPU device sums it in place). Streamed
     # (sim), the global norm is summed from the pieces as they pass (another rounding order
@@ -125,3 +135,30 @@ def test_engine_matches_reference(case, accelerator, clip):
         assert len(set(engine.window_lengths)) > 1 or max(engine.window_lengths) > 1
     for p, p0 in zip(model.parameters(), init, strict=True):
         assert not torch.equal(p.detach(), p0)
+
+
+def test_window_lr_sum_moves_a_window_by_its_steps_lrs():
+    """The reference's window_lr "sum" (what the engine is compared with above): after the
+    first 4-step window without overlap, the non-selected columns are those of a host step
+    at 4 x lr (their gradients depend only on their own values, unchanged until then),
+    and not those of "last" at lr."""
+    model = ParamModel()
+    names = [n for n, _ in model.named_parameters()]
+    init = [p.detach().clone() for p in model.parameters()]
+    dims = [COLUMN_DIMS.get(n) for n in names]
+    kw = dict(betas=BETAS, eps=EPS, weight_decay=WD, topk_ratio=0.1, update_interval=4,
+              select_every=1000, overlap=False)  # fmt: skip
+
+    def after_window(lr, window_lr):
+        ref = run_reference(init, dims, make_grad_fn(4), 4, lr=lr, window_lr=window_lr, **kw)
+        return ref["history"][3][names.index("lin.weight")]  # [24, 40], columns along dim 1
+
+    summed = after_window(LR, "sum")
+    last, last4 = after_window(LR, "last"), after_window(4 * LR, "last")
+    # every column moved; the 4 device columns (top 10% of 40) are those of "last" at lr,
+    # the 36 host columns those of a host step at 4 x lr, exactly
+    assert not torch.isclose(summed, init[names.index("lin.weight")]).all(dim=0).any()
+    device_cols = (summed == last).all(dim=0)
+    host_cols = (summed == last4).all(dim=0)
+    assert device_cols.sum() == 4 and host_cols.sum() == 36
+    assert not (device_cols & host_cols).any()

@@ -23,12 +23,15 @@ SCRIPT = textwrap.dedent(
     from zenflow import ZenFlowEngine
     phase, path, n, accel = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[5]
     zf, bf16 = eval(sys.argv[4]), sys.argv[6] == "bf16"
-    stream = {{"zfctl": {{"stream_grads": True}}}} if sys.argv[7] == "stream" else {{}}
+    flags = sys.argv[7].split(",")
+    zfctl = {{"stream_grads": True}} if "stream" in flags else {{}}
+    if "sumlr" in flags:
+        zfctl["window_lr"] = "sum"
     torch.manual_seed(0)
     model = MLP()
     batches = mlp_batches(2 * n)
     kw = dict(host_kernel="reference", accelerator=accel, sim_strict=True, min_numel=1000)
-    cfg = make_config(zf, clip=1.0, bf16={{"enabled": bf16}}, **stream)
+    cfg = make_config(zf, clip=1.0, bf16={{"enabled": bf16}}, zfctl=zfctl)
     engine = ZenFlowEngine(model, cfg, **kw)
     if phase == "first":
         train_engine(engine, model, batches[:n])
@@ -88,9 +91,11 @@ AUTO = {"topk_ratio": 0.2, "update_interval": "auto", "select_interval": 5, "ove
         # saved on one device type, continued on another; the CPU device streams too, so
         # that both halves sum the global norm from the same pieces (bitwise comparable)
         (FIXED, "sim", "cpu", "fp32-stream"),
+        # zfctl.window_lr "sum": the saved window is one step in, its lr sum must resume
+        (FIXED, "sim", "sim", "fp32-sumlr"),
     ],
     ids=["sim-overlap", "sim-overlap-bf16", "cpu-overlap", "cpu-auto-warmup",
-         "sim-auto-warmup", "sim-to-cpu"],
+         "sim-auto-warmup", "sim-to-cpu", "sim-window-lr-sum"],
 )  # fmt: skip
 def test_resume_in_fresh_process(tmp_path, zf, first, second, dtype):
     n = 7

@@ -89,6 +89,18 @@ def test_selection_interval_resolved_to_steps(strategy, interval, spe, expected)
     assert block["update_interval"] == 4 and block["topk_ratio"] == 0.1
 
 
+def test_window_lr_sum_is_said_to_be_zfctls_own():
+    from zenflow.train.deepspeed_engine import unsupported_notes
+
+    zf = load_config(ROOT / "templates" / "zenflow.json")
+    assert unsupported_notes(zf) == []
+    summed = load_config({**zf.raw, "zfctl": {"window_lr": "sum"}})
+    (note,) = unsupported_notes(summed)
+    assert 'zfctl.window_lr "sum"' in note and "last step" in note
+    offload = load_config(ROOT / "templates" / "offload.json")
+    assert unsupported_notes(load_config({**offload.raw, "zfctl": {"window_lr": "sum"}})) == []
+
+
 def test_refuses_a_config_that_is_neither_offload_nor_zenflow():
     import torch
 

@@ -569,7 +569,11 @@ def _resolve_batch(r: _Reader, raw: Mapping, world_size: int) -> tuple[int | Non
 
 
 _ENGINE_FIELDS = tuple(f.name for f in dataclasses.fields(EngineOptions))
-_ENGINE_CHOICES = {"grad_accumulation": ("host", "device"), "stream_grads": (True, False, "auto")}
+_ENGINE_CHOICES = {
+    "grad_accumulation": ("host", "device"),
+    "stream_grads": (True, False, "auto"),
+    "window_lr": ("last", "sum"),
+}
 
 
 def _parse_engine(r: _Reader, raw: Mapping) -> EngineOptions:

@@ -165,6 +165,12 @@ ENGINE_FIELD_DOCS: dict[str, str] = {
     'memory, one copy of the gradient per micro-batch) or "device" (autograd sums them in '
     "the device gradient and only the last micro-batch streams: one copy per step, plus a "
     "whole-model gradient on the device).",
+    "window_lr": "The learning rate of a window's host AdamW step for the non-selected "
+    'columns: "last" (the lr of the window\'s last step: one AdamW step per window on the '
+    "window's mean gradient, as DeepSpeed's ZenFlow does) or \"sum\" (the sum of the "
+    "window's per-step lrs, weight decay included: a column with a steady gradient moves as "
+    "far per window as under S steps of AdamW, instead of 1/S as far). Opt-in: it changes "
+    "the host step's arithmetic; with one-step windows both are the same.",
     "copy_buckets": "Device buffers the streamed gradient pieces wait in for the copy engine, "
     "each 1/64 of the offloaded elements (at most 4M) in the training dtype: an integer >= 2 "
     'or "auto" (2; 4 with data parallelism: the least device memory). Backward produces a '
@@ -186,6 +192,8 @@ class EngineOptions:
     """Where micro-batches are summed: "host" or "device"."""
     copy_buckets: int | str = "auto"
     """Device buffers for pieces waiting for the copy engine: an int >= 2 or "auto"."""
+    window_lr: str = "last"
+    """The host step's lr: "last" (the window's last step's) or "sum" (of the window's)."""
 
 
 @dataclass(frozen=True)

@@ -106,6 +106,7 @@ def engine_state_dict(engine, share_host: bool = False) -> dict:
         "selected": impl.selected,
         "last_select_step": impl.last_select_step,
         "window_len": impl.window_len,
+        "window_lr_sum": impl.window_lr_sum,
         "window_start": impl.window_start,
         "pending": pending,
         "topk_ratio": impl.topk_ratio,
@@ -235,6 +236,8 @@ def load_engine_state(engine, sd: dict) -> None:
     impl.last_select_step = int(z["last_select_step"])
     impl.window_len = int(z["window_len"])
     impl.window_start = int(z["window_start"])
+    # older checkpoints (before zfctl.window_lr) hold no sum: "last" never reads it
+    impl.window_lr_sum = float(z.get("window_lr_sum", 0.0))
     p = z["pending"]
     # a finished, not yet applied host step: applied at the next window end (its image is
     # packed again from the loaded master, exactly what the worker packed)

@@ -12,7 +12,9 @@ copying its result to the weights, which is what overlap means for the values:
   steps, the host counts windows; bias correction uses each column's own count);
 - warm-up steps update everything: matrices by the host AdamW, the rest on the device;
 - the auto update interval votes per weight (accumulated non-selected mass per column >=
-  mean per-step selected mass per column) and ends the window at auto_ratio, bound 1..64.
+  mean per-step selected mass per column) and ends the window at auto_ratio, bound 1..64;
+- a host step's lr is the lr (``window_lr`` "last") or, with "sum", the lr times the
+  window's steps, summed step by step as the engine sums the lrs of the window's steps.
 
 It deliberately shares no code with the engine except the host CPU AdamW kernel
 (``host_kernel``, default the ops reference) and the column-score definition.
@@ -81,6 +83,7 @@ def run_reference(
     warmup_rounds: int = 0,
     auto_ratio: float = 0.99,
     clip: float = 0.0,
+    window_lr: str = "last",
     host_kernel=adamw_step_reference_,
     losses: list[float] | None = None,
 ) -> dict:
@@ -104,6 +107,7 @@ def run_reference(
     sel_mass = dict.fromkeys(zf, 0.0)
     nonsel_mass = dict.fromkeys(zf, 0.0)
     n = 0  # steps in the current window
+    lr_sum = 0.0  # the lrs of its steps (window_lr "sum": the host step's lr)
     window_start = warmup_rounds + 1
     pending = False
     last_select = 0
@@ -123,7 +127,7 @@ def run_reference(
         g = g.float()
         return (g * g).sum(dim=1 - column_dims[i])
 
-    def host_step(i, grad, scale):
+    def host_step(i, grad, scale, lr=lr):
         thc[i] += 1
         u = _uniform(thc[i])
         kw = {}
@@ -203,6 +207,7 @@ def run_reference(
                 if len(ns):
                     nonsel_mass[i] += float(s[ns].sum()) / len(ns)
         n += 1
+        lr_sum += lr
         if update_interval is not None:
             ends = n >= update_interval
         elif n >= 64 or not zf:
@@ -221,7 +226,7 @@ def run_reference(
                 applied.append(t)
                 pending = False
             for i in zf:
-                host_step(i, A[i], 1.0 / n)
+                host_step(i, A[i], 1.0 / n, lr_sum if window_lr == "sum" else lr)
                 A[i].zero_()
                 sel_mass[i] = nonsel_mass[i] = 0.0
             if overlap and not reselect:
@@ -232,6 +237,7 @@ def run_reference(
                 applied.append(t)
             windows.append((window_start, t, n))
             n = 0
+            lr_sum = 0.0
             window_start = t + 1
             if reselect:
                 select(grads)

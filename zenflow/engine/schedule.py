@@ -201,6 +201,7 @@ class ZenFlowEngine:
             bool(stream_opt)  # fmt: skip
         self.grad_accumulation = getattr(options, "grad_accumulation", "host")
         self.copy_buckets = getattr(options, "copy_buckets", "auto")
+        self.window_lr = getattr(options, "window_lr", "last")
         self.gas = max(1, int(getattr(config, "gradient_accumulation_steps", 1) or 1))
         self._host_kernel_arg = host_kernel
         self._kernel = None

@@ -297,6 +297,7 @@ class ZenFlowMode:
         self.selected = False
         self.last_select_step = 0
         self.window_len = 0
+        self.window_lr_sum = 0.0  # the lrs of the window's steps (zfctl.window_lr "sum")
         self.window_start = self.warmup_rounds + 1
         self.slot = 0
         self.inflight: HostJob | None = None
@@ -338,6 +339,7 @@ class ZenFlowMode:
             "full_warm_up_rounds": self.warmup_rounds,
             "overlap_step": self.overlap,
             "auto_ratio": self.auto_ratio,
+            "window_lr": self.e.window_lr,
             "grad_path": path,
             "bucket_elems": None if self.zero_copy else self.bucket_elems,
             "zenflow_weights": len(self.zweights),
@@ -695,6 +697,7 @@ class ZenFlowMode:
             if self.update_interval is None:
                 self._auto_stats_zero_copy()
         self.window_len += 1
+        self.window_lr_sum += hp.lr
         if self._window_ends():
             reselect = t - self.last_select_step >= self.select_every
             scores = self._reselect_scores() if reselect else None
@@ -978,10 +981,13 @@ class ZenFlowMode:
         self.host_log.append(job)
         kernels = self.kernels
         nt = e.host_threads
+        # zfctl.window_lr: one AdamW step at the last step's lr (the paper's), or at the sum
+        # of the window's lrs (as far per window as n AdamW steps of a steady gradient)
+        lr = self.window_lr_sum if e.window_lr == "sum" else hp.lr
 
         def run():
             try:
-                run_host_tasks(tasks, kernels, hp.lr, hp, nt, job, before)
+                run_host_tasks(tasks, kernels, lr, hp, nt, job, before)
             finally:  # a failed step must not leave the accumulator waiting forever
                 for ev in frees:
                     ev.set()
@@ -1000,6 +1006,7 @@ class ZenFlowMode:
         e.rec.window_ended = n
         self.window_lengths.append(n)
         self.window_len = 0
+        self.window_lr_sum = 0.0
         self.window_start = t + 1
 
     def flush(self, t: int, hp) -> None:

@@ -178,6 +178,19 @@ def deepspeed_config(config, *, steps_per_epoch: int | None = None) -> tuple[dic
     return out, notes
 
 
+def unsupported_notes(config) -> list[str]:
+    """What of ``config`` DeepSpeed's engine does not do (zfctl's own options), said once in
+    the run's header: the run goes on as DeepSpeed does it."""
+    notes = []
+    if config.zenflow is not None and config.engine.window_lr != "last":
+        notes.append(
+            f'zfctl.window_lr "{config.engine.window_lr}" is an option of zfctl\'s engine: '
+            "DeepSpeed's ZenFlow takes each window's host step at the lr of the window's last "
+            "step, and so does this run."
+        )
+    return notes
+
+
 class DeepSpeedAdapter:
     """DeepSpeed's engine (``deepspeed.initialize``) with the interface of ``ZenFlowEngine``.
 

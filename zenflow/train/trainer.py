@@ -505,6 +505,10 @@ class _Run:
             )
         if spec.engine_mode == "zenflow":
             self.notes += run_length_notes(self.config.zenflow, self.total_steps)
+        if spec.engine_mode == "deepspeed":
+            from zenflow.train.deepspeed_engine import unsupported_notes
+
+            self.notes += unsupported_notes(self.config)
         if spec.engine_mode == "zenflow" and self.config.zenflow is None:
             zf = self.zenflow_settings() or {}
             self.notes.append(

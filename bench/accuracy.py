@@ -1,0 +1,394 @@
+"""Does ZenFlow learn as fast as AdamW? Engines x seeds x settings on one task (issue 17).
+
+Each arm is a ``zfctl finetune`` command line: an engine and ``--set`` overrides of the
+template. Every arm runs every seed with the same model, task, steps, batch, sequence
+length, learning rate and evaluation cadence, so the arms of one seed start from the same
+weights and see the same batches: the table compares them seed by seed (a paired gap with
+its 95% interval, ``zenflow.train.learning``).
+
+    .venv/bin/python bench/accuracy.py run runs/accuracy/main --seeds 1-5 --steps 1000 \\
+        --arm adamw=device --arm zenflow=zenflow
+    .venv/bin/python bench/accuracy.py run runs/accuracy/warmup --seeds 1-3 --steps 300 \\
+        --arm adamw=device --arm w0=zenflow --arm w20=zenflow:warmup=20 --jobs 2
+    .venv/bin/python bench/accuracy.py table runs/accuracy/main --at 100,300,1000
+
+Arms are ``NAME=ENGINE[:key=value,...]``. Keys are ``--set`` paths of the config
+(``zero_optimization.zenflow.topk_ratio=0.2``) or these short names: ``topk``,
+``interval`` (update_interval), ``overlap`` (overlap_step), ``warmup``
+(full_warm_up_rounds), ``strategy`` (select_strategy), ``select`` (select_interval),
+``window_lr`` (zfctl.window_lr).
+
+Resumable: a sweep's settings are kept in ``ROOT/sweep.json``, each run in
+``ROOT/ARM/sSEED``. Running the same command again skips finished runs, resumes a run
+stopped midway from its newest checkpoint (exact: ``zfctl finetune --resume``), and starts
+the rest; arms and seeds may be added to a sweep later, its common settings may not change.
+A finished run keeps its metrics and summary; its checkpoints and model are deleted
+(``--keep-files`` keeps them) because a sweep of 50 runs would otherwise hold 20 GB.
+
+Runs go one at a time by default; ``--jobs 2`` runs two side by side. The table's
+accuracy does not depend on that; its ms/step do (a side-by-side speed comparison is
+``zfctl bench``'s job), so the table says how many jobs ran them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from zenflow.train import runs  # noqa: E402
+from zenflow.train.learning import describe, eval_curve, paired_gap  # noqa: E402
+
+SWEEP_FILE = "sweep.json"
+SHORT_KEYS = {
+    "topk": "zero_optimization.zenflow.topk_ratio",
+    "interval": "zero_optimization.zenflow.update_interval",
+    "overlap": "zero_optimization.zenflow.overlap_step",
+    "warmup": "zero_optimization.zenflow.full_warm_up_rounds",
+    "strategy": "zero_optimization.zenflow.select_strategy",
+    "select": "zero_optimization.zenflow.select_interval",
+    "window_lr": "zfctl.window_lr",
+}
+ENGINES = ("zenflow", "offload", "device")
+# The demo's settings (README): pretrained MiniLM-L6 on SST-2, 16 x 48 tokens, lr 5e-5.
+DEFAULTS = {"model": "minilm", "task": "sst2", "steps": 300, "micro_batch": 16, "seq_len": 48,
+            "lr": 5e-5, "eval_every": 100, "extra": []}  # fmt: skip
+
+
+class SweepError(Exception):
+    """A bad arm, seed list or sweep folder: one sentence for the user."""
+
+
+def parse_arm(text: str) -> tuple[str, dict]:
+    """``NAME=ENGINE[:key=value,...]`` -> (name, {"engine": ..., "set": ["path=value", ...]})."""
+    name, eq, rest = text.partition("=")
+    if not eq or not name or "/" in name or name.startswith("."):
+        raise SweepError(f"--arm {text!r}: write NAME=ENGINE[:key=value,...], e.g. "
+                         "zf20=zenflow:topk=0.2")  # fmt: skip
+    engine, _, settings = rest.partition(":")
+    if engine not in ENGINES:
+        raise SweepError(f"--arm {text!r}: engine {engine!r} is not one of {', '.join(ENGINES)}")
+    sets = []
+    for item in filter(None, settings.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or not value:
+            raise SweepError(f"--arm {text!r}: {item!r} is not key=value")
+        path = SHORT_KEYS.get(key, key)
+        if "." not in path:
+            raise SweepError(f"--arm {text!r}: unknown key {key!r}; use a dotted config path "
+                             f"or one of {', '.join(SHORT_KEYS)}")  # fmt: skip
+        sets.append(f"{path}={value}")
+    return name, {"engine": engine, "set": sets}
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``1-5`` or ``1,2,7`` (or a mix) -> sorted unique seeds."""
+    seeds: set[int] = set()
+    try:
+        for part in filter(None, text.split(",")):
+            lo, dash, hi = part.partition("-")
+            seeds.update(range(int(lo), int(hi) + 1) if dash else [int(lo)])
+    except ValueError:
+        raise SweepError(f"--seeds {text!r}: write 1-5 or 1,2,7") from None
+    if not seeds:
+        raise SweepError(f"--seeds {text!r}: no seeds")
+    return sorted(seeds)
+
+
+def load_sweep(root: Path) -> dict | None:
+    path = root / SWEEP_FILE
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text())
+
+
+def merge_sweep(old: dict | None, common: dict, arms: dict, seeds: list[int]) -> dict:
+    """The sweep after this command: ``old`` plus new arms and seeds. Changing a common
+    setting or an arm's definition would mix two experiments in one table: refused."""
+    if old is None:
+        return {"common": common, "arms": arms, "seeds": seeds}
+    for key, value in common.items():
+        if old["common"].get(key) != value:
+            raise SweepError(f"this sweep was run with {key}={old['common'].get(key)!r}, not "
+                             f"{value!r}: use another folder for other settings")  # fmt: skip
+    merged = dict(old["arms"])
+    for name, arm in arms.items():
+        if name in merged and merged[name] != arm:
+            raise SweepError(f"arm {name!r} is {merged[name]} in this sweep, not {arm}: "
+                             "give the new arm another name")  # fmt: skip
+        merged[name] = arm
+    seeds = sorted(set(old["seeds"]) | set(seeds))
+    return {"common": old["common"], "arms": merged, "seeds": seeds}
+
+
+def run_state(run_dir: Path) -> str:
+    """One of "finished", "resume" (a run with a checkpoint), "restart" (a run without one) or
+    "new"."""
+    summary = runs.read_json(run_dir / runs.SUMMARY_FILE) if run_dir.is_dir() else None
+    if summary and summary.get("status") == "finished":
+        return "finished"
+    if not runs.holds_run(run_dir):
+        return "new"
+    return "resume" if runs.latest_checkpoint(run_dir) else "restart"
+
+
+def finetune_command(sweep: dict, arm: dict, seed: int, run_dir: Path, state: str) -> list[str]:
+    c = sweep["common"]
+    zfctl = Path(sys.executable).with_name("zfctl")
+    cmd = [str(zfctl) if zfctl.exists() else "zfctl", "finetune", c["model"], "--task", c["task"],
+           "--engine", arm["engine"], "--seed", str(seed), "--max-steps", str(c["steps"]),
+           "--micro-batch", str(c["micro_batch"]), "--seq-len", str(c["seq_len"]),
+           "--lr", str(c["lr"]), "--eval-every", str(c["eval_every"]),
+           "--checkpoint-every", str(c["eval_every"]), "--run-dir", str(run_dir),
+           "--no-dashboard", *c["extra"]]  # fmt: skip
+    for s in arm["set"]:
+        cmd += ["--set", s]
+    if state == "resume":
+        cmd += ["--resume", str(run_dir)]
+    elif state == "restart":
+        cmd += ["--overwrite"]
+    return cmd
+
+
+def run_sweep(root: Path, sweep: dict, jobs: int, keep_files: bool,
+              seeds: list[int] | None = None, only: list[str] | None = None) -> int:  # fmt: skip
+    """Run every (seed, arm) not finished yet (of ``seeds`` and the arms ``only`` names, or
+    all), seed by seed so that a sweep stopped early still has whole seeds. Returns the
+    number of failed runs."""
+    todo = []
+    for seed in seeds or sweep["seeds"]:
+        for name, arm in sweep["arms"].items():
+            if only and name not in only:
+                continue
+            run_dir = root / name / f"s{seed}"
+            state = run_state(run_dir)
+            if state != "finished":
+                todo.append((name, arm, seed, run_dir, state))
+    total = len(todo)
+    n_arms = len(only) if only else len(sweep["arms"])
+    print(f"{root}: {n_arms} arms x {len(seeds or sweep['seeds'])} seeds, {total} runs to "
+          f"do, {jobs} at a time", flush=True)  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    running: list[tuple] = []
+    failed = done = 0
+    while todo or running:
+        while todo and len(running) < jobs:
+            name, arm, seed, run_dir, state = todo.pop(0)
+            run_dir.parent.mkdir(parents=True, exist_ok=True)
+            log = open(run_dir.parent / f"s{seed}.log", "a")
+            cmd = finetune_command(sweep, arm, seed, run_dir, state)
+            log.write(f"$ {' '.join(cmd)}\n")
+            log.flush()
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            running.append((proc, log, name, seed, run_dir, time.monotonic()))
+            print(f"  start {name} seed {seed} ({state})", flush=True)
+        time.sleep(1.0)
+        for item in list(running):
+            proc, log, name, seed, run_dir, t0 = item
+            if proc.poll() is None:
+                continue
+            running.remove(item)
+            log.close()
+            done += 1
+            took = time.monotonic() - t0
+            if proc.returncode != 0 or run_state(run_dir) != "finished":
+                failed += 1
+                print(f"  [{done}/{total}] {name} seed {seed}: FAILED (exit {proc.returncode}),"
+                      f" see {run_dir.parent / f's{seed}.log'}", flush=True)  # fmt: skip
+                continue
+            if not keep_files:
+                for sub in (runs.CHECKPOINT_DIR, runs.MODEL_DIR):
+                    shutil.rmtree(run_dir / sub, ignore_errors=True)
+            curve = eval_curve(runs.read_run(run_dir)["evals"])
+            last = max(curve) if curve else None
+            acc = f"accuracy {curve[last]:.4f} at step {last}" if last else "no evaluation"
+            print(f"  [{done}/{total}] {name} seed {seed}: {acc} ({took / 60:.1f} min)",
+                  flush=True)  # fmt: skip
+    return failed
+
+
+# --------------------------------------------------------------------------------------
+# The table
+# --------------------------------------------------------------------------------------
+
+
+def collect(root: Path, sweep: dict, metric: str) -> dict:
+    """Per arm: ``{"curves": {seed: {step: value}}, "loss": {seed: {step: eval_loss}},
+    "summaries": {seed: summary}}`` of its finished runs."""
+    out = {}
+    for name in sweep["arms"]:
+        arm = {"curves": {}, "loss": {}, "summaries": {}}
+        for seed in sweep["seeds"]:
+            run_dir = root / name / f"s{seed}"
+            if run_state(run_dir) != "finished":
+                continue
+            run = runs.read_run(run_dir)
+            arm["curves"][seed] = eval_curve(run["evals"], metric)
+            arm["loss"][seed] = eval_curve(run["evals"], "eval_loss")
+            arm["summaries"][seed] = run["summary"]
+        out[name] = arm
+    return out
+
+
+def _at(per_seed: dict, step: int) -> dict:
+    return {s: c[step] for s, c in per_seed.items() if step in c}
+
+
+def table(root: Path, sweep: dict, reference: str | None, at: list[int] | None,
+          metric: str = "accuracy") -> dict:  # fmt: skip
+    """The sweep's table as plain data: per arm and step, the metric's mean/sd/min/max over
+    seeds and the paired gap to ``reference`` with its 95% interval; per arm the eval loss
+    at the last step, mean wall ms/step and stall share."""
+    data = collect(root, sweep, metric)
+    if reference is None:
+        reference = next((n for n, a in sweep["arms"].items() if a["engine"] == "device"), None)
+    if reference is not None and reference not in data:
+        raise SweepError(f"--reference {reference!r} is not an arm of this sweep "
+                         f"({', '.join(data)})")  # fmt: skip
+    steps = at or sorted({s for a in data.values() for c in a["curves"].values() for s in c})
+    ref = data.get(reference) if reference else None
+    rows = []
+    for name, arm in data.items():
+        row = {"arm": name, **sweep["arms"][name], "seeds": sorted(arm["curves"]), "at": {}}
+        for step in steps:
+            vals = _at(arm["curves"], step)
+            gap = paired_gap(vals, _at(ref["curves"], step)) if ref and name != reference else None
+            row["at"][step] = {"stats": describe(vals.values()), "gap": gap}
+        last = max(steps) if steps else None
+        row["eval_loss"] = describe(_at(arm["loss"], last).values()) if last else None
+        sums = list(arm["summaries"].values())
+        wall = [((s.get("timing_ms_mean") or {}).get("wall_ms")) for s in sums]
+        stall = [s.get("stall_fraction") for s in sums]
+        row["wall_ms"] = describe(v for v in wall if v is not None)
+        row["stall_fraction"] = describe(v for v in stall if v is not None)
+        row["device_bytes_per_param"] = describe(
+            v for v in (s.get("device_bytes_per_param") for s in sums) if v is not None
+        )
+        rows.append(row)
+    return {"root": str(root), "metric": metric, "reference": reference, "steps": steps,
+            "common": sweep["common"], "rows": rows}  # fmt: skip
+
+
+def _pct(x: float | None, signed: bool = False) -> str:
+    if x is None:
+        return "-"
+    return f"{100 * x:+.2f}" if signed else f"{100 * x:.2f}"
+
+
+def render_markdown(doc: dict) -> str:
+    """The table in Markdown: metric in percent, mean +- sd (n), gap to the reference with
+    its 95% interval in points."""
+    steps, metric = doc["steps"], doc["metric"]
+    head = ["arm", "settings"]
+    for s in steps:
+        head += [f"{metric} @{s}", f"gap @{s} [95% CI]"]
+    head += ["eval loss", "ms/step", "stall %"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 2 + "---:|" * (len(head) - 2)]
+    for row in doc["rows"]:
+        settings = row["engine"] + ("" if not row["set"] else " " + " ".join(
+            s.replace("zero_optimization.zenflow.", "") for s in row["set"]))  # fmt: skip
+        cells = [row["arm"], settings]
+        for s in steps:
+            st, gap = row["at"][s]["stats"], row["at"][s]["gap"]
+            cells.append("-" if st is None else
+                         f"{_pct(st['mean'])} ± {_pct(st['sd'])} ({st['n']})")  # fmt: skip
+            if gap is None:
+                cells.append("ref" if row["arm"] == doc["reference"] else "-")
+            else:
+                cells.append(f"{_pct(gap['mean'], True)} [{_pct(gap['lo'], True)}, "
+                             f"{_pct(gap['hi'], True)}]")  # fmt: skip
+        loss, wall, stall = row["eval_loss"], row["wall_ms"], row["stall_fraction"]
+        cells.append("-" if loss is None else f"{loss['mean']:.4f}")
+        cells.append("-" if wall is None else f"{wall['mean']:.0f}")
+        cells.append("-" if stall is None else f"{100 * stall['mean']:.1f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser(
+        "run",
+        help="run (or resume) a sweep, then print its table; "
+        "arguments after -- go to every zfctl finetune",
+    )
+    r.add_argument("root", type=Path)
+    r.add_argument("--arm", action="append", default=[], help="NAME=ENGINE[:key=value,...]")
+    r.add_argument("--seeds", default="1-5", help="seeds to run now (added to the sweep's)")
+    r.add_argument("--only", help="run only these arms now, e.g. adamw,zf (default: all)")
+    r.add_argument("--model", default=DEFAULTS["model"])
+    r.add_argument("--task", default=DEFAULTS["task"])
+    r.add_argument("--steps", type=int, default=DEFAULTS["steps"])
+    r.add_argument("--micro-batch", type=int, default=DEFAULTS["micro_batch"])
+    r.add_argument("--seq-len", type=int, default=DEFAULTS["seq_len"])
+    r.add_argument("--lr", type=float, default=DEFAULTS["lr"])
+    r.add_argument("--eval-every", type=int, default=DEFAULTS["eval_every"])
+    r.add_argument("--jobs", type=int, default=1)
+    r.add_argument("--keep-files", action="store_true")
+    t = sub.add_parser("table", help="print a sweep's table")
+    t.add_argument("root", type=Path)
+    for p in (r, t):
+        p.add_argument("--reference", help="arm the gaps are taken to (default: the device arm)")
+        p.add_argument("--at", help="steps to show, e.g. 100,300,1000 (default: every eval)")
+        p.add_argument("--arms", help="only these arms, e.g. adamw,zf,w20")
+        p.add_argument("--json", type=Path, help="also write the table as JSON here")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []  # more finetune arguments
+    args = ap.parse_args(argv[: len(argv) - len(extra) - (1 if "--" in argv else 0)])
+    args.extra = extra
+    try:
+        root = args.root
+        old = load_sweep(root)
+        if args.cmd == "run":
+            arms = dict(parse_arm(a) for a in args.arm)
+            common = {"model": args.model, "task": args.task, "steps": args.steps,
+                      "micro_batch": args.micro_batch, "seq_len": args.seq_len, "lr": args.lr,
+                      "eval_every": args.eval_every, "extra": args.extra}  # fmt: skip
+            if old is None and not arms:
+                raise SweepError("a new sweep needs at least one --arm")
+            seeds = parse_seeds(args.seeds)
+            only = args.only.split(",") if args.only else None
+            sweep = merge_sweep(old, common, arms, seeds)
+            unknown = [a for a in only or [] if a not in sweep["arms"]]
+            if unknown:
+                raise SweepError(f"--only: {', '.join(unknown)} not an arm of this sweep")
+            root.mkdir(parents=True, exist_ok=True)
+            runs.write_json_atomic(root / SWEEP_FILE, sweep)
+            failed = run_sweep(root, sweep, max(1, args.jobs), args.keep_files, seeds, only)
+            sweep["jobs"] = args.jobs
+        elif old is None:
+            raise SweepError(f"{root} holds no {SWEEP_FILE}: not a sweep folder")
+        else:
+            sweep, failed = old, 0
+        if args.arms:
+            keep = args.arms.split(",")
+            unknown = [a for a in keep if a not in sweep["arms"]]
+            if unknown:
+                raise SweepError(f"--arms: {', '.join(unknown)} not in this sweep")
+            sweep = {**sweep, "arms": {a: sweep["arms"][a] for a in keep}}
+        at = [int(s) for s in args.at.split(",")] if args.at else None
+        doc = table(root, sweep, args.reference, at)
+    except SweepError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    c = doc["common"]
+    print(f"\n{c['model']} on {c['task']}, {c['steps']} steps of {c['micro_batch']} x "
+          f"{c['seq_len']} tokens, lr {c['lr']}; {doc['metric']} in %, mean ± sd (seeds); "
+          f"gap = arm - {doc['reference']}, paired by seed, in points\n")  # fmt: skip
+    print(render_markdown(doc))
+    if args.json:
+        runs.write_json_atomic(args.json, doc)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
