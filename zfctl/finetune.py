@@ -55,7 +55,48 @@ def _positive(flag: str, value: float | None) -> None:
 
 def finetune(
     model: Annotated[str, typer.Argument(help=MODEL_HELP)],
-    task: Annotated[str, typer.Option("--task", help="GLUE task, e.g. sst2.")],
+    task: Annotated[
+        str | None,
+        typer.Option(
+            "--task",
+            help="GLUE task, e.g. sst2 (its files from --data-dir, or the hub). With --data: "
+            "the run's name (default: the data file's name).",
+        ),
+    ] = None,
+    data: Annotated[
+        Path | None,
+        typer.Option(
+            "--data",
+            help="Your own training table (.jsonl, .json, .csv, .tsv, .parquet) instead of a "
+            "GLUE task: a text column (--text-field) and a label column (--label-field). "
+            "Labels may be integers or strings (classes, saved with the model as id2label) "
+            "or numbers with fractions (regression).",
+        ),
+    ] = None,
+    eval_data: Annotated[
+        Path | None,
+        typer.Option(
+            "--eval-data",
+            help="Evaluation table for --data (default: 10% of --data's rows, a seeded split).",
+        ),
+    ] = None,
+    text_field: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--text-field",
+            help="Text column of --data (default: text); give it twice for sentence pairs.",
+        ),
+    ] = None,
+    label_field: Annotated[
+        str | None, typer.Option("--label-field", help="Label column of --data (default: label).")
+    ] = None,
+    tsv_quoting: Annotated[
+        str | None,
+        typer.Option(
+            help='A .tsv --data file: "csv" (double quotes quote fields, the default) or '
+            '"none" (quotes are text, as in GLUE\'s files).'
+        ),
+    ] = None,
     config: Annotated[
         Path | None,
         typer.Option(help="DeepSpeed JSON config (default: templates/zenflow.json)."),
@@ -197,6 +238,8 @@ def finetune(
 
     _choice("--engine", engine, ENGINES)
     _choice("--init", init, INITS)
+    task = _data_flags(task, data, eval_data, text_field, label_field, tsv_quoting, resume,
+                       sample_data)  # fmt: skip
     if device is not None:
         _choice("--device", device, DEVICES)
     if nproc > 1 and "WORLD_SIZE" not in os.environ:  # start the ranks; each runs this again
@@ -247,7 +290,10 @@ def finetune(
         max_eval_samples=max_eval_samples, hw_json=hw_json, checkpoint_every=checkpoint_every,
         overwrite=overwrite, device=device, config_given=config is not None or bool(set_),
         gradient_checkpointing=gradient_checkpointing, sim_profile=sim_profile,
-        device_mem=device_mem_bytes,
+        device_mem=device_mem_bytes, data_file=None if data is None else str(data),
+        eval_file=None if eval_data is None else str(eval_data),
+        text_fields=tuple(text_field) if text_field else None, label_field=label_field,
+        tsv_quoting=tsv_quoting,
     )  # fmt: skip
     # A resumed run keeps the settings it was checked with; --resume auto without an earlier
     # run is a new run (resume_or_new) and is checked like one.
@@ -256,8 +302,14 @@ def finetune(
         from zenflow.hardware.estimate import preflight
         from zenflow.train.data import get_task
 
+        if data is not None:  # its labels, read now: a bad file stops before anything starts
+            from zenflow.train.spec import load_spec_table
+
+            num_labels = load_spec_table(spec)[0].task.num_labels
+        else:
+            num_labels = get_task(task).num_labels
         preflight(model, mode=engine, config=cfg, micro_batch=micro_batch, seq_len=seq_len,
-                  num_labels=get_task(task).num_labels, device_mem=device_mem,
+                  num_labels=num_labels, device_mem=device_mem,
                   gradient_checkpointing=gradient_checkpointing,
                   separate_device=(device or default_kind()) != "cpu")  # fmt: skip
     if rank != 0:  # data parallel: rank 0 reports; the others say only their own error
@@ -318,6 +370,31 @@ def _reference_evals(reference: Path, runs_root: Path) -> tuple[str, dict]:
             "run that evaluated (--eval-every), or leave it out."
         )
     return run_dir.name, evals
+
+
+def _data_flags(task, data, eval_data, text_field, label_field, tsv_quoting, resume,
+                sample_data) -> str | None:  # fmt: skip
+    """Check --task / --data and the flags that only mean something with --data; return
+    the run's task name (a --data run is named by --task, else by its file)."""
+    if data is None:
+        flags = (("--eval-data", eval_data), ("--text-field", text_field),
+                 ("--label-field", label_field), ("--tsv-quoting", tsv_quoting))  # fmt: skip
+        given = [flag for flag, value in flags if value]
+        if given:
+            raise user_error(f"{', '.join(given)} describe(s) a --data table; pass --data FILE "
+                             "(your training table) or drop them.")  # fmt: skip
+        if task is None and resume is None:
+            raise user_error("Pass --task GLUE_TASK (e.g. --task sst2) or --data FILE (your own "
+                             "table: .jsonl, .json, .csv, .tsv or .parquet).")  # fmt: skip
+        return task
+    if sample_data:
+        raise user_error("--sample-data replaces GLUE's SST-2 files; it does not go with --data.")
+    if text_field is not None and not 1 <= len(text_field) <= 2:
+        raise user_error(f"--text-field was given {len(text_field)} times; give one text column, "
+                         "or two for sentence pairs.")  # fmt: skip
+    if tsv_quoting is not None:
+        _choice("--tsv-quoting", tsv_quoting, ("csv", "none"))
+    return task or data.stem
 
 
 def _signal_notice(message: str) -> None:

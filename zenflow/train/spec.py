@@ -28,7 +28,8 @@ class RunSpec:
     """What to fine-tune and how. ``None`` means "from the config / the default"."""
 
     model: str  # hub id or local directory
-    task: str  # GLUE task name (see zenflow.train.data.GLUE_TASKS)
+    task: str  # GLUE task name (zenflow.train.data.GLUE_TASKS), or the name of a data_file run
+
     config: Any  # zenflow.config.Config
     init: str = "pretrained"  # pretrained | random
     data_dir: str | None = None  # GLUE root holding <task>/train.tsv; None: the hub
@@ -53,11 +54,19 @@ class RunSpec:
     gradient_checkpointing: bool = False  # recompute activations in backward (transformers')
     sim_profile: str | None = None  # sim: scale the link to a named GPU box
     device_mem: int | None = None  # sim: the simulated device's memory budget (bytes)
+    # The user's own table (zenflow.train.tables) instead of a GLUE task's files: train rows,
+    # eval rows (None: a seeded split of data_file), the text column(s) and the label column.
+    data_file: str | None = None
+    eval_file: str | None = None
+    text_fields: tuple[str, ...] | None = None
+    label_field: str | None = None
+    tsv_quoting: str | None = None  # .tsv tables: "csv" (quotes honoured, the default) or "none"
 
 
 # Fields that define the trajectory: a resumed run takes them from the saved run.
 _TRAJECTORY_FIELDS = ("model", "task", "init", "data_dir", "engine_mode", "micro_batch",
-                      "seq_len", "lr", "seed")  # fmt: skip
+                      "seq_len", "lr", "seed", "data_file", "eval_file", "text_fields",
+                      "label_field", "tsv_quoting")  # fmt: skip
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(RunSpec)}
 
 
@@ -199,9 +208,11 @@ def merge_resumed_spec(spec: RunSpec, run_dir: Path) -> RunSpec:
     conflicts = []
     for name in _TRAJECTORY_FIELDS:
         mine, theirs = getattr(spec, name), saved.get(name)
+        if isinstance(theirs, list):  # a tuple, as JSON saved it
+            theirs = tuple(theirs)
         if name == "model" and runs.same_model(theirs, mine):
             continue
-        if mine != theirs and mine != _DEFAULTS[name]:
+        if mine != theirs and mine is not None and mine != _DEFAULTS[name]:
             conflicts.append(f"{name}: {_saved_setting(saved, name)}, given {mine!r}")
         changes[name] = theirs
     if (
@@ -249,6 +260,16 @@ def resume_command(spec: RunSpec, run_dir: Path) -> str:
         args += ["--init", spec.init]
     if spec.data_dir is not None:
         args += ["--data-dir", str(spec.data_dir)]
+    if spec.data_file is not None:
+        args += ["--data", str(spec.data_file)]
+        if spec.eval_file is not None:
+            args += ["--eval-data", str(spec.eval_file)]
+        for field in spec.text_fields or ():
+            args += ["--text-field", field]
+        if spec.label_field is not None:
+            args += ["--label-field", spec.label_field]
+        if spec.tsv_quoting is not None:
+            args += ["--tsv-quoting", spec.tsv_quoting]
     if getattr(spec.config, "source", "<dict>") not in ("<dict>", None, ""):
         args += ["--config", str(spec.config.source)]
     if spec.engine_mode != "zenflow":
@@ -280,6 +301,52 @@ def config_digest(record: dict) -> str:
     of the config to prove, at resume, that config.json still describes its run."""
     text = json.dumps(record.get("config_input"), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+DEFAULT_TEXT_FIELDS = ("text",)
+DEFAULT_LABEL_FIELD = "label"
+
+
+def data_digests(spec: RunSpec) -> dict[str, str]:
+    """sha256 of each ``--data`` / ``--eval-data`` file, by path (saved with the run: a
+    resumed run continues exactly only on the same rows)."""
+    import hashlib
+
+    out = {}
+    for path in (spec.data_file, spec.eval_file):
+        if path is not None:
+            h = hashlib.sha256()
+            with open(path, "rb") as f:
+                for block in iter(lambda f=f: f.read(1 << 20), b""):
+                    h.update(block)
+            out[str(path)] = h.hexdigest()
+    return out
+
+
+def load_spec_table(spec: RunSpec):
+    """The ``--data`` table of ``spec`` as ``(TaskData, TableReport)``
+    (``zenflow.train.tables.load_table_task``); a resumed run also checks that the files
+    are those the run was started with (their sha256, ``data_digests``)."""
+    from zenflow.errors import DataError
+    from zenflow.train.tables import load_table_task
+
+    data, report = load_table_task(
+        spec.data_file, spec.eval_file, text_fields=spec.text_fields or DEFAULT_TEXT_FIELDS,
+        label_field=spec.label_field or DEFAULT_LABEL_FIELD, seed=spec.seed, name=spec.task,
+        tsv_quoting=spec.tsv_quoting or "csv",
+    )  # fmt: skip
+    if spec.resume and spec.run_dir is not None:
+        saved = (runs.read_json(Path(spec.run_dir) / runs.CONFIG_FILE) or {}).get("data_files")
+        now = data_digests(spec)
+        changed = [p for p, digest in (saved or {}).items() if now.get(p) != digest]
+        if changed:
+            raise DataError(
+                f"{', '.join(changed)} changed since the run in {spec.run_dir} started (its "
+                f"{runs.CONFIG_FILE} 'data_files' holds the sha256 it trained on); a resumed "
+                "run continues exactly only on the same rows. Restore the file, or start a "
+                "new run."
+            )
+    return data, report
 
 
 def spec_record(spec: RunSpec) -> dict:

@@ -97,7 +97,9 @@ from zenflow.train.spec import (
     RunSpec,
     check_paths,
     config_digest,
+    data_digests,
     effective_config,
+    load_spec_table,
     merge_resumed_spec,
     read_hw_json,
     resolve_resume,
@@ -221,11 +223,21 @@ class _Run:
         # Record the effective value: a resumed run compares against it.
         self.spec = spec = dataclasses.replace(spec, micro_batch=self.micro_batch)
         self.gas = int(self.config.gradient_accumulation_steps)
-        self.task = get_task(spec.task)
-        self.task_data = load_task(self.task, spec.data_dir)
+        self.labels = None  # the label set of a --data table (zenflow.train.tables.LabelSet)
+        if spec.data_file is not None:
+            self.task_data, table = load_spec_table(spec)
+            self.task, self.labels = self.task_data.task, table.labels
+            self.notes += table.lines()
+        else:
+            self.task = get_task(spec.task)
+            self.task_data = load_task(self.task, spec.data_dir)
         resolved = resolve_model(
             spec.model, task_num_labels=self.task.num_labels, init=spec.init, seed=spec.seed
         )
+        if self.labels is not None and self.labels.kind == "classification":
+            # the table's class names go with the model: config.json of the saved model
+            resolved.model.config.id2label = dict(self.labels.id2label)
+            resolved.model.config.label2id = dict(self.labels.label2id)
         limit = max_positions(resolved.model)
         if limit is not None and spec.seq_len > limit:
             raise UserInputError(
@@ -581,6 +593,9 @@ class _Run:
         cfg_json[runs.RUN_MARK] = runs.RUN_FORMAT  # what makes the folder a run (runs.py)
         cfg_json["run"] = spec_record(spec)
         cfg_json["sources"] = self.sources
+        if self.labels is not None:
+            cfg_json["labels"] = self.labels.to_json()
+            cfg_json["data_files"] = data_digests(spec)
         cfg_json["engine_resolved"] = dict(self.engine.resolved)
         cfg_json["config_ignored"] = list(self.config.ignored)
         with runs.writing(self.run_dir / runs.CONFIG_FILE):

@@ -1,0 +1,124 @@
+"""`zfctl finetune MODEL --data FILE`: the user's own table instead of a GLUE task."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+from clihelp import assert_user_error
+
+from zenflow.train import models, runs
+
+NAMES = ("negative", "positive")
+
+
+def _sst2_rows(path, limit=None):
+    with open(path, encoding="utf-8", newline="") as f:
+        rows = list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))[1:]
+    return rows[:limit] if limit else rows
+
+
+def _write_jsonl(path, rows):
+    """SST-2 rows with renamed columns and string labels."""
+    with open(path, "w", encoding="utf-8") as f:
+        for sentence, label in rows:
+            f.write(json.dumps({"review": sentence, "sentiment": NAMES[int(label)]}) + "\n")
+    return path
+
+
+def _evals(run_dir):
+    return [{k: e[k] for k in ("step", "accuracy", "eval_loss")}
+            for e in runs.read_run(run_dir)["evals"]]  # fmt: skip
+
+
+def test_a_jsonl_with_string_labels_learns_as_the_glue_preset(cli, tmp_path, glue_dir,
+                                                               monkeypatch):  # fmt: skip
+    """Issue 16's acceptance test: the same SST-2 rows as a JSONL file with other column
+    names and string labels fine-tune MiniLM exactly as `--task sst2` does (same seed,
+    steps and order: the sorted class names give GLUE's ids, so the runs are identical)."""
+    monkeypatch.setenv(models.MODEL_DIR_ENV, str(tmp_path / "models"))
+    train = _write_jsonl(tmp_path / "train.jsonl", _sst2_rows(glue_dir / "sst2" / "train.tsv"))
+    dev = _write_jsonl(tmp_path / "dev.jsonl", _sst2_rows(glue_dir / "sst2" / "dev.tsv"))
+    common = ("--max-steps", "12", "--micro-batch", "8", "--seq-len", "32", "--lr", "5e-5",
+              "--eval-every", "6", "--max-eval-samples", "200", "--engine", "device")  # fmt: skip
+    glue = cli("finetune", "minilm", "--task", "sst2", "--data-dir", glue_dir,
+               "--run-dir", tmp_path / "glue", *common)  # fmt: skip
+    assert glue.exit_code == 0, glue.output
+    mine = cli("finetune", "minilm", "--data", train, "--eval-data", dev, "--text-field",
+               "review", "--label-field", "sentiment", "--run-dir", tmp_path / "mine", *common)  # fmt: skip
+    assert mine.exit_code == 0, mine.output
+    assert "train.jsonl: 67349 rows read, 67349 kept, none dropped" in mine.stdout
+    assert "labels: 2 classes (0 = negative, 1 = positive)" in mine.stdout
+    assert _evals(tmp_path / "mine") == _evals(tmp_path / "glue")
+    assert [e["step"] for e in _evals(tmp_path / "mine")] == [6, 12]
+    cfg = runs.run_config(tmp_path / "mine")
+    assert cfg["labels"]["names"] == list(NAMES) and cfg["run"]["task"] == "train"
+    saved = json.loads((tmp_path / "mine" / runs.MODEL_DIR / "config.json").read_text())
+    assert saved["id2label"] == {"0": "negative", "1": "positive"}
+
+
+@pytest.fixture
+def table(tmp_path, glue_dir):
+    return _write_jsonl(tmp_path / "t.jsonl", _sst2_rows(glue_dir / "sst2" / "train.tsv", 120))
+
+
+TINY = ("--text-field", "review", "--label-field", "sentiment", "--micro-batch", "4",
+        "--seq-len", "16", "--max-eval-samples", "8")  # fmt: skip
+
+
+def test_resume_is_exact_and_refuses_a_changed_file(cli, tmp_path, tiny_gpt2_dir, table):
+    straight = cli("finetune", tiny_gpt2_dir, "--data", table, *TINY, "--max-steps", "6",
+                   "--eval-every", "3", "--run-dir", tmp_path / "straight")  # fmt: skip
+    assert straight.exit_code == 0, straight.output
+    first = cli("finetune", tiny_gpt2_dir, "--data", table, *TINY, "--max-steps", "3",
+                "--eval-every", "3", "--run-dir", tmp_path / "split")  # fmt: skip
+    assert first.exit_code == 0, first.output
+    resumed = cli("finetune", tiny_gpt2_dir, "--resume", tmp_path / "split", "--max-steps", "6")
+    assert resumed.exit_code == 0, resumed.output
+    # the final evaluation (step 3's of the first half followed its final flush: not compared)
+    assert _evals(tmp_path / "split")[-1] == _evals(tmp_path / "straight")[-1]
+    assert _evals(tmp_path / "split")[-1]["step"] == 6
+    losses = [[m["loss"] for m in runs.read_run(tmp_path / d)["metrics"]]
+              for d in ("split", "straight")]  # fmt: skip
+    assert losses[0] == losses[1] and len(losses[0]) == 6
+    with open(table, "a", encoding="utf-8") as f:
+        f.write(json.dumps({"review": "one more row", "sentiment": "positive"}) + "\n")
+    r = cli("finetune", tiny_gpt2_dir, "--resume", tmp_path / "split", "--max-steps", "9")
+    assert_user_error(r, f"{table} changed since the run", "sha256", "Restore the file")
+
+
+@pytest.mark.parametrize(
+    "args,fragments",
+    [
+        (["--text-field", "sentence"], ["no field 'sentence'", "--text-field",
+                                        "'review', 'sentiment'"]),
+        (["--text-field", "review"], ["no field 'label'", "--label-field"]),
+        (["--text-field", "a", "--text-field", "b", "--text-field", "c"],
+         ["--text-field was given 3 times"]),
+        (["--tsv-quoting", "maybe", "--text-field", "review", "--label-field", "sentiment"],
+         ["--tsv-quoting 'maybe'"]),
+        (["--sample-data"], ["--sample-data", "--data"]),
+    ],
+)  # fmt: skip
+def test_bad_data_flags_exit_2_before_a_run_exists(cli, tmp_path, tiny_gpt2_dir, table, args,
+                                                   fragments):  # fmt: skip
+    r = cli("finetune", tiny_gpt2_dir, "--data", table, "--runs-root", tmp_path / "runs", *args)
+    assert_user_error(r, *fragments)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_table_flags_need_data_and_a_task_or_data_is_needed(cli, tmp_path, tiny_gpt2_dir):
+    r = cli("finetune", tiny_gpt2_dir, "--task", "sst2", "--text-field", "x")
+    assert_user_error(r, "--text-field", "pass --data FILE")
+    assert_user_error(cli("finetune", tiny_gpt2_dir), "--task GLUE_TASK", "--data FILE")
+
+
+def test_mixed_label_kinds_and_an_empty_file(cli, tmp_path, tiny_gpt2_dir):
+    mixed = tmp_path / "m.jsonl"
+    mixed.write_text('{"text": "good", "label": "pos"}\n{"text": "bad", "label": 0}\n')
+    assert_user_error(cli("finetune", tiny_gpt2_dir, "--data", mixed), "mixes label kinds",
+                      "line 1", "line 2")  # fmt: skip
+    empty = tmp_path / "e.csv"
+    empty.write_text("")
+    assert_user_error(cli("finetune", tiny_gpt2_dir, "--data", empty), "is empty")
