@@ -39,13 +39,23 @@ def _root(
 
 
 def _register() -> None:
-    from zfctl import bench_cmd, env_cmd, estimate_cmd, finetune, init_cmd, report, tune_hw
+    from zfctl import (
+        bench_cmd,
+        env_cmd,
+        estimate_cmd,
+        eval_cmd,
+        finetune,
+        init_cmd,
+        report,
+        tune_hw,
+    )
 
     app.command("init")(handle_user_errors(init_cmd.init))
     app.command("tune-hw")(handle_user_errors(tune_hw.tune_hw))
     app.command("estimate")(handle_user_errors(estimate_cmd.estimate))
     app.command("finetune")(handle_user_errors(finetune.finetune))
     app.command("report")(handle_user_errors(report.report))
+    app.command("eval")(handle_user_errors(eval_cmd.eval_))
     app.command("env")(handle_user_errors(env_cmd.env))
     app.command("bench")(handle_user_errors(bench_cmd.bench))
 

@@ -558,7 +558,7 @@ def seeded_split(rows: Sequence, eval_fraction: float, seed: int) -> tuple[list,
 # --------------------------------------------------------------------------------- task
 
 
-def _metrics(num_labels: int) -> tuple[str, ...]:
+def metrics_for(num_labels: int) -> tuple[str, ...]:
     """Names in data.METRICS; the first is the headline. Binary f1 and matthews score class
     id 1 (the later class in sorted order) as the positive one."""
     if num_labels == 1:
@@ -638,7 +638,7 @@ def load_table_task(
         text_columns=text_fields,
         label_column=label_field,
         num_labels=n,
-        metrics=_metrics(n),
+        metrics=metrics_for(n),
         hub_config="",
         hub_text_columns=text_fields,
         dev_file="" if evals is None else evals.counts.path.name,

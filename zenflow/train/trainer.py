@@ -66,9 +66,10 @@ from zenflow.train.checkpointing import (
     write_shard,
 )
 from zenflow.train.data import batches as data_batches
-from zenflow.train.data import compute_metrics, encode, eval_batches, get_task, load_task
+from zenflow.train.data import encode, get_task, load_task
 from zenflow.train.data import steps_per_epoch as data_steps_per_epoch
 from zenflow.train.divergence import DivergenceWatch
+from zenflow.train.evaluate import eval_batch_size, evaluate_classifier
 from zenflow.train.events import (
     CheckpointSaved,
     EvalEvent,
@@ -278,7 +279,7 @@ class _Run:
             self.total_steps = spec.max_steps
         else:
             self.total_steps = max(1, math.ceil(epoch_steps))
-        self.eval_batch = 2 * self.micro_batch
+        self.eval_batch = eval_batch_size(self.micro_batch)
 
     def _place_model(self, model):
         """The model on its device in the training dtype. bf16 (``bf16.enabled``, "auto"
@@ -429,33 +430,10 @@ class _Run:
         return metrics
 
     def _evaluate(self, step: int) -> dict:
-        torch = self.torch
-        model = self.model
-        was_training = model.training
-        model.eval()
-        preds, labels, loss_sum, n = [], [], 0.0, 0
-        try:
-            with torch.no_grad():
-                for batch in eval_batches(
-                    self.encoded.dev, self.eval_batch, self.spec.max_eval_samples
-                ):
-                    batch = {k: v.to(self.device) for k, v in batch.items()}
-                    with self.engine.autocast():
-                        out = model(**batch)
-                    b = batch["labels"].shape[0]
-                    loss_sum += float(out.loss.float()) * b
-                    n += b
-                    logits = out.logits.float()
-                    if self.task.is_regression:
-                        preds += logits[:, 0].tolist()
-                    else:
-                        preds += logits.argmax(-1).tolist()
-                    labels += batch["labels"].tolist()
-        finally:
-            model.train(was_training)
-        metrics = compute_metrics(self.task, preds, labels)
-        metrics["eval_loss"] = loss_sum / n
-        metrics["eval_samples"] = n
+        metrics, _, _ = evaluate_classifier(
+            self.model, self.encoded.dev, self.task, batch_size=self.eval_batch,
+            limit=self.spec.max_eval_samples, device=self.device, autocast=self.engine.autocast,
+        )  # fmt: skip
         self.write_metrics({"type": "eval", "step": step, **metrics})
         self.last_eval = {"step": step, **metrics}
         self.on_event(EvalEvent(step, metrics))

@@ -1,0 +1,118 @@
+"""`zfctl eval`: a run's model reproduces the run's final evaluation exactly; any model
+folder on a table; predictions; and the exported model is plain Hugging Face."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from clihelp import assert_user_error
+
+from zenflow.train import runs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _zfctl(*args, cwd):
+    """zfctl in a fresh interpreter (not the test's), like a user's second command."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": ROOT}
+    return subprocess.run([sys.executable, "-m", "zfctl", *map(str, args)], capture_output=True,
+                          text=True, env=env, cwd=cwd, timeout=300)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def table_run(tmp_path_factory, tiny_gpt2_dir):
+    """A finished --data run (string labels, a seeded split, 12 of its eval rows)."""
+    d = tmp_path_factory.mktemp("eval")
+    rows = [("a fine, moving film", "pos"), ("dull and far too long", "neg"),
+            ("a joy to watch", "pos"), ("nothing works here", "neg")] * 15  # fmt: skip
+    with open(d / "reviews.jsonl", "w", encoding="utf-8") as f:
+        for i, (text, label) in enumerate(rows):
+            f.write(json.dumps({"body": f"{text} ({i})", "verdict": label}) + "\n")
+    r = _zfctl("finetune", tiny_gpt2_dir, "--data", d / "reviews.jsonl", "--text-field", "body",
+               "--label-field", "verdict", "--max-steps", "4", "--micro-batch", "4",
+               "--seq-len", "16", "--max-eval-samples", "5", "--run-dir", d / "run",
+               "--no-dashboard", cwd=d)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    return d
+
+
+def test_a_runs_model_reproduces_its_final_evaluation(table_run):
+    final = runs.read_run(table_run / "run")["evals"][-1]
+    r = _zfctl("eval", table_run / "run", "--json", cwd=table_run)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    # bit for bit: the in-memory trained model at its final evaluation and the exported
+    # model loaded in another process give the same figures (eval_loss sums every logit)
+    assert doc["metrics"] == {k: v for k, v in final.items() if k not in ("type", "step")}
+    assert doc["metrics"]["eval_samples"] == 5 and "seeded split" in doc["source"]
+
+
+def test_a_glue_runs_model_reproduces_its_final_evaluation(cli, tmp_path, tiny_gpt2_dir):
+    r = cli("finetune", tiny_gpt2_dir, "--task", "sst2", "--sample-data", "--max-steps", "3",
+            "--micro-batch", "4", "--seq-len", "16", "--engine", "offload",
+            "--run-dir", tmp_path / "run", "--runs-root", tmp_path)  # fmt: skip
+    assert r.exit_code == 0, r.output
+    final = runs.read_run(tmp_path / "run")["evals"][-1]
+    e = _zfctl("eval", tmp_path / "run", "--json", cwd=tmp_path)
+    assert e.returncode == 0, e.stderr
+    metrics = json.loads(e.stdout)["metrics"]
+    assert metrics == {k: v for k, v in final.items() if k not in ("type", "step")}
+
+
+def test_model_folder_on_a_table_with_predictions_and_plain_transformers(table_run, tmp_path):
+    model = table_run / "run" / runs.MODEL_DIR
+    data = tmp_path / "more.csv"
+    data.write_text("body,verdict\na joy to watch,pos\nnothing works here,neg\nso dull,neg\n")
+    out = tmp_path / "pred.jsonl"
+    r = _zfctl("eval", model, "--data", data, "--text-field", "body", "--label-field",
+               "verdict", "--seq-len", "16", "--predictions", out, "--json", cwd=tmp_path)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["metrics"]["eval_samples"] == 3 and doc["run_dir"] is None
+    preds = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [p["label_name"] for p in preds] == ["pos", "neg", "neg"]  # the model's id2label
+    assert [p["label"] for p in preds] == [1, 0, 0]
+    assert doc["metrics"]["accuracy"] == sum(p["label"] == p["prediction"] for p in preds) / 3
+    # The exported folder is a plain Hugging Face model: transformers alone (no zfctl on the
+    # path) loads it and computes the same logits.
+    script = textwrap.dedent(f"""
+        import json, sys, torch
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+        tok = AutoTokenizer.from_pretrained({str(model)!r})
+        m = AutoModelForSequenceClassification.from_pretrained({str(model)!r}).eval()
+        enc = tok(["a joy to watch", "nothing works here", "so dull"], padding="max_length",
+                  truncation=True, max_length=16, return_tensors="pt")
+        with torch.no_grad():
+            print(json.dumps({{"logits": m(**enc).logits.tolist(), "id2label": m.config.id2label,
+                              "zfctl": any(k.startswith(("zfctl", "zenflow"))
+                                           for k in sys.modules)}}))
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    plain = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                           env={**env, "HF_HUB_OFFLINE": "1"}, cwd=tmp_path, timeout=300)  # fmt: skip
+    assert plain.returncode == 0, plain.stderr
+    got = json.loads(plain.stdout)
+    assert got["zfctl"] is False and got["id2label"] == {"0": "neg", "1": "pos"}
+    assert got["logits"] == [p["logits"] for p in preds]
+
+
+def test_bad_targets_and_flags(cli, tmp_path, table_run):
+    assert_user_error(cli("eval", table_run / "run" / runs.MODEL_DIR),
+                      "is a model folder, not a run", "--data FILE")  # fmt: skip
+    assert_user_error(cli("eval", tmp_path), "neither a zfctl run directory nor")
+    unfinished = tmp_path / "unfinished"
+    unfinished.mkdir()
+    cfg = runs.run_config(table_run / "run")
+    (unfinished / runs.CONFIG_FILE).write_text(json.dumps(cfg))
+    assert_user_error(cli("eval", unfinished), "holds no saved model yet", "--resume")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"body": "x", "verdict": "maybe"}\n{"body": "y", "verdict": "pos"}\n')
+    assert_user_error(cli("eval", table_run / "run", "--data", bad), "'maybe'",
+                      "not one of the classes")  # fmt: skip
+    assert_user_error(cli("eval", table_run / "run", "--data", bad, "--task", "sst2"),
+                      "pass one of them")  # fmt: skip
