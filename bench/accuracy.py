@@ -289,7 +289,7 @@ def render_markdown(doc: dict) -> str:
     head = ["arm", "settings"]
     for s in steps:
         head += [f"{metric} @{s}", f"gap @{s} [95% CI]"]
-    head += ["eval loss", "ms/step", "stall %"]
+    head += ["eval loss", "ms/step", "stall %", "device B/param"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 2 + "---:|" * (len(head) - 2)]
     for row in doc["rows"]:
         settings = row["engine"] + ("" if not row["set"] else " " + " ".join(
@@ -308,6 +308,8 @@ def render_markdown(doc: dict) -> str:
         cells.append("-" if loss is None else f"{loss['mean']:.4f}")
         cells.append("-" if wall is None else f"{wall['mean']:.0f}")
         cells.append("-" if stall is None else f"{100 * stall['mean']:.1f}")
+        mem = row["device_bytes_per_param"]
+        cells.append("-" if mem is None else f"{mem['mean']:.2f}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
