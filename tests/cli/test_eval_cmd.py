@@ -70,7 +70,8 @@ def test_model_folder_on_a_table_with_predictions_and_plain_transformers(table_r
     data.write_text("body,verdict\na joy to watch,pos\nnothing works here,neg\nso dull,neg\n")
     out = tmp_path / "pred.jsonl"
     r = _zfctl("eval", model, "--data", data, "--text-field", "body", "--label-field",
-               "verdict", "--seq-len", "16", "--predictions", out, "--json", cwd=tmp_path)  # fmt: skip
+               "verdict", "--seq-len", "16", "--predictions", out, "--json",
+               cwd=tmp_path)  # fmt: skip
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     assert doc["metrics"]["eval_samples"] == 3 and doc["run_dir"] is None
@@ -93,8 +94,9 @@ def test_model_folder_on_a_table_with_predictions_and_plain_transformers(table_r
                                            for k in sys.modules)}}))
     """)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["HF_HUB_OFFLINE"] = "1"
     plain = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                           env={**env, "HF_HUB_OFFLINE": "1"}, cwd=tmp_path, timeout=300)  # fmt: skip
+                           env=env, cwd=tmp_path, timeout=300)  # fmt: skip
     assert plain.returncode == 0, plain.stderr
     got = json.loads(plain.stdout)
     assert got["zfctl"] is False and got["id2label"] == {"0": "neg", "1": "pos"}

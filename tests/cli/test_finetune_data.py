@@ -46,7 +46,8 @@ def test_a_jsonl_with_string_labels_learns_as_the_glue_preset(cli, tmp_path, glu
                "--run-dir", tmp_path / "glue", *common)  # fmt: skip
     assert glue.exit_code == 0, glue.output
     mine = cli("finetune", "minilm", "--data", train, "--eval-data", dev, "--text-field",
-               "review", "--label-field", "sentiment", "--run-dir", tmp_path / "mine", *common)  # fmt: skip
+               "review", "--label-field", "sentiment", "--run-dir", tmp_path / "mine",
+               *common)  # fmt: skip
     assert mine.exit_code == 0, mine.output
     assert "train.jsonl: 67349 rows read, 67349 kept, none dropped" in mine.stdout
     assert "labels: 2 classes (0 = negative, 1 = positive)" in mine.stdout
