@@ -18,7 +18,10 @@ Arms are ``NAME=ENGINE[:key=value,...]``. Keys are ``--set`` paths of the config
 (full_warm_up_rounds), ``strategy`` (select_strategy), ``select`` (select_interval),
 ``window_lr`` (zfctl.window_lr).
 
-Resumable: a sweep's settings are kept in ``ROOT/sweep.json``, each run in
+The arms start from one DeepSpeed config (``--config``, default the template), copied into
+``ROOT/base_config.json`` when the sweep is made: an arm without settings is that config,
+whatever the template says later. Resumable: a sweep's settings are kept in
+``ROOT/sweep.json``, each run in
 ``ROOT/ARM/sSEED``. Running the same command again skips finished runs, resumes a run
 stopped midway from its newest checkpoint (exact: ``zfctl finetune --resume``), and starts
 the rest; arms and seeds may be added to a sweep later, its common settings may not change.
@@ -47,6 +50,8 @@ from zenflow.train import runs  # noqa: E402
 from zenflow.train.learning import describe, eval_curve, paired_gap  # noqa: E402
 
 SWEEP_FILE = "sweep.json"
+BASE_CONFIG = "base_config.json"  # the sweep's DeepSpeed config, frozen when it was made
+TEMPLATE = Path(__file__).resolve().parents[1] / "templates" / "zenflow.json"
 SHORT_KEYS = {
     "topk": "zero_optimization.zenflow.topk_ratio",
     "interval": "zero_optimization.zenflow.update_interval",
@@ -111,13 +116,16 @@ def load_sweep(root: Path) -> dict | None:
 
 def merge_sweep(old: dict | None, common: dict, arms: dict, seeds: list[int]) -> dict:
     """The sweep after this command: ``old`` plus new arms and seeds. Changing a common
-    setting or an arm's definition would mix two experiments in one table: refused."""
+    setting (the config included) or an arm's definition would mix two experiments in one
+    table: refused."""
     if old is None:
         return {"common": common, "arms": arms, "seeds": seeds}
     for key, value in common.items():
         if old["common"].get(key) != value:
-            raise SweepError(f"this sweep was run with {key}={old['common'].get(key)!r}, not "
-                             f"{value!r}: use another folder for other settings")  # fmt: skip
+            was = "another config" if key == "config" else repr(old["common"].get(key))
+            now = "this one" if key == "config" else repr(value)
+            raise SweepError(f"this sweep was run with {key}={was}, not {now}: use another "
+                             "folder for other settings")  # fmt: skip
     merged = dict(old["arms"])
     for name, arm in arms.items():
         if name in merged and merged[name] != arm:
@@ -148,6 +156,8 @@ def finetune_command(sweep: dict, arm: dict, seed: int, run_dir: Path, state: st
            "--lr", str(c["lr"]), "--eval-every", str(c["eval_every"]),
            "--checkpoint-every", str(c["eval_every"]), "--run-dir", str(run_dir),
            "--no-dashboard", *c["extra"]]  # fmt: skip
+    if "config" in c:  # every arm starts from the config frozen with the sweep
+        cmd += ["--config", str(run_dir.parent.parent / BASE_CONFIG)]
     for s in arm["set"]:
         cmd += ["--set", s]
     if state == "resume":
@@ -334,6 +344,10 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--seq-len", type=int, default=DEFAULTS["seq_len"])
     r.add_argument("--lr", type=float, default=DEFAULTS["lr"])
     r.add_argument("--eval-every", type=int, default=DEFAULTS["eval_every"])
+    r.add_argument("--config", type=Path, default=TEMPLATE,
+                   help="the DeepSpeed config every arm starts from (default: the template); "
+                   "a copy is kept with the sweep, so a later change of the template does not "
+                   "change the sweep's arms")  # fmt: skip
     r.add_argument("--jobs", type=int, default=1)
     r.add_argument("--keep-files", action="store_true")
     t = sub.add_parser("table", help="print a sweep's table")
@@ -357,6 +371,14 @@ def main(argv: list[str] | None = None) -> int:
                       "eval_every": args.eval_every, "extra": args.extra}  # fmt: skip
             if old is None and not arms:
                 raise SweepError("a new sweep needs at least one --arm")
+            try:
+                common["config"] = json.loads(args.config.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as exc:
+                raise SweepError(f"--config {args.config}: {exc}") from None
+            if old is not None and "config" not in old["common"]:
+                del common["config"]  # a sweep made before configs were frozen: as it was
+                print(f"note: {root} keeps no frozen config: its arms use the template as it "
+                      "is when each run starts", file=sys.stderr)  # fmt: skip
             seeds = parse_seeds(args.seeds)
             only = args.only.split(",") if args.only else None
             sweep = merge_sweep(old, common, arms, seeds)
@@ -365,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise SweepError(f"--only: {', '.join(unknown)} not an arm of this sweep")
             root.mkdir(parents=True, exist_ok=True)
             runs.write_json_atomic(root / SWEEP_FILE, sweep)
+            if "config" in sweep["common"]:
+                runs.write_json_atomic(root / BASE_CONFIG, sweep["common"]["config"])
             failed = run_sweep(root, sweep, max(1, args.jobs), args.keep_files, seeds, only)
             sweep["jobs"] = args.jobs
         elif old is None:

@@ -93,6 +93,15 @@ def test_sweep_runs_resumes_and_tabulates(tiny_gpt2_dir, tmp_path):
     assert not (root / "zs" / "s1" / runs.CHECKPOINT_DIR).exists()  # finished: files dropped
     assert r.stdout.split("\n\n", 1)[1] == again.stdout.split("\n\n", 1)[1]
 
-    # Another common setting in the same folder is refused.
+    # Another common setting in the same folder is refused, and so is another config: the
+    # sweep's arms start from the config frozen when it was made (base_config.json), not
+    # from the template as it is when a run starts.
     bad = _sweep(tmp_path, tiny_gpt2_dir, "--lr", "1e-3")
     assert bad.returncode == 2 and "use another folder" in bad.stderr
+    template = json.loads(acc.TEMPLATE.read_text())
+    assert json.loads((root / acc.BASE_CONFIG).read_text()) == template
+    assert str(root / acc.BASE_CONFIG) in commands[0]
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**template, "gradient_clipping": 0.5}))
+    bad = _sweep(tmp_path, tiny_gpt2_dir, "--config", other)
+    assert bad.returncode == 2 and "another config" in bad.stderr
