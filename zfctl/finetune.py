@@ -290,8 +290,10 @@ def finetune(
         max_eval_samples=max_eval_samples, hw_json=hw_json, checkpoint_every=checkpoint_every,
         overwrite=overwrite, device=device, config_given=config is not None or bool(set_),
         gradient_checkpointing=gradient_checkpointing, sim_profile=sim_profile,
-        device_mem=device_mem_bytes, data_file=None if data is None else str(data),
-        eval_file=None if eval_data is None else str(eval_data),
+        device_mem=device_mem_bytes,
+        # absolute: a resumed run (from any folder) reads the same files
+        data_file=None if data is None else str(data.expanduser().resolve()),
+        eval_file=None if eval_data is None else str(eval_data.expanduser().resolve()),
         text_fields=tuple(text_field) if text_field else None, label_field=label_field,
         tsv_quoting=tsv_quoting,
     )  # fmt: skip

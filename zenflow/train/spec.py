@@ -29,7 +29,6 @@ class RunSpec:
 
     model: str  # hub id or local directory
     task: str  # GLUE task name (zenflow.train.data.GLUE_TASKS), or the name of a data_file run
-
     config: Any  # zenflow.config.Config
     init: str = "pretrained"  # pretrained | random
     data_dir: str | None = None  # GLUE root holding <task>/train.tsv; None: the hub
