@@ -981,7 +981,7 @@ class ZenFlowMode:
         self.host_log.append(job)
         kernels = self.kernels
         nt = e.host_threads
-        # zfctl.window_lr: one AdamW step at the last step's lr (the paper's), or at the sum
+        # zfctl.window_lr: one AdamW step at the last step's lr (DeepSpeed's), or at the sum
         # of the window's lrs (as far per window as n AdamW steps of a steady gradient)
         lr = self.window_lr_sum if e.window_lr == "sum" else hp.lr
 
