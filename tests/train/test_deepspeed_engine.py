@@ -93,7 +93,7 @@ def test_window_lr_sum_is_said_to_be_zfctls_own():
     from zenflow.train.deepspeed_engine import unsupported_notes
 
     zf = load_config(ROOT / "templates" / "zenflow.json")
-    assert unsupported_notes(zf) == []
+    assert unsupported_notes(load_config({**zf.raw, "zfctl": {"window_lr": "last"}})) == []
     summed = load_config({**zf.raw, "zfctl": {"window_lr": "sum"}})
     (note,) = unsupported_notes(summed)
     assert 'zfctl.window_lr "sum"' in note and "last step" in note
