@@ -227,7 +227,8 @@ def finetune(
         ),
     ] = None,
 ) -> None:
-    """Fine-tune MODEL on a GLUE task with the ZenFlow engine (or a comparison engine).
+    """Fine-tune MODEL on a GLUE task (--task) or your own table (--data) with the ZenFlow
+    engine (or a comparison engine).
 
     Exits 3 when the run diverges (loss non-finite 5 steps running); the good checkpoint stays.
     """
