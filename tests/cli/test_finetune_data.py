@@ -123,3 +123,26 @@ def test_mixed_label_kinds_and_an_empty_file(cli, tmp_path, tiny_gpt2_dir):
     empty = tmp_path / "e.csv"
     empty.write_text("")
     assert_user_error(cli("finetune", tiny_gpt2_dir, "--data", empty), "is empty")
+
+
+def test_the_table_is_read_once_per_process_until_it_changes(table, monkeypatch):
+    """The CLI's preflight and the trainer both need the table: one read, not two; a file
+    that changed (size or mtime) is read again."""
+    import os
+
+    from zenflow.train import spec as spec_mod
+    from zenflow.train import tables
+
+    calls = []
+    real = tables.load_table_task
+    monkeypatch.setattr(tables, "load_table_task", lambda *a, **k: calls.append(a) or real(*a, **k))
+    spec_mod._load_table.cache_clear()
+    spec = spec_mod.RunSpec(model="m", task="t", config=None, data_file=str(table),
+                            text_fields=("review",), label_field="sentiment")  # fmt: skip
+    first = spec_mod.load_spec_table(spec)
+    assert spec_mod.load_spec_table(spec)[0] is first[0] and len(calls) == 1
+    with open(table, "a", encoding="utf-8") as f:
+        f.write(json.dumps({"review": "one more", "sentiment": "positive"}) + "\n")
+    os.utime(table, ns=(1, 1))
+    again = spec_mod.load_spec_table(spec)
+    assert len(calls) == 2 and len(again[0].train) + len(again[0].dev) == 121

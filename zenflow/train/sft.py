@@ -55,7 +55,6 @@ Contract:
 
 from __future__ import annotations
 
-import json
 import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -63,7 +62,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from zenflow.errors import DataError, EngineError, os_error_message, undecodable_at
+from zenflow.errors import DataError, EngineError
+from zenflow.train.tables import json_objects, jsonl_objects, kind_of, read_text
 
 IGNORE = -100  # the label Hugging Face's loss skips
 TEXT, PROMPT_COMPLETION, CHAT = "text", "prompt/completion", "chat"
@@ -125,10 +125,14 @@ def read_records(path: str | Path, fields: RecordFields = RecordFields()) -> Rec
             f"{path}: unknown record format {path.suffix or '(no suffix)'!r}; supported are "
             f"{', '.join(FORMATS)} (one JSON object per line, or an array of objects)."
         )
-    text = _read_text(path)
+    text = read_text(path, "Record")
     if not text.strip():
         raise DataError(f"{path} is empty; expected JSON records such as {_example(fields)}.")
-    items = _jsonl_items(path, text, fields) if suffix == ".jsonl" else _json_items(path, text)
+    example = _example(fields)
+    if suffix == ".jsonl":
+        items = jsonl_objects(path, text, example)
+    else:
+        items = json_objects(path, text, example, "record file")
     if not items:
         raise DataError(f"{path} holds no records; add records such as {_example(fields)}.")
     return Records(path, _check_kinds(path, items, fields), items, fields)
@@ -144,7 +148,7 @@ def records_from(
         raise DataError(f"{name}: no records.")
     for where, obj in items:
         if not isinstance(obj, dict):
-            raise DataError(f"{name}, {where}: {_kind_of(obj)}, not an object.")
+            raise DataError(f"{name}, {where}: {kind_of(obj)}, not an object.")
     return Records(path, _check_kinds(path, items, fields), items, fields)
 
 
@@ -153,77 +157,6 @@ def _example(fields: RecordFields) -> str:
         f'{{"{fields.text}": "..."}}, {{"{fields.prompt}": "...", "{fields.completion}": "..."}}'
         f' or {{"{fields.messages}": [{{"role": "user", "content": "..."}}, ...]}}'
     )
-
-
-def _read_text(path: Path) -> str:
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise DataError(os_error_message(exc, path, "Cannot read")) from exc
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError:
-        try:  # again without the BOM rule, whose offsets skip the mark
-            data.decode("utf-8")
-            where = "not UTF-8 text"
-        except UnicodeDecodeError as exc:
-            where = undecodable_at(data, exc, "not UTF-8 text")
-    raise DataError(
-        f"{path}, {where}. Record files are UTF-8; re-encode the file "
-        f"(e.g. iconv -f latin1 -t utf-8 {path.name} > fixed{path.suffix})."
-    )
-
-
-def _jsonl_items(path: Path, text: str, fields: RecordFields) -> list[tuple[str, dict]]:
-    items = []
-    for i, line in enumerate(text.split("\n"), start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DataError(
-                f"{path}, line {i}: not valid JSON ({exc.msg} at column {exc.colno}). Each "
-                "line of a .jsonl file is one JSON object; fix or remove that line."
-            ) from None
-        if not isinstance(obj, dict):
-            raise DataError(
-                f"{path}, line {i}: {_kind_of(obj)}, not a JSON object. Each line of a .jsonl "
-                f"file is one record such as {_example(fields)}."
-            )
-        items.append((f"line {i}", obj))
-    return items
-
-
-def _json_items(path: Path, text: str) -> list[tuple[str, dict]]:
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise DataError(
-            f"{path}, line {exc.lineno}: not valid JSON ({exc.msg} at column {exc.colno}). "
-            "Fix the file, or for one object per line name it .jsonl."
-        ) from None
-    if not isinstance(data, list):
-        raise DataError(
-            f"{path}: the file holds {_kind_of(data)}; a .json record file holds an array "
-            "of objects. Wrap the records in [...], or write one per line as .jsonl."
-        )
-    items = []
-    for i, obj in enumerate(data, start=1):
-        if not isinstance(obj, dict):
-            raise DataError(f"{path}, item {i}: {_kind_of(obj)}, not an object.")
-        items.append((f"item {i}", obj))
-    return items
-
-
-def _kind_of(value: Any) -> str:
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int | float):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    return {list: "an array", dict: "an object", type(None): "null"}.get(type(value), "a value")
 
 
 def _kind_of_record(path: Path, where: str, rec: dict, fields: RecordFields) -> str:
@@ -330,14 +263,14 @@ def check_messages(messages: Any, where: str = "record", messages_field: str = "
     allowed = ", ".join(ROLES)
     if not isinstance(messages, list) or not messages:
         raise DataError(
-            f"{where}: field {messages_field!r} holds {_kind_of(messages)}"
+            f"{where}: field {messages_field!r} holds {kind_of(messages)}"
             f"{' (empty)' if messages == [] else ''}; it must be a list of messages such as "
             '{"role": "user", "content": "..."}.'
         )
     for j, m in enumerate(messages, start=1):
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise DataError(
-                f"{where}: message {j} is {_kind_of(m)} without 'role' and 'content'; each "
+                f"{where}: message {j} is {kind_of(m)} without 'role' and 'content'; each "
                 f'message is an object such as {{"role": "user", "content": "..."}}.'
             )
         if m["role"] not in ROLES:
@@ -348,7 +281,7 @@ def check_messages(messages: Any, where: str = "record", messages_field: str = "
         if not isinstance(m["content"], str):
             raise DataError(
                 f"{where}: message {j} ({m['role']}) has content that is "
-                f"{_kind_of(m['content'])}, not a string. Write the content as text."
+                f"{kind_of(m['content'])}, not a string. Write the content as text."
             )
     if not any(m["role"] == "assistant" for m in messages):
         raise DataError(
@@ -516,7 +449,7 @@ def encode_records(
             for n, v in zip(names, values, strict=True):
                 if v is not None and not isinstance(v, str):
                     raise DataError(
-                        f"{at}: field {n!r} holds {_kind_of(v)} ({v!r}), not a string. "
+                        f"{at}: field {n!r} holds {kind_of(v)} ({v!r}), not a string. "
                         "Store the text as a string."
                     )
             missing = [n for n, v in zip(names, values, strict=True) if v is None]

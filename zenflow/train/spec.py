@@ -10,6 +10,7 @@ trajectory-defining fields from the saved run (and refuses conflicting ones);
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import shlex
@@ -322,18 +323,37 @@ def data_digests(spec: RunSpec) -> dict[str, str]:
     return out
 
 
+def _stamp(path: str) -> tuple[int, int]:
+    """A file's size and modification time (nanoseconds); (-1, -1) when it cannot be read
+    (the loader then names the problem)."""
+    try:
+        st = Path(path).stat()
+    except OSError:
+        return (-1, -1)
+    return (st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _load_table(files, eval_file, text_fields, label_field, seed, task, tsv_quoting):
+    """``load_table_task``, once per files (by path, size and mtime) and settings: the CLI's
+    preflight and the trainer in the same process read a table once."""
+    from zenflow.train.tables import load_table_task
+
+    return load_table_task(files[0][0], eval_file, text_fields=text_fields,
+                           label_field=label_field, seed=seed, name=task,
+                           tsv_quoting=tsv_quoting)  # fmt: skip
+
+
 def load_spec_table(spec: RunSpec):
     """The ``--data`` table of ``spec`` as ``(TaskData, TableReport)``
     (``zenflow.train.tables.load_table_task``); a resumed run also checks that the files
     are those the run was started with (their sha256, ``data_digests``)."""
     from zenflow.errors import DataError
-    from zenflow.train.tables import load_table_task
 
-    data, report = load_table_task(
-        spec.data_file, spec.eval_file, text_fields=spec.text_fields or DEFAULT_TEXT_FIELDS,
-        label_field=spec.label_field or DEFAULT_LABEL_FIELD, seed=spec.seed, name=spec.task,
-        tsv_quoting=spec.tsv_quoting or "csv",
-    )  # fmt: skip
+    files = tuple((p, *_stamp(p)) for p in (spec.data_file, spec.eval_file) if p is not None)
+    data, report = _load_table(files, spec.eval_file, spec.text_fields or DEFAULT_TEXT_FIELDS,
+                               spec.label_field or DEFAULT_LABEL_FIELD, spec.seed, spec.task,
+                               spec.tsv_quoting or "csv")  # fmt: skip
     if spec.resume and spec.run_dir is not None:
         saved = (runs.read_json(Path(spec.run_dir) / runs.CONFIG_FILE) or {}).get("data_files")
         now = data_digests(spec)

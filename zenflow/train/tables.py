@@ -125,13 +125,13 @@ def read_rows(
     if fmt == "parquet":
         columns, records = _parquet_records(path, (*text_fields, label_field))
     else:
-        text = _read_text(path)
+        text = read_text(path)
         if not text.strip():
             raise DataError(f"{path} is empty; expected a table of rows with a header or keys.")
         if fmt == "jsonl":
-            columns, records = _jsonl_records(path, text)
+            columns, records = _with_columns(jsonl_objects(path, text))
         elif fmt == "json":
-            columns, records = _json_records(path, text)
+            columns, records = _with_columns(json_objects(path, text))
         else:
             columns, records = _csv_records(path, text, fmt, tsv_quoting)
     if not records:
@@ -146,7 +146,7 @@ def read_rows(
         for f, t in zip(text_fields, texts, strict=True):
             if t is not None and not isinstance(t, str):
                 raise DataError(
-                    f"{path}, {where}: text field {f!r} holds {_kind_of(t)} ({t!r}), not a "
+                    f"{path}, {where}: text field {f!r} holds {kind_of(t)} ({t!r}), not a "
                     "string. Store the text as a string, or pick another --text-field."
                 )
         if isinstance(label, str):
@@ -191,7 +191,9 @@ def _drop_reason(texts: list[Any], label: Any, label_required: bool) -> str | No
     return None
 
 
-def _read_text(path: Path) -> str:
+def read_text(path: Path, what: str = "Table") -> str:
+    """The file as text: UTF-8, a byte-order mark dropped; DataError naming the line and
+    byte of the first byte that is not UTF-8 (``what``: the kind of file, for the fix)."""
     try:
         data = path.read_bytes()
     except OSError as exc:
@@ -205,16 +207,19 @@ def _read_text(path: Path) -> str:
         except UnicodeDecodeError as exc:
             where = undecodable_at(data, exc, "not UTF-8 text")
     raise DataError(
-        f"{path}, {where}. Table files are UTF-8; re-encode the file "
+        f"{path}, {where}. {what} files are UTF-8; re-encode the file "
         f"(e.g. iconv -f latin1 -t utf-8 {path.name} > fixed{path.suffix})."
     )
 
 
 Records = list[tuple[str, dict[str, Any]]]  # (where, field -> value)
+TABLE_EXAMPLE = '{"text": "...", "label": "..."}'
 
 
-def _jsonl_records(path: Path, text: str) -> tuple[list[str], Records]:
-    columns: dict[str, None] = {}
+def jsonl_objects(path: Path, text: str, example: str = TABLE_EXAMPLE) -> Records:
+    """The JSON objects of a .jsonl text, each with its line ("line 7"); blank lines are
+    skipped; DataError naming the line for one that is not a JSON object (``example``: an
+    object as the file should hold them, for the message)."""
     records: Records = []
     for i, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
@@ -228,15 +233,17 @@ def _jsonl_records(path: Path, text: str) -> tuple[list[str], Records]:
             ) from None
         if not isinstance(obj, dict):
             raise DataError(
-                f"{path}, line {i}: {_kind_of(obj)}, not a JSON object. Each line of a .jsonl "
-                'file is one object such as {"text": "...", "label": "..."}.'
+                f"{path}, line {i}: {kind_of(obj)}, not a JSON object. Each line of a .jsonl "
+                f"file is one object such as {example}."
             )
-        columns.update(dict.fromkeys(obj))
         records.append((f"line {i}", obj))
-    return list(columns), records
+    return records
 
 
-def _json_records(path: Path, text: str) -> tuple[list[str], Records]:
+def json_objects(path: Path, text: str, example: str = TABLE_EXAMPLE,
+                 what: str = "table") -> Records:  # fmt: skip
+    """The objects of a .json text holding an array of them, each with its position
+    ("item 7"); DataError for anything else."""
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -246,19 +253,25 @@ def _json_records(path: Path, text: str) -> tuple[list[str], Records]:
         ) from None
     if not isinstance(data, list):
         raise DataError(
-            f"{path} holds {_kind_of(data)}; a .json table is an array of objects "
-            '([{"text": ..., "label": ...}, ...]). For one object per line name the file .jsonl.'
+            f"{path} holds {kind_of(data)}; a .json {what} is an array of objects "
+            f"([{example}, ...]). For one object per line name the file .jsonl."
         )
-    columns: dict[str, None] = {}
     records: Records = []
     for i, obj in enumerate(data, start=1):
         if not isinstance(obj, dict):
             raise DataError(
-                f"{path}, item {i} of the array: {_kind_of(obj)}, not a JSON object. Every "
-                "item of a .json table is one object with the text and label fields."
+                f"{path}, item {i} of the array: {kind_of(obj)}, not a JSON object. Every "
+                f"item of a .json {what} is one object such as {example}."
             )
-        columns.update(dict.fromkeys(obj))
         records.append((f"item {i}", obj))
+    return records
+
+
+def _with_columns(records: Records) -> tuple[list[str], Records]:
+    """The field names of the records, in order of first appearance, and the records."""
+    columns: dict[str, None] = {}
+    for _, obj in records:
+        columns.update(dict.fromkeys(obj))
     return list(columns), records
 
 
@@ -345,7 +358,8 @@ def _names(names: Iterable[str]) -> str:
     return ", ".join(repr(n) for n in names)
 
 
-def _kind_of(value: Any) -> str:
+def kind_of(value: Any) -> str:
+    """A JSON value's kind in words ("a number", "an array", ...), for messages."""
     if isinstance(value, bool):
         return "a boolean"
     if isinstance(value, int | float):
@@ -373,7 +387,7 @@ def _number(raw: Any) -> int | float | None:
 def _check_label(path: Path, where: str, label_field: str, label: Any, fmt: str) -> None:
     if not isinstance(label, str | int | float):  # bool is an int
         raise DataError(
-            f"{path}, {where}: label field {label_field!r} holds {_kind_of(label)}; a label is "
+            f"{path}, {where}: label field {label_field!r} holds {kind_of(label)}; a label is "
             "a class name (string), an integer or a number. Fix that row."
         )
     # JSON and Parquet strings are class names; in CSV and TSV numbers are strings too.
