@@ -212,6 +212,12 @@ def run_sweep(root: Path, sweep: dict, jobs: int, keep_files: bool,
                 failed += 1
                 print(f"  [{done}/{total}] {name} seed {seed}: FAILED (exit {proc.returncode}),"
                       f" see {run_dir.parent / f's{seed}.log'}", flush=True)  # fmt: skip
+                if proc.returncode == 2 and todo:  # bad input: every run would repeat it
+                    print(f"  stopping: exit 2 is zfctl refusing its input (the log's last "
+                          f"line says why); the {len(todo)} runs not started would repeat "
+                          "it. Fix it and run the same command again.", flush=True)  # fmt: skip
+                    failed += len(todo)
+                    todo.clear()
                 continue
             if not keep_files:
                 for sub in (runs.CHECKPOINT_DIR, runs.MODEL_DIR):

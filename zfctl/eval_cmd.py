@@ -1,8 +1,10 @@
-"""`zfctl eval RUN_OR_MODEL`: a saved classifier's figures on a file, or a run's own.
+"""`zfctl eval RUN_OR_MODEL`: a saved model's figures on a file, or a run's own.
 
 Parse, call ``zenflow.train.evaluate`` (the loop the trainer evaluates with), render: a
 table, or one JSON document with ``--json``; ``--predictions FILE`` writes one JSON line
-per row (its texts, label, prediction and logits).
+per row: a classifier's texts, label, prediction and logits; a causal LM's per-row loss
+and tokens, or, where the completions form a choice set, each record's prompt,
+completion, choice and the choices' log-likelihoods.
 """
 
 from __future__ import annotations
@@ -31,7 +33,11 @@ def eval_(
     ],
     data: Annotated[
         Path | None,
-        typer.Option("--data", help="Table to evaluate on (.jsonl, .json, .csv, .tsv, .parquet)."),
+        typer.Option(
+            "--data",
+            help="Table to evaluate on (.jsonl, .json, .csv, .tsv, .parquet); for a causal "
+            "LM, records (.jsonl, .json: text, prompt/completion or messages).",
+        ),
     ] = None,
     task: Annotated[
         str | None, typer.Option("--task", help="Evaluate on a GLUE task's dev rows instead.")
@@ -68,8 +74,9 @@ def eval_(
         bool, typer.Option("--json", help="Print one JSON document instead of a table.")
     ] = False,
 ) -> None:
-    """Evaluate a fine-tuned classifier: accuracy, F1 and MCC (or Pearson/Spearman for a
-    regression) and the eval loss."""
+    """Evaluate a fine-tuned model: a classifier's accuracy, F1 and MCC (or Pearson/Spearman
+    for a regression) and eval loss; a causal LM's eval loss and perplexity per predicted
+    token (and choice accuracy when the completions come from a small set)."""
     from zenflow.outputs import check_writable
     from zenflow.train.evaluate import run_eval, setup_eval
 
@@ -99,6 +106,7 @@ def eval_(
         "model_dir": str(setup.model_dir),
         "run_dir": None if setup.run_dir is None else str(setup.run_dir),
         "task": setup.task.name,
+        "objective": setup.objective,
         "source": setup.source,
         "seq_len": setup.seq_len,
         "batch_size": setup.batch_size,
@@ -123,6 +131,14 @@ def eval_(
 def _write_predictions(path: Path, setup, preds: list, logits: list) -> None:
     from zenflow.outputs import write_file
 
+    if setup.objective == "causal-lm":  # run_eval's per-record dicts, as they are
+
+        def lm_lines(f):
+            for i, rec in enumerate(preds):
+                f.write(jsonout.dumps({"index": i, **rec}) + "\n")
+
+        write_file(path, lm_lines, what="--predictions: cannot write")
+        return
     names = setup.task.label_names
 
     def lines(f):

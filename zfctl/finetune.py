@@ -97,6 +97,32 @@ def finetune(
             '"none" (quotes are text, as in GLUE\'s files).'
         ),
     ] = None,
+    objective: Annotated[
+        str,
+        typer.Option(
+            help="classification (a classification head on --task or a --data table) or "
+            "causal-lm (a *ForCausalLM model on --data records: text, prompt/completion "
+            "with loss on the completion only, or chat messages rendered by the "
+            "tokenizer's chat template with loss on the assistant turns only).",
+        ),
+    ] = "classification",
+    pack: Annotated[
+        bool,
+        typer.Option(
+            "--pack",
+            help="causal-lm: pack short examples into rows of --seq-len; each token attends "
+            "only within its own example (gpt2, llama, mistral, qwen2, qwen3).",
+        ),
+    ] = False,
+    prompt_field: Annotated[
+        str | None, typer.Option(help="causal-lm: the prompt field (default: prompt).")
+    ] = None,
+    completion_field: Annotated[
+        str | None, typer.Option(help="causal-lm: the completion field (default: completion).")
+    ] = None,
+    messages_field: Annotated[
+        str | None, typer.Option(help="causal-lm: the chat messages field (default: messages).")
+    ] = None,
     config: Annotated[
         Path | None,
         typer.Option(help="DeepSpeed JSON config (default: templates/zenflow.json)."),
@@ -239,6 +265,8 @@ def finetune(
 
     _choice("--engine", engine, ENGINES)
     _choice("--init", init, INITS)
+    _objective_flags(objective, data, resume, text_field, label_field, tsv_quoting, pack,
+                     prompt_field, completion_field, messages_field)  # fmt: skip
     task = _data_flags(task, data, eval_data, text_field, label_field, tsv_quoting, resume,
                        sample_data)  # fmt: skip
     if device is not None:
@@ -296,7 +324,8 @@ def finetune(
         data_file=None if data is None else str(data.expanduser().resolve()),
         eval_file=None if eval_data is None else str(eval_data.expanduser().resolve()),
         text_fields=tuple(text_field) if text_field else None, label_field=label_field,
-        tsv_quoting=tsv_quoting,
+        tsv_quoting=tsv_quoting, objective=objective, pack=pack, prompt_field=prompt_field,
+        completion_field=completion_field, messages_field=messages_field,
     )  # fmt: skip
     # A resumed run keeps the settings it was checked with; --resume auto without an earlier
     # run is a new run (resume_or_new) and is checked like one.
@@ -305,14 +334,16 @@ def finetune(
         from zenflow.hardware.estimate import preflight
         from zenflow.train.data import get_task
 
-        if data is not None:  # its labels, read now: a bad file stops before anything starts
+        if objective == "causal-lm":  # the records need the tokenizer: read by the run
+            num_labels = 2
+        elif data is not None:  # its labels, read now: a bad file stops before anything starts
             from zenflow.train.spec import load_spec_table
 
             num_labels = load_spec_table(spec)[0].task.num_labels
         else:
             num_labels = get_task(task).num_labels
         preflight(model, mode=engine, config=cfg, micro_batch=micro_batch, seq_len=seq_len,
-                  num_labels=num_labels, device_mem=device_mem,
+                  num_labels=num_labels, head=objective, device_mem=device_mem,
                   gradient_checkpointing=gradient_checkpointing,
                   separate_device=(device or default_kind()) != "cpu")  # fmt: skip
     if rank != 0:  # data parallel: rank 0 reports; the others say only their own error
@@ -398,6 +429,33 @@ def _data_flags(task, data, eval_data, text_field, label_field, tsv_quoting, res
     if tsv_quoting is not None:
         _choice("--tsv-quoting", tsv_quoting, ("csv", "none"))
     return task or data.stem
+
+
+def _objective_flags(objective, data, resume, text_field, label_field, tsv_quoting, pack,
+                     prompt_field, completion_field, messages_field) -> None:  # fmt: skip
+    """Check --objective and the flags that belong to one objective only."""
+    from zenflow.train.lm import OBJECTIVES
+
+    _choice("--objective", objective, OBJECTIVES)
+    lm_flags = (("--pack", pack), ("--prompt-field", prompt_field),
+                ("--completion-field", completion_field),
+                ("--messages-field", messages_field))  # fmt: skip
+    if objective == "classification":
+        given = [flag for flag, value in lm_flags if value]
+        if given:
+            raise user_error(f"{', '.join(given)} describe(s) causal-LM records; add "
+                             "--objective causal-lm, or drop them.")  # fmt: skip
+        return
+    if data is None and resume is None:
+        raise user_error("--objective causal-lm trains on your records: pass --data FILE "
+                         "(.jsonl or .json: text, prompt/completion or messages).")  # fmt: skip
+    given = [flag for flag, value in (("--label-field", label_field),
+                                      ("--tsv-quoting", tsv_quoting)) if value]  # fmt: skip
+    if given:
+        raise user_error(f"{', '.join(given)} describe(s) a classification table, not "
+                         "causal-LM records; drop them.")  # fmt: skip
+    if text_field is not None and len(text_field) != 1:
+        raise user_error("--objective causal-lm reads one text field; give --text-field once.")
 
 
 def _signal_notice(message: str) -> None:

@@ -105,3 +105,17 @@ def test_sweep_runs_resumes_and_tabulates(tiny_gpt2_dir, tmp_path):
     other.write_text(json.dumps({**template, "gradient_clipping": 0.5}))
     bad = _sweep(tmp_path, tiny_gpt2_dir, "--config", other)
     assert bad.returncode == 2 and "another config" in bad.stderr
+
+
+def test_a_refused_input_stops_the_sweep(tiny_gpt2_dir, tmp_path):
+    """zfctl's exit 2 (its input refused: here no GLUE data) would repeat in every run: the
+    sweep starts no more runs and says why, instead of failing each one in turn."""
+    argv = [sys.executable, str(SCRIPT), "run", str(tmp_path / "sweep"), "--model",
+            str(tiny_gpt2_dir), "--seeds", "1-3", "--steps", "2", "--micro-batch", "4",
+            "--seq-len", "16", "--arm", "adamw=device", "--arm", "zf=zenflow"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "GLUE_DIR"}
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    r = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert r.returncode != 0
+    assert r.stdout.count("  start ") == 1, r.stdout
+    assert "stopping: exit 2" in r.stdout and "5 runs not started" in r.stdout

@@ -171,6 +171,36 @@ def test_finetune_force_skips_the_check(cli, tmp_path, tiny_gpt2_dir, glue_dir):
     assert summary["steps"] == 2 and summary["status"] == "finished"
 
 
+def test_a_causal_lm_preflight_counts_the_lm_heads_logits(cli, tmp_path, tiny_gpt2_dir):
+    """--objective causal-lm checks the fit with the LM head's fp32 logits and their
+    gradient (b*s*vocab*8 bytes): a device that holds the classifier run refuses the LM."""
+    from zenflow.hardware.estimate import preflight
+
+    def need(head: str) -> int:
+        est = preflight(str(tiny_gpt2_dir), mode="zenflow", micro_batch=4, seq_len=16,
+                        head=head, device_mem="1TiB", separate_device=True)  # fmt: skip
+        return est.engines["zenflow"].device_bytes
+
+    classifier, lm = need("classification"), need("causal-lm")
+    assert lm - classifier >= 4 * 16 * 50257 * 8 - 4 * 2 * 8
+    between = (classifier + lm) // 2
+    preflight(
+        str(tiny_gpt2_dir),
+        mode="zenflow",
+        micro_batch=4,
+        seq_len=16,
+        device_mem=between,
+        separate_device=True,
+    )  # fmt: skip  (fits: no error)
+    data = tmp_path / "t.jsonl"
+    data.write_text("".join(f'{{"text": "line {i}"}}\n' for i in range(20)))
+    r = cli("finetune", tiny_gpt2_dir, "--objective", "causal-lm", "--data", data,
+            "--device", "sim", "--device-mem", between, "--runs-root", tmp_path / "runs",
+            *SHORT)  # fmt: skip
+    assert_user_error(r, "will not fit", "zenflow", "short by")
+    assert not (tmp_path / "runs").exists()
+
+
 # --------------------------------------------------------------------------- README
 
 

@@ -196,3 +196,45 @@ def test_finetune_engine_deepspeed_end_to_end(tiny_gpt2_dir, tmp_path):
     start = GPT2ForSequenceClassification.from_pretrained(tiny_gpt2_dir).state_dict()
     tuned = GPT2ForSequenceClassification.from_pretrained(run_dir / "model").state_dict()
     assert any(not (start[k] == tuned[k]).all() for k in start)
+
+
+def test_finetune_engine_deepspeed_trains_a_causal_lm(tmp_path):
+    """--objective causal-lm through DeepSpeed's own ZenFlow: the trainer's token-mean loss
+    goes through DeepSpeed's backward; the run evaluates perplexity and saves a causal LM
+    that moved."""
+    pytest.importorskip("deepspeed")
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from zenflow.train.models import packaged_gpt2_tokenizer
+
+    model_dir = tmp_path / "lm"
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=64,
+                               vocab_size=50257, eos_token_id=50256, bos_token_id=50256,
+                               pad_token_id=50256)).save_pretrained(model_dir)  # fmt: skip
+    tok = packaged_gpt2_tokenizer()
+    tok.pad_token = tok.eos_token
+    tok.save_pretrained(model_dir)
+    data = tmp_path / "pc.jsonl"
+    with open(data, "w", encoding="utf-8") as f:
+        for i in range(100):  # 10 held out: enough to score the two completions as choices
+            word = ("good", "bad")[i % 2]
+            f.write(json.dumps({"prompt": f"It was {word} ({i}). Verdict:",
+                                "completion": (" yes", " no")[i % 2]}) + "\n")  # fmt: skip
+    port = str(20000 + (os.getpid() * 2 + 9) % 20000)
+    args = [sys.executable, "-m", "zfctl", "finetune", str(model_dir), "--objective",
+            "causal-lm", "--data", str(data), "--engine", "deepspeed", "--max-steps", "4",
+            "--micro-batch", "4", "--seq-len", "24", "--runs-root", str(tmp_path / "runs"),
+            "--set", "zero_optimization.zenflow.overlap_step=false", "--json"]  # fmt: skip
+    r = _run(args, port, DEADLINE_S + 60)
+    assert r.returncode == 0, f"--- stdout\n{r.stdout}\n--- stderr\n{r.stderr[-20000:]}"
+    events = [json.loads(line) for line in r.stdout.splitlines()]
+    summary = events[-1]["summary"]
+    assert summary["steps"] == 4 and summary["engine_mode"] == "deepspeed"
+    assert events[0]["header"]["objective"] == "causal-lm"
+    final = summary["eval"]
+    assert final["perplexity"] > 1 and 0 <= final["choice_accuracy"] <= 1
+    start = GPT2LMHeadModel.from_pretrained(model_dir).state_dict()
+    tuned = GPT2LMHeadModel.from_pretrained(Path(summary["run_dir"]) / "model").state_dict()
+    assert any(not torch.equal(start[k], tuned[k]) for k in start)

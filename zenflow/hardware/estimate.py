@@ -627,6 +627,7 @@ def preflight(
     micro_batch: int | None = None,
     seq_len: int | None = None,
     num_labels: int = 2,
+    head: str = "classification",
     device_mem: str | int | None = None,
     host_mem: str | int | None = None,
     gradient_checkpointing: bool = False,
@@ -640,7 +641,7 @@ def preflight(
     dev = parse_size(device_mem, "--device-mem") if device_mem is not None else None
     hst = parse_size(host_mem, "--host-mem") if host_mem is not None else None
     try:
-        census = resolve_census(model, num_labels=num_labels)
+        census = resolve_census(model, head=head, num_labels=num_labels)
     except EstimateError:
         return None
     s = settings_from_config(config, micro_batch=micro_batch, seq_len=seq_len,

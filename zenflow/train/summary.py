@@ -52,6 +52,7 @@ def run_header(run, start_step: int, start_counts: dict | None = None) -> dict:
         "run_dir": str(run.run_dir),
         "model": run.spec.model,
         "task": run.task.name,
+        "objective": run.spec.objective,
         "init": run.spec.init,
         "engine_mode": run.spec.engine_mode,
         "sources": run.sources,

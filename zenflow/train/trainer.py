@@ -80,6 +80,7 @@ from zenflow.train.events import (
     RunStarted,
     StepEvent,
 )
+from zenflow.train.lm import evaluate_lm, lm_loss, loss_tokens
 from zenflow.train.monitors import MonitorSink
 from zenflow.train.parallel import (
     Parallel,
@@ -92,6 +93,7 @@ from zenflow.train.parallel import (
     shutdown,
 )
 from zenflow.train.rundir import RunDirectory
+from zenflow.train.sft import check_packing_support, packed_attention_mask
 from zenflow.train.signals import StopRequests
 from zenflow.train.spec import (
     ENGINE_MODES,
@@ -100,6 +102,7 @@ from zenflow.train.spec import (
     config_digest,
     data_digests,
     effective_config,
+    load_spec_lm,
     load_spec_table,
     merge_resumed_spec,
     read_hw_json,
@@ -225,16 +228,31 @@ class _Run:
         self.spec = spec = dataclasses.replace(spec, micro_batch=self.micro_batch)
         self.gas = int(self.config.gradient_accumulation_steps)
         self.labels = None  # the label set of a --data table (zenflow.train.tables.LabelSet)
-        if spec.data_file is not None:
+        self.lm = spec.objective == "causal-lm"
+        if self.lm:  # the records are tokenised with the model's tokenizer: model first
+            if spec.data_file is None:
+                raise UserInputError(
+                    "--objective causal-lm trains on records: pass --data FILE.jsonl (text, "
+                    "prompt/completion or chat messages records)."
+                )
+            resolved = resolve_model(spec.model, task_num_labels=0, init=spec.init,
+                                     seed=spec.seed, head="causal-lm")  # fmt: skip
+            self.task_data = load_spec_lm(spec, resolved.tokenizer)
+            self.task = self.task_data.task
+            self.notes += self.task_data.lines
+            if spec.pack:
+                check_packing_support(resolved.model, spec.seq_len)
+        elif spec.data_file is not None:
             self.task_data, table = load_spec_table(spec)
             self.task, self.labels = self.task_data.task, table.labels
             self.notes += table.lines()
         else:
             self.task = get_task(spec.task)
             self.task_data = load_task(self.task, spec.data_dir)
-        resolved = resolve_model(
-            spec.model, task_num_labels=self.task.num_labels, init=spec.init, seed=spec.seed
-        )
+        if not self.lm:
+            resolved = resolve_model(
+                spec.model, task_num_labels=self.task.num_labels, init=spec.init, seed=spec.seed
+            )
         if self.labels is not None and self.labels.kind == "classification":
             # the table's class names go with the model: config.json of the saved model
             resolved.model.config.id2label = dict(self.labels.id2label)
@@ -248,7 +266,10 @@ class _Run:
             )
         self.sources = {**resolved.sources, "data": self.task_data.source}
         self.tokenizer = resolved.tokenizer
-        self.encoded = encode(self.task_data, resolved.tokenizer, spec.seq_len)
+        # the rows the batcher takes: the LM rows as they are, a table's examples tokenised
+        self.encoded = self.task_data if self.lm else encode(
+            self.task_data, resolved.tokenizer, spec.seq_len
+        )  # fmt: skip
         # Before the run directory is made and the model is placed: a tokenizer the model
         # cannot look up would otherwise end the first forward in an IndexError.
         check_token_ids(
@@ -257,6 +278,9 @@ class _Run:
         self.device = device_for(self.device_kind, self.par)
         self.masters = None
         self.model = self._place_model(resolved.model)
+        if self.lm:  # packed rows: segment ids cross to the device, the mask is built there
+            self.encoded.train.segments_only = True
+            self.encoded.dev.mask_dtype = next(self.model.parameters()).dtype
         if spec.gradient_checkpointing:
             self._enable_checkpointing()
         self.params = count_params(self.model)
@@ -430,10 +454,18 @@ class _Run:
         return metrics
 
     def _evaluate(self, step: int) -> dict:
-        metrics, _, _ = evaluate_classifier(
-            self.model, self.encoded.dev, self.task, batch_size=self.eval_batch,
-            limit=self.spec.max_eval_samples, device=self.device, autocast=self.engine.autocast,
-        )  # fmt: skip
+        if self.lm:
+            metrics, _ = evaluate_lm(
+                self.model, self.encoded.dev, self.task, batch_size=self.eval_batch,
+                limit=self.spec.max_eval_samples, device=self.device, tokenizer=self.tokenizer,
+                pairs=self.task_data.dev_pairs, autocast=self.engine.autocast,
+            )  # fmt: skip
+        else:
+            metrics, _, _ = evaluate_classifier(
+                self.model, self.encoded.dev, self.task, batch_size=self.eval_batch,
+                limit=self.spec.max_eval_samples, device=self.device,
+                autocast=self.engine.autocast,
+            )  # fmt: skip
         self.write_metrics({"type": "eval", "step": step, **metrics})
         self.last_eval = {"step": step, **metrics}
         self.on_event(EvalEvent(step, metrics))
@@ -653,12 +685,17 @@ class _Run:
                                     self.encoded.train, self.global_micro, spec.seed, epoch, index
                                 )
                             index, batch = next(it)
+                            if self.lm:  # every rank's rows: the token mean's denominator
+                                global_tokens = loss_tokens(batch["labels"])
                             batch = {k: to_device(v[rows], k) for k, v in batch.items()}
                             m0, w0 = mark(), time.perf_counter()
                             try:
-                                with self.engine.autocast():
-                                    out = self.train_module(**batch)
-                                loss = out.loss.float()
+                                if self.lm:
+                                    loss = self._lm_forward(batch, global_tokens)
+                                else:
+                                    with self.engine.autocast():
+                                        out = self.train_module(**batch)
+                                    loss = out.loss.float()
                                 m1 = mark()
                                 if i == 0:
                                     what = f"step {step + 1}, then checkpoint {step + 1}"
@@ -774,6 +811,19 @@ class _Run:
             barrier(self.par)
             self.on_event(RunFinished(summary))
             return summary
+
+    def _lm_forward(self, batch: dict, global_tokens: int):
+        """A causal LM's micro-batch loss (``zenflow.train.lm.lm_loss``): this rank's share
+        of the global micro-batch's token mean. Packed rows bring segment ids; their 4-D
+        mask is built here, on the device, in the model's dtype."""
+        labels = batch.pop("labels")
+        segments = batch.pop("segment_ids", None)
+        if segments is not None:
+            dtype = next(self.model.parameters()).dtype
+            batch["attention_mask"] = packed_attention_mask(segments, dtype)
+        with self.engine.autocast():
+            logits = self.train_module(**batch).logits
+        return lm_loss(logits, labels, global_tokens, self.par.world)
 
     def _check_finite_params(self, step: int) -> None:
         """Raise ``_Diverging`` when a parameter holds NaN or inf: the weights about to be
