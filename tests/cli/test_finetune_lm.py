@@ -326,3 +326,79 @@ def test_the_other_engines_train_a_causal_lm(cli, tmp_path, lm_dir, pc_files, en
     assert "choice_accuracy" in s["eval"] and math.isfinite(s["eval"]["eval_loss"])
     before = load_file(lm_dir / "model.safetensors")["transformer.wte.weight"]
     assert not torch.equal(before, _weights(tmp_path / engine)["transformer.wte.weight"])
+
+
+# ------------------------------------------------------------- zfctl eval and the export
+
+PLAIN = """
+import json, sys, torch, torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+model_dir, rows_file, batch = sys.argv[1], sys.argv[2], int(sys.argv[3])
+rows = json.load(open(rows_file))
+m = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+total, tokens = 0.0, 0
+with torch.no_grad():
+    for b in range(0, len(rows["input_ids"]), batch):
+        ids = torch.tensor(rows["input_ids"][b : b + batch])
+        mask = torch.tensor(rows["attention_mask"][b : b + batch])
+        labels = torch.tensor(rows["labels"][b : b + batch])
+        logits = m(input_ids=ids, attention_mask=mask).logits
+        target = labels[:, 1:]
+        keep = target != -100
+        at = keep.nonzero()
+        picked = logits[:, :-1][at[:, 0], at[:, 1]]
+        total += float(F.cross_entropy(picked.float(), target[keep], reduction="none").sum())
+        tokens += int(keep.sum())
+print(json.dumps({"eval_loss": total / tokens, "tokens": tokens,
+                  "zfctl": any(k.startswith(("zfctl", "zenflow")) for k in sys.modules)}))
+"""
+
+
+def test_eval_reproduces_the_run_and_the_export_is_plain_transformers(cli, tmp_path, lm_dir,
+                                                                      pc_files):  # fmt: skip
+    """`zfctl eval RUN` (another process, the exported model/) gives the run's final
+    evaluation exactly; transformers alone, without zfctl, loads model/ as a causal LM and
+    its loss on the eval rows is the one the trainer measured on the model in memory, to
+    the bit (the same rows, batches and sums)."""
+    from zenflow.train.models import packaged_gpt2_tokenizer
+    from zenflow.train.sft import build_sft, read_records
+
+    train, dev = pc_files
+    run = tmp_path / "run"
+    r = cli("finetune", lm_dir, *LM, "--data", train, "--eval-data", dev, *SHORT,
+            "--max-steps", 3, "--run-dir", run)  # fmt: skip
+    assert r.exit_code == 0, r.output
+    final = runs.read_run(run)["evals"][-1]
+    e = _zfctl("eval", run, "--json")
+    assert e.returncode == 0, e.stderr
+    doc = json.loads(e.stdout)
+    assert doc["objective"] == "causal-lm"
+    assert doc["metrics"] == {k: v for k, v in final.items() if k not in ("type", "step")}
+
+    tok = packaged_gpt2_tokenizer()
+    tok.pad_token = tok.eos_token
+    rows, _ = build_sft(read_records(dev), tok, 32)
+    t = rows.tensors()
+    rows_file = tmp_path / "rows.json"
+    rows_file.write_text(json.dumps({k: t[k].tolist() for k in ("input_ids", "attention_mask",
+                                                                "labels")}))  # fmt: skip
+    env = {k: v for k, v in ENV.items() if k != "PYTHONPATH"}
+    plain = subprocess.run([sys.executable, "-c", PLAIN, str(run / runs.MODEL_DIR),
+                            str(rows_file), "8"], capture_output=True, text=True, env=env,
+                           cwd=tmp_path, timeout=300)  # fmt: skip
+    assert plain.returncode == 0, plain.stderr
+    got = json.loads(plain.stdout)
+    assert got["zfctl"] is False and got["tokens"] == final["eval_tokens"]
+    assert got["eval_loss"] == final["eval_loss"]
+
+    # any causal-LM folder on a file: per-record choices written on request
+    pred = tmp_path / "pred.jsonl"
+    f = _zfctl("eval", run / runs.MODEL_DIR, "--data", dev, "--seq-len", 32, "--predictions",
+               pred, "--json")  # fmt: skip
+    assert f.returncode == 0, f.stderr
+    metrics = json.loads(f.stdout)["metrics"]
+    lines = [json.loads(x) for x in pred.read_text().splitlines()]
+    assert len(lines) == 8 and {x["completion"] for x in lines} == {" positive", " negative"}
+    right = sum(x["choice"] == x["completion"] for x in lines)
+    assert metrics["choice_accuracy"] == right / 8 == final["choice_accuracy"]
+    assert metrics["eval_loss"] == final["eval_loss"]
