@@ -10,6 +10,7 @@ that diverges exits ``EXIT_DIVERGED`` (3) after one message naming the likely ca
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -70,7 +71,8 @@ def finetune(
             help="Your own training table (.jsonl, .json, .csv, .tsv, .parquet) instead of a "
             "GLUE task: a text column (--text-field) and a label column (--label-field). "
             "Labels may be integers or strings (classes, saved with the model as id2label) "
-            "or numbers with fractions (regression).",
+            "or numbers with fractions (regression). Or a hub dataset: "
+            "NAME[:CONFIG][@SPLIT] (split default train; the cache only when offline).",
         ),
     ] = None,
     eval_data: Annotated[
@@ -321,8 +323,7 @@ def finetune(
         gradient_checkpointing=gradient_checkpointing, sim_profile=sim_profile,
         device_mem=device_mem_bytes,
         # absolute: a resumed run (from any folder) reads the same files
-        data_file=None if data is None else str(data.expanduser().resolve()),
-        eval_file=None if eval_data is None else str(eval_data.expanduser().resolve()),
+        data_file=_data_location(data), eval_file=_data_location(eval_data),
         text_fields=tuple(text_field) if text_field else None, label_field=label_field,
         tsv_quoting=tsv_quoting, objective=objective, pack=pack, prompt_field=prompt_field,
         completion_field=completion_field, messages_field=messages_field,
@@ -428,7 +429,21 @@ def _data_flags(task, data, eval_data, text_field, label_field, tsv_quoting, res
                          "or two for sentence pairs.")  # fmt: skip
     if tsv_quoting is not None:
         _choice("--tsv-quoting", tsv_quoting, ("csv", "none"))
-    return task or data.stem
+    if task is None:  # the run's name: the file's, or the dataset id's, made path-safe
+        from zenflow.train.hub_data import is_hub_id
+
+        task = re.sub(r"[^\w.-]+", "-", str(data)).strip("-") if is_hub_id(data) else data.stem
+    return task
+
+
+def _data_location(path: Path | None) -> str | None:
+    """A --data/--eval-data file made absolute (a resumed run, from any folder, reads the
+    same file), or a hub dataset id (zenflow.train.hub_data) as given."""
+    from zenflow.train.hub_data import is_hub_id
+
+    if path is None:
+        return None
+    return str(path) if is_hub_id(path) else str(path.expanduser().resolve())
 
 
 def _objective_flags(objective, data, resume, text_field, label_field, tsv_quoting, pack,

@@ -146,3 +146,91 @@ def test_the_table_is_read_once_per_process_until_it_changes(table, monkeypatch)
     os.utime(table, ns=(1, 1))
     again = spec_mod.load_spec_table(spec)
     assert len(calls) == 2 and len(again[0].train) + len(again[0].dev) == 121
+
+
+# ----------------------------------------------------------- a hub dataset as --data
+
+
+@pytest.fixture
+def fake_hub(monkeypatch):
+    """``datasets.load_dataset`` answering for one dataset, "someorg/reviews", as the hub or
+    its cache would: the calls are recorded; any other name fails as an offline miss does.
+    (What is tested is zfctl's side: the id's parsing, the rows as records, the resume
+    fingerprint; loading from the real hub is the datasets library's job.)"""
+    import datasets
+
+    from zenflow.train import hub_data
+
+    rows = [("a joy to watch", "pos"), ("nothing works here", "neg")] * 12
+    splits = {
+        "train": {"body": [f"{t} ({i})" for i, (t, _) in enumerate(rows)],
+                  "verdict": [y for _, y in rows]},
+        "validation": {"body": ["so good", "so bad", "a joy", "a mess"],
+                       "verdict": ["pos", "neg", "pos", "neg"]},
+    }  # fmt: skip
+    calls = []
+
+    def load_dataset(name, config=None, split=None, **kw):
+        calls.append((name, config, split))
+        if name != "someorg/reviews" or split not in splits:
+            raise ConnectionError(f"Couldn't reach '{name}' on the Hub (OfflineModeIsEnabled)")
+        return datasets.Dataset.from_dict(splits[split])
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    hub_data._load.cache_clear()
+    yield calls
+    hub_data._load.cache_clear()
+
+
+def test_a_hub_dataset_trains_like_a_file(cli, tmp_path, tiny_gpt2_dir, fake_hub):
+    r = cli("finetune", tiny_gpt2_dir, "--data", "someorg/reviews", "--eval-data",
+            "someorg/reviews@validation", "--text-field", "body", "--label-field", "verdict",
+            "--max-steps", "2", "--micro-batch", "4", "--seq-len", "16", "--runs-root",
+            tmp_path, "--no-dashboard")  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert ("someorg/reviews", None, "train") in fake_hub
+    assert ("someorg/reviews", None, "validation") in fake_hub
+    run_dir = runs.latest_run(tmp_path)
+    assert run_dir.name.endswith("someorg-reviews")
+    cfg = runs.run_config(run_dir)
+    assert cfg["run"]["data_file"] == "someorg/reviews"  # as given, not made a path
+    assert cfg["labels"]["names"] == ["neg", "pos"]
+    assert cfg["data_files"]["someorg/reviews"].startswith("datasets fingerprint")
+    assert runs.read_run(run_dir)["evals"][-1]["eval_samples"] == 4
+
+
+def test_hub_records_train_a_causal_lm_and_a_miss_is_one_message(cli, tmp_path, fake_hub):
+    import datasets
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from zenflow.train.models import packaged_gpt2_tokenizer
+
+    lm = tmp_path / "lm"
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, n_positions=32,
+                               vocab_size=50257)).save_pretrained(lm)  # fmt: skip
+    tok = packaged_gpt2_tokenizer()
+    tok.pad_token = tok.eos_token
+    tok.save_pretrained(lm)
+    records = {"prompt": [f"Item {i}:" for i in range(30)], "completion": [" yes", " no"] * 15}
+    real = datasets.load_dataset
+
+    def with_records(name, config=None, split=None, **kw):
+        if name == "someorg/instruct":
+            return datasets.Dataset.from_dict(records)
+        return real(name, config, split=split, **kw)
+
+    datasets.load_dataset = with_records  # restored by fake_hub's monkeypatch
+    r = cli("finetune", lm, "--objective", "causal-lm", "--data", "someorg/instruct",
+            "--max-steps", "2", "--micro-batch", "4", "--seq-len", "16", "--runs-root",
+            tmp_path / "runs", "--no-dashboard")  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert "someorg/instruct: 27 prompt/completion records read" in r.output  # 3 held out
+    miss = cli("finetune", lm, "--objective", "causal-lm", "--data", "otherorg/missing:cfg",
+               "--runs-root", tmp_path / "runs2")  # fmt: skip
+    assert_user_error(miss, "Could not load the dataset 'otherorg/missing:cfg'",
+                      "config 'cfg'", "OfflineModeIsEnabled", "pass a local file")  # fmt: skip
+    assert not (tmp_path / "runs2").exists()
+    # a missing file with a file's suffix is a missing file, never a dataset id
+    gone = cli("finetune", lm, "--objective", "causal-lm", "--data", tmp_path / "no.jsonl",
+               "--runs-root", tmp_path / "runs3")  # fmt: skip
+    assert gone.exit_code == 2 and "Could not load the dataset" not in gone.output

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from zenflow.errors import DataError
+from zenflow.train.hub_data import shown_name
 from zenflow.train.sft import (
     IGNORE,
     PROMPT_COMPLETION,
@@ -129,7 +130,7 @@ def load_lm_data(
         train, dev = (Records(train.path, train.kind, items, fields) for items in (kept, held))
         source = f"records: {data_file} (seeded split, seed {seed})"
         lines.append(
-            f"eval: {len(held)} of the {len(kept) + len(held)} records of {Path(data_file).name}"
+            f"eval: {len(held)} of the {len(kept) + len(held)} records of {shown_name(data_file)}"
             f" held out (seed {seed}, {EVAL_FRACTION:.0%}); pass --eval-data for a file of its own"
         )
     train_rows, train_report = build_sft(train, tokenizer, seq_len, pack=pack)

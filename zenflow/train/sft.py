@@ -63,6 +63,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from zenflow.errors import DataError, EngineError
+from zenflow.train.hub_data import shown_name
 from zenflow.train.tables import json_objects, jsonl_objects, kind_of, read_text
 
 IGNORE = -100  # the label Hugging Face's loss skips
@@ -117,7 +118,15 @@ def _n(n: int, word: str) -> str:
 
 
 def read_records(path: str | Path, fields: RecordFields = RecordFields()) -> Records:
-    """The records of one .jsonl or .json file and their kind (from the first record)."""
+    """The records of one .jsonl or .json file, or of a hub dataset's split
+    (``zenflow.train.hub_data``), and their kind (from the first record)."""
+    from zenflow.train.hub_data import hub_records, is_hub_id
+
+    if is_hub_id(path):
+        items = hub_records(str(path))
+        if not items:
+            raise DataError(f"The dataset {path} has no rows.")
+        return Records(Path(path), _check_kinds(Path(path), items, fields), items, fields)
     path = Path(path).expanduser()
     suffix = path.suffix.lower()
     if suffix not in FORMATS:
@@ -407,7 +416,8 @@ class SFTCounts:
     def line(self) -> str:
         """ "train.jsonl: 500 prompt/completion records read, 498 kept, 2 dropped (2 with no
         completion tokens left after truncation at 128), 17 truncated at 128 tokens"."""
-        head = f"{self.path.name}: {_n(self.read, self.kind + ' record')} read, {self.kept} kept"
+        name = shown_name(self.path)
+        head = f"{name}: {_n(self.read, self.kind + ' record')} read, {self.kept} kept"
         if self.dropped:
             why = ", ".join(f"{n} {reason}" for reason, n in self.dropped.items())
             head += f", {sum(self.dropped.values())} dropped ({why})"

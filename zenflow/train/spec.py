@@ -332,9 +332,13 @@ def data_digests(spec: RunSpec) -> dict[str, str]:
     resumed run continues exactly only on the same rows)."""
     import hashlib
 
+    from zenflow.train.hub_data import hub_fingerprint, is_hub_id
+
     out = {}
     for path in (spec.data_file, spec.eval_file):
-        if path is not None:
+        if path is not None and is_hub_id(path):
+            out[str(path)] = hub_fingerprint(path)
+        elif path is not None:
             h = hashlib.sha256()
             with open(path, "rb") as f:
                 for block in iter(lambda f=f: f.read(1 << 20), b""):

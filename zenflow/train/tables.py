@@ -42,6 +42,7 @@ from typing import Any, NamedTuple
 
 from zenflow.errors import DataError, os_error_message, undecodable_at
 from zenflow.train.data import Example, GlueTask, TaskData
+from zenflow.train.hub_data import shown_name
 
 csv.field_size_limit(1 << 24)  # long documents in one field
 
@@ -74,7 +75,7 @@ class FileCounts:
 
     def line(self) -> str:
         """One sentence: "train.jsonl: 1000 rows read, 998 kept, 2 dropped (2 empty text)"."""
-        head = f"{self.path.name}: {_n(self.read, 'row')} read, {self.kept} kept"
+        head = f"{shown_name(self.path)}: {_n(self.read, 'row')} read, {self.kept} kept"
         if not self.dropped:
             return f"{head}, none dropped"
         why = ", ".join(f"{n} {reason}" for reason, n in self.dropped.items())
@@ -107,14 +108,17 @@ def read_rows(
     ``text_fields``: one or two column names. With ``label_required=False`` the label
     column may be absent and rows without a label are kept with label None.
     """
-    path = Path(path).expanduser()
+    from zenflow.train.hub_data import hub_records, is_hub_id
+
+    hub = is_hub_id(path)
+    path = Path(path) if hub else Path(path).expanduser()
     text_fields = tuple(text_fields)
     if len(text_fields) not in (1, 2):
         raise DataError(
             f"Give one or two text fields (--text-field), got {len(text_fields)}: "
             f"{', '.join(text_fields) or 'none'}."
         )
-    fmt = FORMATS.get(path.suffix.lower())
+    fmt = "jsonl" if hub else FORMATS.get(path.suffix.lower())
     if fmt is None:
         raise DataError(
             f"{path}: unknown table format {path.suffix or '(no suffix)'!r}; supported are "
@@ -122,7 +126,9 @@ def read_rows(
         )
     if tsv_quoting not in ("csv", "none"):
         raise ValueError(f"tsv_quoting must be 'csv' or 'none', got {tsv_quoting!r}")
-    if fmt == "parquet":
+    if hub:  # a hub dataset's split: its rows as records, like a JSONL file's
+        columns, records = _with_columns(hub_records(str(path)))
+    elif fmt == "parquet":
         columns, records = _parquet_records(path, (*text_fields, label_field))
     else:
         text = read_text(path)
@@ -596,7 +602,7 @@ class TableReport:
         else:
             held, seed = self.split or (0, 0)
             out.append(
-                f"eval: {held} of {self.train.kept} rows of {self.train.path.name} held out "
+                f"eval: {held} of {self.train.kept} rows of {shown_name(self.train.path)} held out "
                 f"(seeded split, seed {seed}, not stratified)"
             )
         if self.labels.names is None:
