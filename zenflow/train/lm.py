@@ -40,11 +40,9 @@ from zenflow.train.sft import (
     Records,
     SFTData,
     build_sft,
-    predicted_positions,
     read_records,
     score_completions,
     token_loss_sum,
-    token_nll,
 )
 
 OBJECTIVES = ("classification", "causal-lm")
@@ -155,8 +153,13 @@ def load_lm_data(
 def lm_loss(logits, labels, global_tokens: int, world: int = 1):
     """This rank's share of the global micro-batch's token-mean next-token loss: the summed
     cross-entropy of its rows x world / ``global_tokens`` (see the module docstring)."""
-    rows, targets, _ = predicted_positions(logits, labels)
-    return token_nll(rows, targets).sum() * (world / max(int(global_tokens), 1))
+    import torch.nn.functional as F
+
+    # Every position, -100 ignored: no data-dependent indexing, which would make a CUDA
+    # step wait for the device (nonzero() syncs) in the middle of the micro-batch.
+    flat = logits[:, :-1].reshape(-1, logits.shape[-1]).float()
+    total = F.cross_entropy(flat, labels[:, 1:].reshape(-1), ignore_index=IGNORE, reduction="sum")
+    return total * (world / max(int(global_tokens), 1))
 
 
 def loss_tokens(labels) -> int:

@@ -60,7 +60,8 @@ def run_header(run, start_step: int, start_counts: dict | None = None) -> dict:
         "model_bytes": run.engine.model_bytes,
         "device": run.engine.resolved.get("device_description", str(run.device)),
         "world_size": run.par.world,
-        "train_examples": len(run.task_data.train),
+        # examples, not rows: packed causal-LM rows hold several (sft.SFTData.examples)
+        "train_examples": getattr(run.task_data.train, "examples", len(run.task_data.train)),
         "dev_examples": len(run.task_data.dev),
         "eval_examples": min(
             len(run.task_data.dev), run.spec.max_eval_samples or len(run.task_data.dev)
