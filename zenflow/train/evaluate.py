@@ -296,8 +296,8 @@ def _run_lm_eval(setup: EvalSetup, tokenizer, device: str) -> tuple[dict, list, 
     """A causal LM's eval: the records as the run tokenised them (never packed)."""
     from transformers import AutoModelForCausalLM
 
-    from zenflow.train.lm import LMTask, choice_set, eval_pairs, evaluate_lm, load_lm_data
-    from zenflow.train.sft import build_sft, read_records
+    from zenflow.train.lm import eval_rows, evaluate_lm, load_lm_data
+    from zenflow.train.sft import read_records
 
     if tokenizer.pad_token is None:  # as the trainer set it (models._finish)
         tokenizer.pad_token = tokenizer.eos_token
@@ -310,12 +310,8 @@ def _run_lm_eval(setup: EvalSetup, tokenizer, device: str) -> tuple[dict, list, 
         rows, pairs, task = lm.dev, lm.dev_pairs, lm.task
     else:
         records = read_records(data_file, setup.lm_fields)
-        rows, report = build_sft(records, tokenizer, setup.seq_len)
-        pairs = eval_pairs(records)
-        choices = choice_set([c for _, c in pairs]) if pairs else None
-        metrics = ("choice_accuracy", "perplexity") if choices else ("perplexity",)
-        task = LMTask(name=records.path.stem, metrics=metrics, choices=choices,
-                      kind=records.kind)  # fmt: skip
+        rows, pairs, task, report = eval_rows(records, tokenizer, setup.seq_len,
+                                              records.path.stem)  # fmt: skip
         setup.source += f" ({report.counts.line()})"
     setup.task = task
     metrics, per = evaluate_lm(model, rows, task, batch_size=setup.batch_size,

@@ -132,22 +132,30 @@ def load_lm_data(
             f" held out (seed {seed}, {EVAL_FRACTION:.0%}); pass --eval-data for a file of its own"
         )
     train_rows, train_report = build_sft(train, tokenizer, seq_len, pack=pack)
-    # Eval rows are never packed: each example is scored alone, as the user reads it.
-    dev_rows, dev_report = build_sft(dev, tokenizer, seq_len, pack=False)
+    dev_rows, pairs, task, dev_report = eval_rows(dev, tokenizer, seq_len,
+                                                  name or Path(data_file).stem)  # fmt: skip
     lines = [*train_report.lines(), "eval " + dev_report.counts.line(), *lines]
-    pairs = eval_pairs(dev)
-    choices = choice_set([c for _, c in pairs]) if pairs else None
-    metrics = ("choice_accuracy", "perplexity") if choices else ("perplexity",)
-    if choices:
-        shown = ", ".join(repr(c) for c in choices)
+    if task.choices:
+        shown = ", ".join(repr(c) for c in task.choices)
         lines.append(
             f"eval also scores choice_accuracy: the eval completions come from a set of "
-            f"{len(choices)} ({shown}); a record counts as right when its own completion is "
-            "the likeliest of the set given its prompt"
+            f"{len(task.choices)} ({shown}); a record counts as right when its own completion "
+            "is the likeliest of the set given its prompt"
         )
-    task = LMTask(name=name or Path(data_file).stem, metrics=metrics, choices=choices,
-                  kind=train.kind)  # fmt: skip
     return LMData(task, train_rows, dev_rows, pairs, source, lines)
+
+
+def eval_rows(records: Records, tokenizer, seq_len: int, name: str):
+    """Eval records as ``(rows, pairs, task, report)``: the rows, never packed (each example
+    is scored alone, as the user reads it), the (prompt, completion) pairs, the ``LMTask``
+    (with ``choice_accuracy`` when the completions form a choice set) and the
+    ``sft.SFTReport``."""
+    rows, report = build_sft(records, tokenizer, seq_len, pack=False)
+    pairs = eval_pairs(records)
+    choices = choice_set([c for _, c in pairs]) if pairs else None
+    metrics = ("choice_accuracy", "perplexity") if choices else ("perplexity",)
+    task = LMTask(name=name, metrics=metrics, choices=choices, kind=records.kind)
+    return rows, pairs, task, report
 
 
 def lm_loss(logits, labels, global_tokens: int, world: int = 1):

@@ -63,7 +63,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from zenflow.errors import DataError, EngineError
-from zenflow.train.hub_data import shown_name
+from zenflow.train.hub_data import hub_records, is_hub_id, shown_name
 from zenflow.train.tables import json_objects, jsonl_objects, kind_of, read_text
 
 IGNORE = -100  # the label Hugging Face's loss skips
@@ -120,8 +120,6 @@ def _n(n: int, word: str) -> str:
 def read_records(path: str | Path, fields: RecordFields = RecordFields()) -> Records:
     """The records of one .jsonl or .json file, or of a hub dataset's split
     (``zenflow.train.hub_data``), and their kind (from the first record)."""
-    from zenflow.train.hub_data import hub_records, is_hub_id
-
     if is_hub_id(path):
         items = hub_records(str(path))
         if not items:

@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 
 from zenflow.errors import DataError, os_error_message, undecodable_at
 from zenflow.train.data import Example, GlueTask, TaskData
-from zenflow.train.hub_data import shown_name
+from zenflow.train.hub_data import hub_records, is_hub_id, shown_name
 
 csv.field_size_limit(1 << 24)  # long documents in one field
 
@@ -108,8 +108,6 @@ def read_rows(
     ``text_fields``: one or two column names. With ``label_required=False`` the label
     column may be absent and rows without a label are kept with label None.
     """
-    from zenflow.train.hub_data import hub_records, is_hub_id
-
     hub = is_hub_id(path)
     path = Path(path) if hub else Path(path).expanduser()
     text_fields = tuple(text_fields)

@@ -279,8 +279,9 @@ class _Run:
         self.masters = None
         self.model = self._place_model(resolved.model)
         if self.lm:  # packed rows: segment ids cross to the device, the mask is built there
+            self.mask_dtype = next(self.model.parameters()).dtype
             self.encoded.train.segments_only = True
-            self.encoded.dev.mask_dtype = next(self.model.parameters()).dtype
+            self.encoded.dev.mask_dtype = self.mask_dtype
         if spec.gradient_checkpointing:
             self._enable_checkpointing()
         self.params = count_params(self.model)
@@ -819,8 +820,7 @@ class _Run:
         labels = batch.pop("labels")
         segments = batch.pop("segment_ids", None)
         if segments is not None:
-            dtype = next(self.model.parameters()).dtype
-            batch["attention_mask"] = packed_attention_mask(segments, dtype)
+            batch["attention_mask"] = packed_attention_mask(segments, self.mask_dtype)
         with self.engine.autocast():
             logits = self.train_module(**batch).logits
         return lm_loss(logits, labels, global_tokens, self.par.world)
