@@ -45,6 +45,9 @@ def test_a_jsonl_with_string_labels_learns_as_the_glue_preset(cli, tmp_path, glu
     glue = cli("finetune", "minilm", "--task", "sst2", "--data-dir", glue_dir,
                "--run-dir", tmp_path / "glue", *common)  # fmt: skip
     assert glue.exit_code == 0, glue.output
+    # the preset is read by the same table reader, and its header counts the rows alike
+    assert "train.tsv: 67349 rows read, 67349 kept, none dropped" in glue.stdout
+    assert "dev.tsv: 872 rows read, 872 kept, none dropped" in glue.stdout
     mine = cli("finetune", "minilm", "--data", train, "--eval-data", dev, "--text-field",
                "review", "--label-field", "sentiment", "--run-dir", tmp_path / "mine",
                *common)  # fmt: skip

@@ -87,12 +87,18 @@ def test_task_directory_itself_and_glue_names(tmp_path):
     assert len(load_task("sst2", d).dev) == 2  # the task directory itself
 
 
+def _task_files(root, task: str, train: str, dev: str | None = None, dev_name="dev.tsv"):
+    """Write ``<root>/<task>/train.tsv`` and its dev file (the same rows unless given)."""
+    d = root / task
+    d.mkdir(exist_ok=True)
+    (d / "train.tsv").write_text(train, encoding="utf-8")
+    (d / dev_name).write_text(train if dev is None else dev, encoding="utf-8")
+    return d
+
+
 def test_pair_task_and_string_labels(tmp_path):
-    d = tmp_path / "rte"
-    d.mkdir()
     body = "index\tsentence1\tsentence2\tlabel\n0\ta b\tc\tentailment\n1\td\te\tnot_entailment\n"
-    (d / "train.tsv").write_text(body, encoding="utf-8")
-    (d / "dev.tsv").write_text(body, encoding="utf-8")
+    _task_files(tmp_path, "rte", body)
     td = load_task("rte", tmp_path)
     assert td.train == [Example(("a b", "c"), 0), Example(("d", "e"), 1)]
 
@@ -131,14 +137,106 @@ def test_bad_label_and_short_row_name_file_and_line(tmp_path):
     d.mkdir()
     (d / "dev.tsv").write_text("sentence\tlabel\na\t1\n", encoding="utf-8")
     (d / "train.tsv").write_text("sentence\tlabel\na\t1\nb\tpositive\n", encoding="utf-8")
-    with pytest.raises(DataError, match=r"train\.tsv, line 3: label 'positive'"):
+    with pytest.raises(DataError, match=r"train\.tsv, line 3: label 'positive' .* not one of "
+                       r"the task's classes \(0, 1\)"):  # fmt: skip
+        load_task("sst2", tmp_path)
+    (d / "train.tsv").write_text("sentence\tlabel\na\t1\nb\t2\n", encoding="utf-8")
+    with pytest.raises(DataError, match=r"train\.tsv, line 3: label '2'"):
         load_task("sst2", tmp_path)
     (d / "train.tsv").write_text("sentence\tlabel\na\t1\nno label here\n", encoding="utf-8")
-    with pytest.raises(DataError, match=r"train\.tsv, line 3: 1 tab-separated field"):
+    with pytest.raises(DataError, match=r"train\.tsv, line 3: 1 field\(s\), but the header has 2"):
         load_task("sst2", tmp_path)
     (d / "train.tsv").write_text("text\tlabel\na\t1\n", encoding="utf-8")
-    with pytest.raises(DataError, match=r"train\.tsv, line 1: missing column\(s\) 'sentence'"):
+    with pytest.raises(DataError) as e:
         load_task("sst2", tmp_path)
+    msg = str(e.value)
+    assert "train.tsv: no field 'sentence'; the file's fields are 'text', 'label'" in msg
+    assert "GLUE's sst2 files have the fields 'sentence', 'label'" in msg
+    assert "--text-field" not in msg  # a preset's fields are not the user's to name
+
+
+def test_preset_labels_are_fixed_not_inferred(tmp_path):
+    """MNLI's classes keep the hub's order (not sorted), whichever the file holds; STS-B is a
+    regression even when every score is a whole number; a label outside the set names its
+    line."""
+    body = "index\tsentence1\tsentence2\tgold_label\n0\ta\tb\tneutral\n1\tc\td\tcontradiction\n"
+    d = _task_files(tmp_path, "mnli", body, dev_name="dev_matched.tsv")
+    td = load_task("mnli", tmp_path)
+    assert [e.label for e in td.train] == [1, 2]  # entailment, neutral, contradiction
+    assert td.report.labels.names == ("entailment", "neutral", "contradiction")
+    (d / "train.tsv").write_text(body + "2\te\tf\tmaybe\n", encoding="utf-8")
+    with pytest.raises(DataError, match=r"train\.tsv, line 4: label 'maybe' .*entailment, "
+                       "neutral, contradiction"):  # fmt: skip
+        load_task("mnli", tmp_path)
+
+    body = "index\tsentence1\tsentence2\tscore\n0\ta\tb\t4\n1\tc\td\t0\n"
+    d = _task_files(tmp_path, "stsb", body)
+    td = load_task("stsb", tmp_path)
+    assert [e.label for e in td.train] == [4.0, 0.0]
+    assert all(isinstance(e.label, float) for e in td.train + td.dev)
+    (d / "dev.tsv").write_text(body + "2\te\tf\thigh\n", encoding="utf-8")
+    with pytest.raises(DataError, match=r"dev\.tsv, line 4: label 'high' .*not a finite number"):
+        load_task("stsb", tmp_path)
+
+
+def test_preset_counts_dropped_rows_in_the_report(tmp_path):
+    """The table reader's rule: a row with empty text or no label is dropped and counted,
+    never silently; the header lines say so."""
+    _task_files(tmp_path, "sst2", "sentence\tlabel\na\t1\n \t0\nb\t\nc\t0\n",
+                "sentence\tlabel\na\t1\n")  # fmt: skip
+    td = load_task("sst2", tmp_path)
+    assert [e.texts for e in td.train] == [("a",), ("c",)]
+    lines = td.report.lines()
+    assert lines[0] == (
+        "train.tsv: 4 rows read, 2 kept, 2 dropped (1 empty text, 1 missing label value)"
+    )
+    assert lines[1] == "dev.tsv: 1 row read, 1 kept, none dropped"
+    assert lines[2] == "labels: 2 classes (0, 1)"  # GLUE's ids, not "0 = 0, 1 = 1"
+    assert lines[3] == "train rows per class: 0: 1, 1: 1"
+
+
+def test_sst2_preset_reads_the_dev_file_as_a_plain_tab_split(glue_dir):
+    """Reference: the dev file split on tabs by hand (SST-2 has no quoting and no empty
+    text) equals the preset's rows, texts and labels, in order."""
+    lines = (glue_dir / "sst2" / "dev.tsv").read_text(encoding="utf-8").splitlines()
+    assert lines[0] == "sentence\tlabel"
+    plain = [Example((t,), int(y)) for t, y in (line.split("\t") for line in lines[1:])]
+    td = load_task("sst2", glue_dir)
+    assert td.dev == plain
+    assert td.report.train.read == td.report.train.kept == 67349
+
+
+def test_glue_hub_preset_reads_the_hub_rows(monkeypatch):
+    """Without --data-dir the preset reads nyu-mll/glue's splits through the same table
+    reader: hub columns, class ids as labels. ``datasets.load_dataset`` is replaced by an
+    in-memory dataset (no hub here); the real hub/cache path is the datasets library's."""
+    import datasets
+
+    from zenflow.train import hub_data
+
+    rows = {
+        "train": {"premise": ["p1", "p2"], "hypothesis": ["h1", "h2"], "label": [2, 0]},
+        "validation_matched": {"premise": ["p3"], "hypothesis": ["h3"], "label": [1]},
+    }  # fmt: skip
+    asked = []
+
+    def load_dataset(name, config=None, split=None, **kw):
+        asked.append((name, config, split))
+        return datasets.Dataset.from_dict(rows[split])
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    hub_data._load.cache_clear()
+    try:
+        td = load_task("mnli")
+    finally:
+        hub_data._load.cache_clear()
+    assert asked == [
+        ("nyu-mll/glue", "mnli", "train"),
+        ("nyu-mll/glue", "mnli", "validation_matched"),
+    ]
+    assert td.train == [Example(("p1", "h1"), 2), Example(("p2", "h2"), 0)]
+    assert td.dev == [Example(("p3", "h3"), 1)]
+    assert td.source == "Hugging Face datasets: nyu-mll/glue mnli"
 
 
 def test_sst2_sample_writer(tmp_path):

@@ -1,23 +1,27 @@
-"""GLUE tasks: the task table, TSV/hub loading, tokenised fixed-length batches, metrics.
+"""GLUE tasks: the task table, loading, tokenised fixed-length batches, metrics.
 
-Rows come from GLUE's original TSV files (``<data_dir>/<task>/train.tsv`` and the task's dev
-file) or, without a data directory, from the hub through ``datasets``. TSVs are read with
+The GLUE tasks are presets of the table reader (``zenflow.train.tables``), the one that
+reads a user's ``--data`` files: a preset fixes the files, their columns, the label set (in
+the hub's class order) and the metrics. Rows come from GLUE's original TSV files
+(``<data_dir>/<task>/train.tsv`` and the task's dev file) or, without a data directory,
+from the hub dataset ``nyu-mll/glue`` through ``datasets``. TSVs are read with
 ``csv.QUOTE_NONE``: GLUE sentences contain bare double quotes that are text, not quoting.
+Rows the table reader drops (empty text, no label) are counted in the run header.
 """
 
 from __future__ import annotations
 
-import csv
 import math
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-from zenflow.errors import DataError, undecodable_at
+from zenflow.errors import DataError
 
-csv.field_size_limit(1 << 24)  # a few GLUE fields (MNLI parses) are long
+if TYPE_CHECKING:
+    from zenflow.train.tables import Preset, TableReport
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,28 @@ class GlueTask:
     @property
     def is_regression(self) -> bool:
         return self.num_labels == 1
+
+    def preset(self, hub: bool = False) -> Preset:
+        """How the table reader reads this task's files (``hub``: the hub dataset's
+        splits, whose labels are class ids in the same order as ``label_names``)."""
+        from zenflow.train.tables import LabelSet, Preset  # tables builds on this module
+
+        if self.is_regression:
+            labels = LabelSet("regression", None, "float")
+        elif self.label_names is not None and not hub:
+            labels = LabelSet("classification", self.label_names, "str")
+        else:
+            labels = LabelSet("classification", tuple(map(str, range(self.num_labels))), "int")
+        texts, label = (self.hub_text_columns, "label") if hub else (
+            self.text_columns, self.label_column
+        )  # fmt: skip
+        where = "the hub dataset nyu-mll/glue" if hub else f"GLUE's {self.name} files"
+        fix = (
+            f"{where} have the fields {', '.join(repr(c) for c in (*texts, label))}; restore "
+            "the original files from the GLUE download, or train on your own table with --data."
+        )
+        headerless = None if hub else self.headerless_columns
+        return Preset(self, texts, label, labels, headerless, fix)
 
 
 GLUE_TASKS: dict[str, GlueTask] = {
@@ -116,110 +142,10 @@ class TaskData:
     train: list[Example]
     dev: list[Example]
     source: str  # human-readable: where the rows came from
+    report: TableReport | None = None  # rows read, kept and dropped; the labels
 
 
 # ---------------------------------------------------------------------------- loading
-
-
-def _parse_label(task: GlueTask, raw: str, path: Path, line: int) -> int | float:
-    raw = raw.strip()
-    if task.is_regression:
-        try:
-            value = float(raw)
-        except ValueError:
-            value = math.nan
-        if not math.isfinite(value):
-            raise DataError(
-                f"{path}, line {line}: label {raw!r} in column {task.label_column!r} is not a "
-                f"finite number (task {task.name} is a regression task)."
-            )
-        return value
-    if task.label_names is not None:
-        if raw not in task.label_names:
-            raise DataError(
-                f"{path}, line {line}: label {raw!r} in column {task.label_column!r} is not "
-                f"one of {', '.join(task.label_names)}."
-            )
-        return task.label_names.index(raw)
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if not 0 <= value < task.num_labels:
-        raise DataError(
-            f"{path}, line {line}: label {raw!r} in column {task.label_column!r} is not an "
-            f"integer in 0..{task.num_labels - 1}."
-        )
-    return value
-
-
-def read_tsv(task: GlueTask, path: Path) -> list[Example]:
-    """Read one GLUE TSV file; DataError naming the file and line for bad rows (and for
-    bytes that are not UTF-8)."""
-    try:
-        return _read_tsv(task, path)
-    except UnicodeDecodeError as exc:
-        raise DataError(
-            f"{path}, {_where_not_utf8(path, exc)}; GLUE files are UTF-8. "
-            "Re-encode the file (e.g. iconv -f latin1 -t utf-8) or restore the original."
-        ) from None
-
-
-def _where_not_utf8(path: Path, exc: UnicodeDecodeError) -> str:
-    """Line and byte of the file's first byte that is not UTF-8 ("line 6: not UTF-8 text
-    (byte 146 = 0xe9: invalid continuation byte)"). The decoder's own offset
-    counts within its read chunk, so the whole file is decoded again."""
-    try:
-        data = path.read_bytes()
-        data.decode("utf-8")
-    except OSError:
-        return f"not UTF-8 text ({exc.reason})"
-    except UnicodeDecodeError as whole:
-        return undecodable_at(data, whole, "not UTF-8 text")
-    return f"not UTF-8 text ({exc.reason})"
-
-
-def _read_tsv(task: GlueTask, path: Path) -> list[Example]:
-    rows: list[Example] = []
-    try:
-        # utf-8-sig: a byte-order mark (Excel and Windows editors write one) is not part of
-        # the first column's name.
-        f = open(path, encoding="utf-8-sig", newline="")
-    except OSError as exc:
-        raise DataError(f"Cannot read {path}: {exc}.") from exc
-    with f:
-        reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
-        if task.headerless_columns is not None:
-            header = list(task.headerless_columns)
-        else:
-            header = next(reader, None)
-            if header is None:
-                raise DataError(f"{path} is empty; expected a header line and rows.")
-        wanted = (*task.text_columns, task.label_column)
-        missing = [c for c in wanted if c not in header]
-        if missing:
-            raise DataError(
-                f"{path}, line 1: missing column(s) {', '.join(repr(c) for c in missing)} for "
-                f"task {task.name}; found {header}. GLUE's {task.name} files have columns "
-                f"{', '.join(repr(c) for c in wanted)}."
-            )
-        text_idx = [header.index(c) for c in task.text_columns]
-        label_idx = header.index(task.label_column)
-        need = max(*text_idx, label_idx) + 1
-        for fields in reader:
-            line = reader.line_num
-            if not fields or fields == [""]:
-                continue
-            if len(fields) < need:
-                raise DataError(
-                    f"{path}, line {line}: {len(fields)} tab-separated field(s), expected at "
-                    f"least {need} (columns {header})."
-                )
-            label = _parse_label(task, fields[label_idx], path, line)
-            rows.append(Example(tuple(fields[i] for i in text_idx), label))
-    if not rows:
-        raise DataError(f"{path} has no data rows.")
-    return rows
 
 
 def _task_dir(task: GlueTask, data_dir: Path) -> tuple[Path | None, list[Path]]:
@@ -261,39 +187,35 @@ def load_task(task: str | GlueTask, data_dir: str | Path | None = None) -> TaskD
                 f"{t.name}/train.tsv), set GLUE_DIR, or use --sample-data for a synthetic "
                 "SST-2 sample."
             )
-        train = read_tsv(t, d / "train.tsv")
-        dev = read_tsv(t, d / t.dev_file)
+        from zenflow.train.tables import load_table_task  # tables builds on this module
+
+        data, _ = load_table_task(d / "train.tsv", d / t.dev_file, preset=t.preset())
         if (d / SYNTHETIC_MARKER).is_file():
-            source = f"synthetic SST-2-format sample written by zfctl, not GLUE ({d})"
+            data.source = f"synthetic SST-2-format sample written by zfctl, not GLUE ({d})"
         else:
-            source = f"GLUE TSV files: {d / 'train.tsv'}, {d / t.dev_file}"
-        return TaskData(t, train, dev, source)
+            data.source = f"GLUE TSV files: {d / 'train.tsv'}, {d / t.dev_file}"
+        return data
     return _load_from_hub(t)
 
 
 def _load_from_hub(t: GlueTask) -> TaskData:
-    try:
-        import datasets
+    from zenflow.train.hub_data import HubLoadError
+    from zenflow.train.tables import load_table_task
 
-        ds = datasets.load_dataset("nyu-mll/glue", t.hub_config)
-        splits = {}
-        for name, split in (("train", "train"), ("dev", t.hub_dev_split)):
-            part = ds[split]
-            cols = [list(part[c]) for c in t.hub_text_columns]  # lazy columns -> lists
-            labels = list(part["label"])
-            splits[name] = [
-                Example(tuple(c[i] for c in cols), float(y) if t.is_regression else int(y))
-                for i, y in enumerate(labels)
-            ]
-    except Exception as exc:
+    base = f"nyu-mll/glue:{t.hub_config}"
+    try:
+        data, _ = load_table_task(f"{base}@train", f"{base}@{t.hub_dev_split}",
+                                  preset=t.preset(hub=True))  # fmt: skip
+    except HubLoadError as exc:  # not loaded (a loaded split with wrong rows says so itself)
+        cause = exc.__cause__
         raise DataError(
             f"Could not load GLUE {t.name} from the Hugging Face hub or its datasets cache "
-            f"(nyu-mll/glue, config {t.hub_config!r}): {type(exc).__name__}: {exc}. "
+            f"(nyu-mll/glue, config {t.hub_config!r}): {type(cause).__name__}: {cause}. "
             f"Fix: pass --data-dir DIR with {t.name}/train.tsv and {t.name}/{t.dev_file}, "
             "set GLUE_DIR, or use --sample-data for a synthetic SST-2 sample."
-        ) from exc
-    return TaskData(t, splits["train"], splits["dev"], f"Hugging Face datasets: nyu-mll/glue "
-                    f"{t.hub_config}")  # fmt: skip
+        ) from cause
+    data.source = f"Hugging Face datasets: nyu-mll/glue {t.hub_config}"
+    return data
 
 
 # --------------------------------------------------------------------- synthetic sample

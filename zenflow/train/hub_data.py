@@ -30,6 +30,11 @@ FILE_SUFFIXES = (".jsonl", ".json", ".csv", ".tsv", ".parquet")
 _ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?(:[\w.-]+)?(@[\w.\-\[\]:%]+)?")
 
 
+class HubLoadError(DataError):
+    """The dataset could not be loaded (the hub, the cache, a bad name, config or split);
+    the library's own exception is its ``__cause__``."""
+
+
 def is_hub_id(text: str | Path) -> bool:
     s = str(text)
     if Path(s).expanduser().exists() or s.lower().endswith(FILE_SUFFIXES):
@@ -66,7 +71,7 @@ def _load(text: str):
 
         return datasets.load_dataset(name, config, split=split)
     except Exception as exc:  # the hub, the cache, a bad config or split: one message
-        raise DataError(
+        raise HubLoadError(
             f"Could not load the dataset {text!r} (name {name!r}, config {config!r}, split "
             f"{split!r}) from {_where()}: {type(exc).__name__}: {exc}. Fix: check the name, "
             "config and split on the hub (NAME[:CONFIG][@SPLIT]), download it on a connected "

@@ -20,6 +20,12 @@ Contract:
   given. It splits by row (``random.Random(seed)``); it does not stratify by class.
 - ``load_table_task`` puts it together: a ``GlueTask``-compatible task, ``TaskData`` and a
   ``TableReport`` whose ``lines()`` are sentences for the run header.
+- The GLUE tasks are presets of this reader (``Preset``, made by ``GlueTask.preset``): the
+  preset fixes the fields, the TSV quoting (``none``), the column names of a file without
+  a header (CoLA), the label set in the hub's class order (MNLI's names are not sorted;
+  STS-B is a regression whatever its scores look like) and the metrics; every label must
+  be in that set (``DataError`` naming file and line). Nothing else differs: the same
+  drops, counts, UTF-8 and width checks.
 
 Every problem the user can fix is a ``DataError`` (exit 2 at the CLI) that says what is
 wrong, where (file, line, byte) and how to fix it.
@@ -28,7 +34,6 @@ wrong, where (file, line, byte) and how to fix it.
 from __future__ import annotations
 
 import csv
-import io
 import json
 import math
 import random
@@ -102,11 +107,18 @@ def read_rows(
     *,
     label_required: bool = True,
     tsv_quoting: str = "csv",
+    headerless_columns: Sequence[str] | None = None,
+    labels: LabelSet | None = None,
+    fix: str | None = None,
 ) -> TableRows:
     """The rows of one table file (format from its suffix) with their counts.
 
     ``text_fields``: one or two column names. With ``label_required=False`` the label
-    column may be absent and rows without a label are kept with label None.
+    column may be absent and rows without a label are kept with label None. A preset's
+    files (the GLUE tasks) also give: ``headerless_columns``, the names of a CSV/TSV file's
+    columns when it has no header line (every line is a row); ``labels``, the fixed label
+    set every label must belong to (instead of one inferred from the file); ``fix``, what
+    to do when a field is missing (instead of "pass --text-field / --label-field").
     """
     hub = is_hub_id(path)
     path = Path(path) if hub else Path(path).expanduser()
@@ -128,19 +140,21 @@ def read_rows(
         columns, records = _with_columns(hub_records(str(path)))
     elif fmt == "parquet":
         columns, records = _parquet_records(path, (*text_fields, label_field))
+    elif fmt in ("csv", "tsv"):  # streamed, keeping only the wanted fields (MNLI: 393k rows)
+        columns, records = _csv_file_records(path, fmt, tsv_quoting, (*text_fields, label_field),
+                                             headerless_columns)  # fmt: skip
     else:
         text = read_text(path)
         if not text.strip():
             raise DataError(f"{path} is empty; expected a table of rows with a header or keys.")
         if fmt == "jsonl":
             columns, records = _with_columns(jsonl_objects(path, text))
-        elif fmt == "json":
-            columns, records = _with_columns(json_objects(path, text))
         else:
-            columns, records = _csv_records(path, text, fmt, tsv_quoting)
+            columns, records = _with_columns(json_objects(path, text))
     if not records:
-        raise DataError(f"{path} {_NO_ROWS[fmt]}; add rows to it.")
-    _check_fields(path, columns, text_fields, label_field, label_required)
+        none = "has no rows" if headerless_columns else _NO_ROWS[fmt]
+        raise DataError(f"{path} {none}; add rows to it.")
+    _check_fields(path, columns, text_fields, label_field, label_required, fix)
 
     rows: list[Row] = []
     dropped: Counter[str] = Counter()
@@ -161,16 +175,19 @@ def read_rows(
             continue
         if label is not None:
             _check_label(path, where, label_field, label, fmt)
+            if labels is not None:
+                _check_fixed_label(path, where, label_field, label, labels)
         rows.append(Row(tuple(texts), label, where))
     read = len(records)
     if not rows:
         why = ", ".join(f"{n} {r}" for r, n in dropped.items())
-        raise DataError(
-            f"{path}: all {_n(read, 'row')} were dropped ({why}). Check that --text-field and "
-            f"--label-field name the right columns (the file has {_names(columns)}) and fill in "
-            "the empty values."
+        check = fix or (
+            "Check that --text-field and --label-field name the right columns (the file has "
+            f"{_names(columns)}) and fill in the empty values."
         )
-    _check_one_label_kind(path, label_field, rows, fmt)
+        raise DataError(f"{path}: all {_n(read, 'row')} were dropped ({why}). {check}")
+    if labels is None:  # a fixed set has checked every label already
+        _check_one_label_kind(path, label_field, rows, fmt)
     counts = FileCounts(path, fmt, tuple(columns), read, len(rows), dict(dropped))
     return TableRows(rows, counts)
 
@@ -205,12 +222,18 @@ def read_text(path: Path, what: str = "Table") -> str:
     try:
         return data.decode("utf-8-sig")  # a byte-order mark is not part of the first name
     except UnicodeDecodeError:
-        try:  # again without the BOM rule: utf-8-sig's offsets skip the mark
-            data.decode("utf-8")
-            where = "not UTF-8 text"
-        except UnicodeDecodeError as exc:
-            where = undecodable_at(data, exc, "not UTF-8 text")
-    raise DataError(
+        raise _not_utf8(path, data, what) from None
+
+
+def _not_utf8(path: Path, data: bytes, what: str = "Table") -> DataError:
+    """The error for a file whose bytes ``data`` are not UTF-8: where the first bad byte is
+    and how to re-encode the file."""
+    try:  # decoded whole and without the BOM rule: utf-8-sig's offsets skip the mark
+        data.decode("utf-8")
+        where = "not UTF-8 text"
+    except UnicodeDecodeError as exc:
+        where = undecodable_at(data, exc, "not UTF-8 text")
+    return DataError(
         f"{path}, {where}. {what} files are UTF-8; re-encode the file "
         f"(e.g. iconv -f latin1 -t utf-8 {path.name} > fixed{path.suffix})."
     )
@@ -279,19 +302,44 @@ def _with_columns(records: Records) -> tuple[list[str], Records]:
     return list(columns), records
 
 
-def _csv_records(path: Path, text: str, fmt: str, tsv_quoting: str) -> tuple[list[str], Records]:
-    if fmt == "csv":
-        reader = csv.reader(io.StringIO(text, newline=""))
-    elif tsv_quoting == "none":
-        reader = csv.reader(io.StringIO(text, newline=""), delimiter="\t", quoting=csv.QUOTE_NONE)
-    else:
-        reader = csv.reader(io.StringIO(text, newline=""), delimiter="\t")
+def _csv_file_records(path: Path, fmt: str, tsv_quoting: str, wanted: Sequence[str],
+                      names: Sequence[str] | None) -> tuple[list[str], Records]:  # fmt: skip
+    """The header (or ``names``, for a file without one) and the rows of a CSV/TSV file,
+    read line by line; each record holds the ``wanted`` fields only."""
     try:
-        header = next(reader, [])
-        while header is not None and not any(h.strip() for h in header):
-            header = next(reader, None)  # blank lines before the header
-        if header is None:
-            raise DataError(f"{path} is empty; expected a header line and rows.")
+        f = open(path, encoding="utf-8-sig", newline="")  # noqa: SIM115 (closed below)
+    except OSError as exc:
+        raise DataError(os_error_message(exc, path, "Cannot read")) from exc
+    try:
+        with f:
+            return _csv_records(path, f, fmt, tsv_quoting, wanted, names)
+    except UnicodeDecodeError:
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            raise DataError(os_error_message(exc, path, "Cannot read")) from exc
+        raise _not_utf8(path, data) from None
+
+
+def _csv_records(path: Path, lines: Iterable[str], fmt: str, tsv_quoting: str,
+                 wanted: Sequence[str], names: Sequence[str] | None,
+                 ) -> tuple[list[str], Records]:  # fmt: skip
+    if fmt == "csv":
+        reader = csv.reader(lines)
+    elif tsv_quoting == "none":
+        reader = csv.reader(lines, delimiter="\t", quoting=csv.QUOTE_NONE)
+    else:
+        reader = csv.reader(lines, delimiter="\t")
+    try:
+        if names is not None:
+            header = list(names)
+        else:
+            header = next(reader, None)
+            while header is not None and not any(h.strip() for h in header):
+                header = next(reader, None)  # blank lines before the header
+            if header is None:
+                raise DataError(f"{path} is empty; expected a table of rows with a header.")
+        keep = [(i, h) for i, h in enumerate(header) if h in wanted]
         records: Records = []
         last = reader.line_num
         for fields in reader:
@@ -302,14 +350,17 @@ def _csv_records(path: Path, text: str, fmt: str, tsv_quoting: str) -> tuple[lis
                 hint = (
                     " A tab inside a text field, or a quote that is text, shifts the columns; "
                     "GLUE-style TSV files need --tsv-quoting none."
-                    if fmt == "tsv"
+                    if fmt == "tsv" and names is None
                     else " A comma inside a text field must be inside double quotes."
+                    if fmt == "csv"
+                    else ""
                 )
+                what = "the header has" if names is None else "the file's columns are"
                 raise DataError(
-                    f"{path}, line {start}: {len(fields)} field(s), but the header has "
+                    f"{path}, line {start}: {len(fields)} field(s), but {what} "
                     f"{len(header)} ({_names(header)}).{hint}"
                 )
-            records.append((f"line {start}", dict(zip(header, fields, strict=True))))
+            records.append((f"line {start}", {h: fields[i] for i, h in keep}))
     except csv.Error as exc:
         raise DataError(
             f"{path}, line {reader.line_num}: not a readable {fmt} row ({exc}); fix that line."
@@ -340,15 +391,18 @@ def _parquet_records(path: Path, wanted: Sequence[str]) -> tuple[list[str], Reco
     return columns, records
 
 
-def _check_fields(path, columns, text_fields, label_field, label_required) -> None:
+def _check_fields(path, columns, text_fields, label_field, label_required, fix=None) -> None:
     missing = [(f, "--text-field") for f in text_fields if f not in columns]
     if label_required and label_field not in columns:
         missing.append((label_field, "--label-field"))
     if missing:
-        what = ", ".join(f"{f!r} (asked for with {flag})" for f, flag in missing)
+        if fix is None:
+            what = ", ".join(f"{f!r} (asked for with {flag})" for f, flag in missing)
+            fix = "Pass the right name with --text-field / --label-field, or rename the field."
+        else:
+            what = _names(f for f, _ in missing)
         raise DataError(
-            f"{path}: no field {what}; the file's fields are {_names(columns) or 'none'}. "
-            "Pass the right name with --text-field / --label-field, or rename the field."
+            f"{path}: no field {what}; the file's fields are {_names(columns) or 'none'}. {fix}"
         )
     duplicated = [f for f in dict.fromkeys((*text_fields, label_field)) if columns.count(f) > 1]
     if duplicated:
@@ -401,6 +455,26 @@ def _check_label(path: Path, where: str, label_field: str, label: Any, fmt: str)
             f"{path}, {where}: label {label!r} in field {label_field!r} is not a finite number. "
             "Fix or remove that row."
         )
+
+
+def _check_fixed_label(path: Path, where: str, label_field: str, label: Any,
+                       labels: LabelSet) -> None:  # fmt: skip
+    """A label checked against a preset's fixed label set."""
+    if labels.names is None:
+        value = _number(label)
+        if value is None or not math.isfinite(value):
+            raise DataError(
+                f"{path}, {where}: label {label!r} in field {label_field!r} is not a finite "
+                "number (the task is a regression). Fix or remove that row."
+            )
+        return
+    try:
+        labels.id_of(label)
+    except DataError:
+        raise DataError(
+            f"{path}, {where}: label {label!r} in field {label_field!r} is not one of the "
+            f"task's classes ({', '.join(labels.names)}). Fix or remove that row."
+        ) from None
 
 
 def _check_one_label_kind(path: Path, label_field: str, rows: list[Row], fmt: str) -> None:
@@ -606,11 +680,12 @@ class TableReport:
         if self.labels.names is None:
             out.append("labels: numbers with fractions, so a regression (one output)")
         else:
-            shown = ", ".join(f"{i} = {n}" for i, n in enumerate(self.labels.names[:10]))
+            shown = ", ".join(n if n == str(i) else f"{i} = {n}"  # "0, 1": ids are the names
+                              for i, n in enumerate(self.labels.names[:10]))  # fmt: skip
             more = len(self.labels.names) - 10
             shown += f", and {more} more" if more > 0 else ""
             out.append(f"labels: {len(self.labels.names)} classes ({shown})")
-            per_class = ", ".join(f"{name} {n}" for name, n in self.train_classes.items())
+            per_class = ", ".join(f"{name}: {n}" for name, n in self.train_classes.items())
             out.append(f"train rows per class: {per_class}")
         return out
 
@@ -619,26 +694,37 @@ def load_table_task(
     train_path: str | Path,
     eval_path: str | Path | None = None,
     *,
-    text_fields: Sequence[str],
+    text_fields: Sequence[str] = (),
     label_field: str = "label",
     seed: int = 42,
     eval_fraction: float = 0.1,
     name: str | None = None,
     tsv_quoting: str = "csv",
+    preset: Preset | None = None,
 ) -> tuple[TaskData, TableReport]:
     """Train and eval examples from table files, as ``TaskData`` for the trainer.
 
     Without ``eval_path`` a seeded split of the training file is the eval set; the classes
-    are then those of the whole training file, so they do not depend on the seed.
+    are then those of the whole training file, so they do not depend on the seed. A
+    ``preset`` (a GLUE task) gives the fields, the quoting, the task, its label set and the
+    names of header-less columns in place of the arguments and of what the files imply.
     """
+    fixed = {}
+    if preset is not None:
+        text_fields, label_field, tsv_quoting = preset.text_fields, preset.label_field, "none"
+        fixed = {"headerless_columns": preset.headerless_columns, "labels": preset.labels,
+                 "fix": preset.fix}  # fmt: skip
     text_fields = tuple(text_fields)
-    train = read_rows(train_path, text_fields, label_field, tsv_quoting=tsv_quoting)
+    train = read_rows(train_path, text_fields, label_field, tsv_quoting=tsv_quoting, **fixed)
     evals = None
     if eval_path is not None:
-        evals = read_rows(eval_path, text_fields, label_field, tsv_quoting=tsv_quoting)
-    labels = infer_labels(
-        (r.label for r in train.rows), None if evals is None else (r.label for r in evals.rows)
-    )
+        evals = read_rows(eval_path, text_fields, label_field, tsv_quoting=tsv_quoting, **fixed)
+    if preset is not None:
+        labels = preset.labels
+    else:
+        labels = infer_labels(
+            (r.label for r in train.rows), None if evals is None else (r.label for r in evals.rows)
+        )
     split = None
     if evals is None:
         train_rows, eval_rows = seeded_split(train.rows, eval_fraction, seed)
@@ -651,7 +737,7 @@ def load_table_task(
         train_rows, eval_rows = train.rows, evals.rows
         source = f"table files: {train.counts.path} (train), {evals.counts.path} (eval)"
     n = labels.num_labels
-    task = GlueTask(
+    task = preset.task if preset is not None else GlueTask(
         name=name or train.counts.path.stem,
         text_columns=text_fields,
         label_column=label_field,
@@ -661,7 +747,7 @@ def load_table_task(
         hub_text_columns=text_fields,
         dev_file="" if evals is None else evals.counts.path.name,
         label_names=labels.names,
-    )
+    )  # fmt: skip
     train_ex = [Example(r.texts, labels.target(r.label)) for r in train_rows]
     eval_ex = [Example(r.texts, labels.target(r.label)) for r in eval_rows]
     per_class = Counter(ex.label for ex in train_ex) if labels.names else Counter()
@@ -669,4 +755,19 @@ def load_table_task(
     report = TableReport(
         train.counts, None if evals is None else evals.counts, labels, classes, split
     )
-    return TaskData(task, train_ex, eval_ex, source), report
+    return TaskData(task, train_ex, eval_ex, source, report), report
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A named task's fixed reading of its files (``data.load_task``: the GLUE tasks): the
+    task it trains, its fields, its label set, the column names of files without a header
+    line, and the fix for a file that lacks a field. Its TSV files are read with
+    ``csv.QUOTE_NONE``."""
+
+    task: GlueTask
+    text_fields: tuple[str, ...]
+    label_field: str
+    labels: LabelSet
+    headerless_columns: tuple[str, ...] | None
+    fix: str

@@ -249,6 +249,7 @@ class _Run:
         else:
             self.task = get_task(spec.task)
             self.task_data = load_task(self.task, spec.data_dir)
+            self.notes += self.task_data.report.lines()  # a preset of the same table reader
         if not self.lm:
             resolved = resolve_model(
                 spec.model, task_num_labels=self.task.num_labels, init=spec.init, seed=spec.seed
