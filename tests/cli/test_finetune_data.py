@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 
 import pytest
 from clihelp import assert_user_error
+from transformers import AutoTokenizer
 
 from zenflow.train import models, runs
 
@@ -75,6 +77,16 @@ def test_resume_is_exact_and_refuses_a_changed_file(cli, tmp_path, tiny_gpt2_dir
     straight = cli("finetune", tiny_gpt2_dir, "--data", table, *TINY, "--max-steps", "6",
                    "--eval-every", "3", "--run-dir", tmp_path / "straight")  # fmt: skip
     assert straight.exit_code == 0, straight.output
+    # the header counts the rows --seq-len cuts: reference, each row encoded with and
+    # without truncation by the run's tokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_gpt2_dir)
+    texts = [json.loads(line)["review"] for line in table.read_text().splitlines()]
+    cut = sum(tok(t, truncation=True, max_length=16)["input_ids"] != tok(t)["input_ids"]
+              for t in texts)  # fmt: skip
+    found = re.search(r"truncated to --seq-len 16 tokens \(the end cut off\): train (\d+) of "
+                      r"108 \([\d.]+%\), eval (\d+) of 12 ", straight.stdout)  # fmt: skip
+    assert found, straight.stdout
+    assert int(found[1]) + int(found[2]) == cut > 0
     first = cli("finetune", tiny_gpt2_dir, "--data", table, *TINY, "--max-steps", "3",
                 "--eval-every", "3", "--run-dir", tmp_path / "split")  # fmt: skip
     assert first.exit_code == 0, first.output

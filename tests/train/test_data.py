@@ -281,6 +281,37 @@ def test_encode_pairs_and_regression(gpt2_tok):
     assert t["labels"].dtype == torch.float32 and t["labels"].tolist() == [2.5]
 
 
+def test_is_truncated_matches_encoding_with_and_without_truncation(gpt2_tok, glue_dir):
+    """Reference: a row is cut when ``Encoded``'s truncating encoding differs from the
+    whole one; for single texts and for pairs (the pair's total counts)."""
+    rows = load_task("sst2", glue_dir).dev[:200]
+    pairs = [Example((a.texts[0], b.texts[0]), 0) for a, b in zip(rows, rows[1:], strict=False)]
+    for group, seq_len in ((rows, 24), (pairs, 40)):
+        got = data.is_truncated(group, gpt2_tok, seq_len)
+        want = []
+        for r in group:
+            whole = gpt2_tok(*r.texts)["input_ids"]
+            cut = gpt2_tok(*r.texts, truncation=True, max_length=seq_len)["input_ids"]
+            want.append(whole != cut)
+        assert got == want
+        assert 0 < sum(got) < len(group)  # both kinds occur
+
+
+def test_truncation_line_counts_eval_whole_and_samples_a_large_train(gpt2_tok, monkeypatch):
+    short, long_ = Example(("a fine film",), 1), Example(("word " * 40,), 0)
+    td = data.TaskData(get_task("sst2"), [short] * 6 + [long_] * 4, [long_, short], "t")
+    line = data.truncation_line(td, gpt2_tok, 16, seed=0)
+    assert line.startswith("truncated to --seq-len 16 tokens (the end cut off): ")
+    assert "train 4 of 10 (40.0%), eval 1 of 2 (50.0%); raise --seq-len" in line
+    assert data.truncation_line(td, gpt2_tok, 64, seed=0) == (
+        "none truncated at --seq-len 64 tokens: train 0 of 10 (0.0%), eval 0 of 2 (0.0%)"
+    )
+    monkeypatch.setattr(data, "TRUNCATION_SAMPLE", 5)
+    sampled = data.truncation_line(td, gpt2_tok, 16, seed=0)
+    assert "train " in sampled and " of a 5-row sample of 10 (" in sampled
+    assert sampled == data.truncation_line(td, gpt2_tok, 16, seed=0)  # seeded
+
+
 def test_batches_deterministic_and_resumable(gpt2_tok):
     enc = data.encode(_toy_task(23), gpt2_tok, seq_len=6).train
     full = [(i, b["input_ids"]) for i, b in data.batches(enc, 4, seed=1, epoch=0)]

@@ -320,6 +320,41 @@ class Encoded:
         return self.take(range(len(self.rows)))
 
 
+TRUNCATION_SAMPLE = 5000  # training rows tokenised up front to count the truncated ones
+
+
+def is_truncated(rows: Sequence[Example], tokenizer, seq_len: int) -> list[bool]:
+    """Per row: is it longer than ``seq_len`` tokens (special tokens included, both texts of
+    a pair together), so that ``Encoded`` cuts it?"""
+    firsts = [r.texts[0] for r in rows]
+    seconds = [r.texts[1] for r in rows] if rows and len(rows[0].texts) > 1 else None
+    ids = tokenizer(firsts, seconds, truncation=False, verbose=False)["input_ids"]
+    return [len(x) > seq_len for x in ids]
+
+
+def truncation_line(data: TaskData, tokenizer, seq_len: int, seed: int) -> str:
+    """One header sentence: how many rows ``--seq-len`` truncates. Every eval row is
+    counted; the training rows too when there are at most ``TRUNCATION_SAMPLE`` of them,
+    else a seeded sample of that many (tokenising MNLI's 393k rows would take a minute)."""
+    train = data.train
+    if len(train) > TRUNCATION_SAMPLE:
+        train = random.Random(seed).sample(list(train), TRUNCATION_SAMPLE)
+
+    counts = [(name, sum(is_truncated(rows, tokenizer, seq_len)), len(rows), total)
+              for name, rows, total in (("train", train, len(data.train)),
+                                        ("eval", data.dev, len(data.dev)))]  # fmt: skip
+    parts = ", ".join(
+        f"{name} {n} of " + (f"a {k}-row sample of {total}" if k < total else f"{k}")
+        + f" ({100 * n / k:.1f}%)" for name, n, k, total in counts
+    )  # fmt: skip
+    if not any(n for _, n, _, _ in counts):
+        return f"none truncated at --seq-len {seq_len} tokens: {parts}"
+    return (
+        f"truncated to --seq-len {seq_len} tokens (the end cut off): {parts}; raise --seq-len "
+        "to keep more of them"
+    )
+
+
 @dataclass
 class EncodedTask:
     train: Encoded

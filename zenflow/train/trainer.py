@@ -66,7 +66,7 @@ from zenflow.train.checkpointing import (
     write_shard,
 )
 from zenflow.train.data import batches as data_batches
-from zenflow.train.data import encode, get_task, load_task
+from zenflow.train.data import encode, get_task, load_task, truncation_line
 from zenflow.train.data import steps_per_epoch as data_steps_per_epoch
 from zenflow.train.divergence import DivergenceWatch
 from zenflow.train.evaluate import eval_batch_size, evaluate_classifier
@@ -265,6 +265,9 @@ class _Run:
                 f"{spec.model} (n_positions / max_position_embeddings in its config); pass "
                 f"--seq-len {limit} or less."
             )
+        if not self.lm:  # the LM records say it themselves (lm.LMData.lines)
+            self.notes.append(truncation_line(self.task_data, resolved.tokenizer, spec.seq_len,
+                                              spec.seed))  # fmt: skip
         self.sources = {**resolved.sources, "data": self.task_data.source}
         self.tokenizer = resolved.tokenizer
         # the rows the batcher takes: the LM rows as they are, a table's examples tokenised
