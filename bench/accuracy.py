@@ -16,7 +16,7 @@ Arms are ``NAME=ENGINE[:key=value,...]``. Keys are ``--set`` paths of the config
 (``zero_optimization.zenflow.topk_ratio=0.2``) or these short names: ``topk``,
 ``interval`` (update_interval), ``overlap`` (overlap_step), ``warmup``
 (full_warm_up_rounds), ``strategy`` (select_strategy), ``select`` (select_interval),
-``window_lr`` (zfctl.window_lr).
+``window_lr`` (zfctl.window_lr), ``schedule`` (zfctl.select_schedule).
 
 The arms start from one DeepSpeed config (``--config``, default the template), copied into
 ``ROOT/base_config.json`` when the sweep is made: an arm without settings is that config,
@@ -60,6 +60,7 @@ SHORT_KEYS = {
     "strategy": "zero_optimization.zenflow.select_strategy",
     "select": "zero_optimization.zenflow.select_interval",
     "window_lr": "zfctl.window_lr",
+    "schedule": "zfctl.select_schedule",
 }
 ENGINES = ("zenflow", "offload", "device")
 # The demo's settings (README): pretrained MiniLM-L6 on SST-2, 16 x 48 tokens, lr 5e-5.

@@ -108,6 +108,9 @@ def init(
         float | None, typer.Option(help=_doc("pt_reserved_cores_perc"))
     ] = None,
     window_lr: Annotated[str | None, typer.Option(help=_engine_doc("window_lr"))] = None,
+    select_schedule: Annotated[
+        str | None, typer.Option(help=_engine_doc("select_schedule"))
+    ] = None,
     lr: Annotated[float | None, typer.Option(help="Peak learning rate.")] = None,
     weight_decay: Annotated[float | None, typer.Option(help="AdamW weight decay.")] = None,
     micro_batch: Annotated[int | None, typer.Option(help="train_micro_batch_size_per_gpu.")] = None,
@@ -196,8 +199,10 @@ def init(
         "pt_reserved_cores_perc": pt_reserved_cores_perc,
     }
     given = {ZF + k: v for k, v in zenflow_flags.items() if v is not None}
-    if window_lr is not None:  # a ZenFlow setting of zfctl's engine (the top-level block)
-        given["zfctl.window_lr"] = window_lr
+    # ZenFlow settings of zfctl's engine (the top-level block)
+    for key, value in (("window_lr", window_lr), ("select_schedule", select_schedule)):
+        if value is not None:
+            given["zfctl." + key] = value
     if given and template != "zenflow":
         flags = ", ".join("--" + k.rpartition(".")[2].replace("_", "-") for k in given)
         raise user_error(

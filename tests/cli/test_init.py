@@ -114,6 +114,19 @@ def test_window_lr_flag(cli, tmp_path):
     assert_user_error(r, "--window-lr", "--template zenflow")
 
 
+def test_select_schedule_flag(cli, tmp_path):
+    out = tmp_path / "ds.json"
+    r = cli("init", "-o", out, "--select-schedule", "doubling")
+    assert r.exit_code == 0, r.output
+    assert json.loads(out.read_text())["zfctl"]["select_schedule"] == "doubling"
+    assert load_config(out).engine.select_schedule == "doubling"
+    assert_user_error(cli("init", "-o", tmp_path / "y.json", "--select-schedule", "dense"),
+                      "zfctl.select_schedule", '"fixed" or "doubling"')  # fmt: skip
+    r = cli("init", "--template", "offload", "-o", tmp_path / "x.json",
+            "--select-schedule", "doubling")  # fmt: skip
+    assert_user_error(r, "--select-schedule", "--template zenflow")
+
+
 def test_unknown_template(cli, tmp_path):
     r = cli("init", "--template", "nope", "-o", tmp_path / "x.json")
     assert_user_error(r, "'nope'", "zenflow, offload")

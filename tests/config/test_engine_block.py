@@ -26,6 +26,7 @@ def test_values_read_and_written_back():
         "grad_accumulation": "device",
         "copy_buckets": "auto",
         "window_lr": "last",
+        "select_schedule": "fixed",
     }
 
 
@@ -109,3 +110,15 @@ def test_window_lr_is_last_or_sum():
         load_config({"zfctl": {"window_lr": "mean"}})
     (problem,) = err.value.problems
     assert problem.path == "zfctl.window_lr" and '"last" or "sum"' in str(err.value)
+
+
+def test_select_schedule_is_fixed_or_doubling():
+    assert load_config({}).engine.select_schedule == "fixed"
+    cfg = load_config({"zfctl": {"select_schedule": "doubling"}})
+    assert cfg.engine.select_schedule == "doubling"
+    assert load_config(cfg.to_json_dict()).engine.select_schedule == "doubling"
+    with pytest.raises(ConfigError) as err:
+        load_config({"zfctl": {"select_schedule": "dense"}})
+    (problem,) = err.value.problems
+    assert problem.path == "zfctl.select_schedule"
+    assert '"fixed" or "doubling"' in str(err.value)

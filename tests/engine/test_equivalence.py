@@ -126,6 +126,36 @@ def test_window_lr_sum_equals_adamw(zf, accelerator):
 
 
 @pytest.mark.parametrize("accelerator", ACCELERATORS)
+@pytest.mark.parametrize(
+    "zf",
+    [
+        {"topk_ratio": 1.0, "update_interval": 2, "overlap_step": True},
+        {"topk_ratio": 0.1, "update_interval": 1, "overlap_step": False},
+    ],
+    ids=["topk1", "S1"],
+)  # fmt: skip
+def test_select_schedule_doubling_equals_adamw(zf, accelerator):
+    """zfctl.select_schedule "doubling" changes only when columns are re-selected: with every
+    column selected (topk 1.0), or one-step windows without overlap (each column takes one
+    exact AdamW step per step on whichever side owns it, moments and counts carried when it
+    moves), ZenFlow still equals AdamW, through re-selections 1, 2, 4, 8, 16 steps apart."""
+    model, batches = _models("mlp")
+    ref = copy.deepcopy(model)
+    cfg = make_config(zf, zfctl={"select_schedule": "doubling"})
+    kw = engine_kw(accelerator)
+    with ZenFlowEngine(model, cfg, host_kernel=torch_style_kernel, **kw) as e:
+        assert e.resolved["select_schedule"] == "doubling"
+        stats = train_engine(e, model, batches)
+        steps = e.selection_steps
+    train_adamw(ref, batches, threads=e.training_threads)
+    S = zf["update_interval"]
+    assert steps == ([1, 4, 8, 16] if S == 2 else [1, 2, 4, 8, 16])  # STEPS = 20
+    if zf["topk_ratio"] < 1.0:
+        assert sum(s.selection_changed for s in stats[1:]) > 0  # columns really moved
+    assert_params_close(model, ref, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("accelerator", ACCELERATORS)
 @pytest.mark.parametrize("device_adam", ["fused", "reference"])
 def test_topk1_device_path_bit_exact(device_adam, accelerator):
     """topk=1.0 never touches the host: the device AdamW is torch's, bit for bit. The fused

@@ -71,6 +71,16 @@ CASES = {
     "auto-sel5-sync-sumlr": dict(
         update_interval="auto", select_interval=5, overlap_step=False, window_lr="sum"
     ),
+    # zfctl.select_schedule "doubling": re-selections 2, 4, then 6 (the cap) steps apart
+    "S2-sel6-overlap-doubling": dict(
+        update_interval=2, select_interval=6, overlap_step=True, select_schedule="doubling"
+    ),
+    "auto-sel9-sync-doubling": dict(
+        update_interval="auto",
+        select_interval=9,
+        overlap_step=False,
+        select_schedule="doubling",
+    ),
 }
 
 
@@ -80,6 +90,7 @@ CASES = {
 def test_engine_matches_reference(case, accelerator, clip):
     zf = {"topk_ratio": 0.1, **CASES[case], "select_strategy": "step", "auto_ratio": 0.99}
     window_lr = zf.pop("window_lr", "last")
+    select_schedule = zf.pop("select_schedule", "fixed")
     attempts = 21 if case.startswith("S4") else 17
     skip_at = (5,)
     model = ParamModel()
@@ -87,7 +98,9 @@ def test_engine_matches_reference(case, accelerator, clip):
     init = [p.detach().clone() for p in model.parameters()]
     grad_fn = make_grad_fn(attempts, nonfinite_at=skip_at)
     engine = ZenFlowEngine(
-        model, make_config(zf, clip=clip, zfctl={"window_lr": window_lr}),
+        model,
+        make_config(zf, clip=clip,
+                    zfctl={"window_lr": window_lr, "select_schedule": select_schedule}),
         host_kernel="reference", min_numel=100,
         **engine_kw(accelerator),
     )  # fmt: skip
@@ -99,7 +112,7 @@ def test_engine_matches_reference(case, accelerator, clip):
         lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, topk_ratio=zf["topk_ratio"],
         update_interval=ui, select_every=zf["select_interval"], overlap=zf["overlap_step"],
         warmup_rounds=zf.get("full_warm_up_rounds", 0), auto_ratio=0.99, clip=clip,
-        window_lr=window_lr,
+        window_lr=window_lr, select_schedule=select_schedule,
     )  # fmt: skip
     # Bit for bit where the gradient is whole (the CPU device sums it in place). Streamed
     # (sim), the global norm is summed from the pieces as they pass (another rounding order
@@ -127,6 +140,7 @@ def test_engine_matches_reference(case, accelerator, clip):
         assert engine.skipped_steps == len(skip_at)
         assert engine.window_lengths == [w[2] for w in ref["windows"]]
         assert [j.applied_step for j in engine.host_log if j.applied_step] == ref["applied"]
+        assert engine.selection_steps == ref["selected_at"]
     assert moved > 2 * 4  # reselection really moved columns (beyond the first selection)
     # columns really carried different step counts (the per-column path ran), except with
     # one-step windows, where every column takes exactly one step per step on either side
@@ -162,3 +176,26 @@ def test_window_lr_sum_moves_a_window_by_its_steps_lrs():
     host_cols = (summed == last4).all(dim=0)
     assert device_cols.sum() == 4 and host_cols.sum() == 36
     assert not (device_cols & host_cols).any()
+
+
+def test_doubling_reselects_at_gaps_that_double_up_to_the_interval():
+    """The reference's select_schedule (what the engine is compared with above), by hand:
+    S = 2, select interval 6, 25 steps. The first selection at step 1; re-selection is due
+    2, 4, 6, 6, ... steps after the last and taken at the first window end (even steps) at
+    or after that: 4 (3 >= 2), 8 (4 >= 4), 14 (6 >= 6; 12 - 8 = 4 is too soon), 20, then 26
+    is past the end. "fixed" re-selects every 6: at 8 (7 >= 6), 14, 20. With one-step
+    "auto"-like windows (S = 1) the gaps are 1, 2, 4, 8 from step 1: 2, 4, 8, 16, 32."""
+    model = ParamModel()
+    names = [n for n, _ in model.named_parameters()]
+    init = [p.detach().clone() for p in model.parameters()]
+    dims = [COLUMN_DIMS.get(n) for n in names]
+    kw = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, topk_ratio=0.1, overlap=True)
+
+    def selected_at(schedule, interval, every, steps=25):
+        ref = run_reference(init, dims, make_grad_fn(steps), steps, update_interval=interval,
+                            select_every=every, select_schedule=schedule, **kw)  # fmt: skip
+        return ref["selected_at"]
+
+    assert selected_at("doubling", 2, 6) == [1, 4, 8, 14, 20]
+    assert selected_at("fixed", 2, 6) == [1, 8, 14, 20]
+    assert selected_at("doubling", 1, 1000, steps=40) == [1, 2, 4, 8, 16, 32]

@@ -27,6 +27,8 @@ SCRIPT = textwrap.dedent(
     zfctl = {{"stream_grads": True}} if "stream" in flags else {{}}
     if "sumlr" in flags:
         zfctl["window_lr"] = "sum"
+    if "doubling" in flags:
+        zfctl["select_schedule"] = "doubling"
     torch.manual_seed(0)
     model = MLP()
     batches = mlp_batches(2 * n)
@@ -75,6 +77,7 @@ def _assert_equal_tree(a, b, path=""):
 FIXED = {"topk_ratio": 0.1, "update_interval": 3, "select_interval": 10, "overlap_step": True}
 AUTO = {"topk_ratio": 0.2, "update_interval": "auto", "select_interval": 5, "overlap_step": True,
         "full_warm_up_rounds": 2}  # fmt: skip
+DOUBLING = {"topk_ratio": 0.1, "update_interval": 2, "select_interval": 100, "overlap_step": True}
 
 
 @pytest.mark.parametrize(
@@ -93,9 +96,12 @@ AUTO = {"topk_ratio": 0.2, "update_interval": "auto", "select_interval": 5, "ove
         (FIXED, "sim", "cpu", "fp32-stream"),
         # zfctl.window_lr "sum": the saved window is one step in, its lr sum must resume
         (FIXED, "sim", "sim", "fp32-sumlr"),
+        # zfctl.select_schedule "doubling" (S = 2: selections at 1, 4, 8, 16): saved after
+        # two, the next is due 4 steps after step 4; a lost count would re-select at step 6
+        (DOUBLING, "sim", "sim", "fp32-doubling"),
     ],
     ids=["sim-overlap", "sim-overlap-bf16", "cpu-overlap", "cpu-auto-warmup",
-         "sim-auto-warmup", "sim-to-cpu", "sim-window-lr-sum"],
+         "sim-auto-warmup", "sim-to-cpu", "sim-window-lr-sum", "sim-doubling"],
 )  # fmt: skip
 def test_resume_in_fresh_process(tmp_path, zf, first, second, dtype):
     n = 7

@@ -121,6 +121,29 @@ def test_a_copy_after_an_event_guards_its_source_from_that_event_on(rewrite):
         sim.close()
 
 
+def test_the_after_guard_is_taken_when_the_event_completes_not_when_the_copy_runs():
+    """A copy with ``after`` guards the source from the instant ``after`` completes. The
+    copy engine may reach the copy much later (here the d2h engine is busy with a lagged
+    copy for 0.96 s while the h2d copy it waits for completes at 0.24 s): a rewrite in
+    between is a missing wait and is caught. (A checksum taken when the engine reaches the
+    copy would see the rewritten source and pass it: the race a loaded machine exposed.)"""
+    sim = SimAccelerator(strict=True, bandwidth=1e7, latency=0.0, lag_s=1.0,
+                         lag_seed=FIRST_DRAW_LONG)  # fmt: skip
+    try:
+        sim.copy_d2h(torch.zeros(4), torch.ones(4))  # holds the d2h engine ~0.96 s
+        src = torch.zeros(3)
+        landed = sim.copy_h2d(src, torch.ones(3))  # lands the source after ~0.24 s
+        dst = torch.zeros(3)
+        ev = sim.copy_d2h(dst, src, after=landed)
+        landed.synchronize()
+        src[0] = 5.0  # after the source's last legal write, before the copy has run
+        with pytest.raises(RuntimeError, match="source guard"):
+            ev.synchronize()
+        assert len(sim.guard_violations) == 1
+    finally:
+        sim.close()
+
+
 # ------------------------------------------------------------------ 2. the image race
 
 

@@ -99,6 +99,9 @@ def test_window_lr_sum_is_said_to_be_zfctls_own():
     assert 'zfctl.window_lr "sum"' in note and "last step" in note
     offload = load_config(ROOT / "templates" / "offload.json")
     assert unsupported_notes(load_config({**offload.raw, "zfctl": {"window_lr": "sum"}})) == []
+    doubling = load_config({**zf.raw, "zfctl": {"select_schedule": "doubling"}})
+    (note,) = unsupported_notes(doubling)
+    assert 'zfctl.select_schedule "doubling"' in note and "every select interval" in note
 
 
 def test_refuses_a_config_that_is_neither_offload_nor_zenflow():

@@ -573,6 +573,7 @@ _ENGINE_CHOICES = {
     "grad_accumulation": ("host", "device"),
     "stream_grads": (True, False, "auto"),
     "window_lr": ("last", "sum"),
+    "select_schedule": ("fixed", "doubling"),
 }
 
 

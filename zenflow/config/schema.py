@@ -171,6 +171,14 @@ ENGINE_FIELD_DOCS: dict[str, str] = {
     "window's per-step lrs, weight decay included: a column with a steady gradient moves as "
     "far per window as under S steps of AdamW, instead of 1/S as far). Opt-in: it changes "
     "the host step's arithmetic; with one-step windows both are the same.",
+    "select_schedule": 'When columns are re-selected after the first selection: "fixed" '
+    '(every select interval, as DeepSpeed\'s ZenFlow does) or "doubling" (dense early, '
+    "thinning out: the first re-selection one window after the first selection, then after "
+    'gaps that double, S, 2S, 4S, ... steps with S the update_interval (1 with "auto"), '
+    "until the gap reaches the select interval, which it then keeps). Early in fine-tuning "
+    "(a new head, gradients that change fast) the important columns move; doubling follows "
+    "them at about log2(interval / S) extra re-selections, each a synchronous window end. "
+    "Opt-in: it changes which columns the device updates; with topk_ratio 1.0 both are AdamW.",
     "copy_buckets": "Device buffers the streamed gradient pieces wait in for the copy engine, "
     "each 1/64 of the offloaded elements (at most 4M) in the training dtype: an integer >= 2 "
     'or "auto" (2; 4 with data parallelism: the least device memory). Backward produces a '
@@ -194,6 +202,8 @@ class EngineOptions:
     """Device buffers for pieces waiting for the copy engine: an int >= 2 or "auto"."""
     window_lr: str = "last"
     """The host step's lr: "last" (the window's last step's) or "sum" (of the window's)."""
+    select_schedule: str = "fixed"
+    """Re-selection: "fixed" (every select interval) or "doubling" (gaps S, 2S, 4S, ...)."""
 
 
 @dataclass(frozen=True)

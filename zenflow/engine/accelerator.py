@@ -412,11 +412,13 @@ class CpuAccelerator(Accelerator):
 class SimEvent:
     """Completes when the copy engine has finished the copy."""
 
-    __slots__ = ("_done", "error", "device_ordered")
+    __slots__ = ("_done", "error", "device_ordered", "_hooks", "_lock")
 
     def __init__(self, device_ordered: bool = False) -> None:
         self._done = threading.Event()
         self.error: BaseException | None = None
+        self._hooks: list = []  # run at completion, before any waiter wakes
+        self._lock = threading.Lock()
         # lag mode's host->device copies: device work queued after them sees their values
         # (an in-order device stream), so a device-side wait need not block the host
         self.device_ordered = device_ordered
@@ -429,8 +431,21 @@ class SimEvent:
         if self.error is not None:
             raise RuntimeError(f"sim copy engine failed: {self.error}") from self.error
 
+    def on_complete(self, fn) -> None:
+        """Run ``fn()`` at the instant the event completes, before a waiter can act on it
+        (now, if it has completed)."""
+        with self._lock:
+            if not self._done.is_set():
+                self._hooks.append(fn)
+                return
+        fn()
+
     def _set(self) -> None:
-        self._done.set()
+        with self._lock:
+            for fn in self._hooks:
+                fn()
+            self._hooks = []
+            self._done.set()
 
 
 def poison_(t: torch.Tensor) -> None:
@@ -445,7 +460,15 @@ class SourceChanged(RuntimeError):
     """The sim's source guard: a copy's source changed between enqueue and execution."""
 
 
-_AFTER = object()  # guard taken once the copy's ``after`` event completed (it writes the source)
+class _AfterGuard:
+    """The source guard of a copy with ``after``: the source's checksum taken at the instant
+    ``after`` completes (``SimEvent.on_complete``), so a rewrite right after that instant is
+    caught however late the copy engine gets to the copy."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value: int | None = None
 
 
 class _CopyEngine:
@@ -486,8 +509,8 @@ class _CopyEngine:
             try:
                 if after is not None:
                     after.synchronize()
-                    if guard is _AFTER:  # the source is what ``after`` left in it
-                        guard = checksum(src)
+                    if isinstance(guard, _AfterGuard):  # the source ``after`` left in it
+                        guard = guard.value
                 if sim.lag_s > 0:
                     time.sleep(self._rng.uniform(0.0, sim.lag_s))
                 t0 = time.perf_counter()
@@ -579,7 +602,11 @@ class SimAccelerator(Accelerator):
             return DONE
         guard = None
         if self.strict:  # the source guard: compared again when the copy runs
-            guard = checksum(src) if after is None else _AFTER
+            if after is None or not isinstance(after, SimEvent):  # none, or already done
+                guard = checksum(src)
+            else:
+                guard = _AfterGuard()
+                after.on_complete(lambda g=guard: setattr(g, "value", checksum(src)))
         if direction == "h2d" and self.lag_s > 0 and after is None:
             # A GPU running behind the host: the device stream runs the copy before any
             # work queued after it, so that work sees the values (delivered now) while

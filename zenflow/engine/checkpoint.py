@@ -105,6 +105,7 @@ def engine_state_dict(engine, share_host: bool = False) -> dict:
     sd["zenflow"] = {
         "selected": impl.selected,
         "last_select_step": impl.last_select_step,
+        "selections": impl.selections,
         "window_len": impl.window_len,
         "window_lr_sum": impl.window_lr_sum,
         "window_start": impl.window_start,
@@ -234,6 +235,8 @@ def load_engine_state(engine, sd: dict) -> None:
     impl.slot = 0
     impl.selected = bool(z["selected"])
     impl.last_select_step = int(z["last_select_step"])
+    # older checkpoints (before zfctl.select_schedule) hold no count: "fixed" never reads it
+    impl.selections = int(z.get("selections", 1 if impl.selected else 0))
     impl.window_len = int(z["window_len"])
     impl.window_start = int(z["window_start"])
     # older checkpoints (before zfctl.window_lr) hold no sum: "last" never reads it

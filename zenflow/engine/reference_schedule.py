@@ -14,7 +14,10 @@ copying its result to the weights, which is what overlap means for the values:
 - the auto update interval votes per weight (accumulated non-selected mass per column >=
   mean per-step selected mass per column) and ends the window at auto_ratio, bound 1..64;
 - a host step's lr is the lr (``window_lr`` "last") or, with "sum", the lr times the
-  window's steps, summed step by step as the engine sums the lrs of the window's steps.
+  window's steps, summed step by step as the engine sums the lrs of the window's steps;
+- re-selection is due ``select_every`` steps after the last selection, or with
+  ``select_schedule`` "doubling" S, 2S, 4S, ... steps after it (S the update interval, 1
+  with "auto"; the n-th re-selection waits S * 2**(n-1)), capped at ``select_every``.
 
 It deliberately shares no code with the engine except the host CPU AdamW kernel
 (``host_kernel``, default the ops reference) and the column-score definition.
@@ -84,6 +87,7 @@ def run_reference(
     auto_ratio: float = 0.99,
     clip: float = 0.0,
     window_lr: str = "last",
+    select_schedule: str = "fixed",
     host_kernel=adamw_step_reference_,
     losses: list[float] | None = None,
 ) -> dict:
@@ -111,8 +115,9 @@ def run_reference(
     window_start = warmup_rounds + 1
     pending = False
     last_select = 0
+    reselections = 0  # after the first selection (the doubling schedule's gap)
     t = 0
-    history, windows, applied = [], [], []
+    history, windows, applied, selected_at = [], [], [], []
 
     def k_of(i):
         n_cols = P[i].shape[column_dims[i]]
@@ -186,6 +191,7 @@ def run_reference(
         if not sel:
             select(grads)
             last_select = t
+            selected_at.append(t)
         for i in zf:
             d = column_dims[i]
             c = sel[i]
@@ -219,7 +225,10 @@ def run_reference(
             )  # fmt: skip
             ends = votes / len(zf) >= auto_ratio
         if ends:
-            reselect = t - last_select >= select_every
+            gap = select_every
+            if select_schedule == "doubling":
+                gap = min(select_every, (update_interval or 1) * 2**reselections)
+            reselect = t - last_select >= gap
             if pending:  # the previous window's host result reaches the weights now
                 for i in zf:
                     apply_host(i)
@@ -242,5 +251,8 @@ def run_reference(
             if reselect:
                 select(grads)
                 last_select = t
+                reselections += 1
+                selected_at.append(t)
         history.append([p.clone() for p in P])
-    return {"history": history, "windows": windows, "applied": applied, "params": P}
+    return {"history": history, "windows": windows, "applied": applied, "params": P,
+            "selected_at": selected_at}  # fmt: skip

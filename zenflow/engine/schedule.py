@@ -202,6 +202,7 @@ class ZenFlowEngine:
         self.grad_accumulation = getattr(options, "grad_accumulation", "host")
         self.copy_buckets = getattr(options, "copy_buckets", "auto")
         self.window_lr = getattr(options, "window_lr", "last")
+        self.select_schedule = getattr(options, "select_schedule", "fixed")
         self.gas = max(1, int(getattr(config, "gradient_accumulation_steps", 1) or 1))
         self._host_kernel_arg = host_kernel
         self._kernel = None
@@ -365,6 +366,12 @@ class ZenFlowEngine:
     @property
     def window_lengths(self) -> list[int]:
         return self.impl.window_lengths if self.mode == "zenflow" else []
+
+    @property
+    def selection_steps(self) -> list[int]:
+        """The steps at which columns were selected (the first selection, then every
+        re-selection) since the engine was made."""
+        return self.impl.selection_steps if self.mode == "zenflow" else []
 
     @property
     def host_log(self):

@@ -296,6 +296,8 @@ class ZenFlowMode:
             self.worker = HostWorker(accel.bind_thread)
         self.selected = False
         self.last_select_step = 0
+        self.selections = 0  # first selection and re-selections so far (the doubling gap)
+        self.selection_steps: list[int] = []  # this process's selections (not checkpointed)
         self.window_len = 0
         self.window_lr_sum = 0.0  # the lrs of the window's steps (zfctl.window_lr "sum")
         self.window_start = self.warmup_rounds + 1
@@ -336,6 +338,7 @@ class ZenFlowMode:
             "select_strategy": zf.select_strategy,
             "select_interval": zf.select_interval,
             "select_every_steps": self.select_every,
+            "select_schedule": self.e.select_schedule,
             "full_warm_up_rounds": self.warmup_rounds,
             "overlap_step": self.overlap,
             "auto_ratio": self.auto_ratio,
@@ -364,7 +367,7 @@ class ZenFlowMode:
         whole = t <= self.warmup_rounds or not self.selected
         # A re-selection follows a window end once select_every steps have passed; with a
         # fixed interval the window end is known now, with "auto" it may end any step.
-        due = t - self.last_select_step >= self.select_every
+        due = self._reselect_due(t)
         ends = self.update_interval is None or self.window_len + 1 >= self.update_interval
         self.plan = StepPlan(t, whole, (not whole) and due and ends, StepGate(), self.slot)
         # A fixed window ends with this step: its end applies the in-flight host step, whose
@@ -699,11 +702,27 @@ class ZenFlowMode:
         self.window_len += 1
         self.window_lr_sum += hp.lr
         if self._window_ends():
-            reselect = t - self.last_select_step >= self.select_every
+            reselect = self._reselect_due(t)
             scores = self._reselect_scores() if reselect else None
             self._end_window(t, hp, sync=reselect or not self.overlap)
             if reselect:
                 self._select(t, scores)
+
+    def select_gap(self) -> int:
+        """Steps from the last selection to the next re-selection (taken at the first window
+        end at or after it). zfctl.select_schedule "fixed": the select interval. "doubling":
+        S after the first selection, then 2S, 4S, ... (S the update_interval, 1 with
+        "auto"), never more than the select interval."""
+        if self.e.select_schedule != "doubling":
+            return self.select_every
+        base = self.update_interval or 1
+        doublings = max(0, self.selections - 1)
+        if doublings >= 62 or base << doublings >= self.select_every:
+            return self.select_every
+        return base << doublings
+
+    def _reselect_due(self, t: int) -> bool:
+        return t - self.last_select_step >= self.select_gap()
 
     def _device_update(self, hp, coef_t) -> None:
         """AdamW of every weight's selected columns on the device: fused calls over batches
@@ -1192,6 +1211,8 @@ class ZenFlowMode:
         self._write_leaving(leaving)
         self.selected = True
         self.last_select_step = t
+        self.selections += 1
+        self.selection_steps.append(t)
         e.rec.stall_s += time.perf_counter() - t0
 
     def _write_leaving(self, leaving: list) -> None:

@@ -188,6 +188,11 @@ def unsupported_notes(config) -> list[str]:
             "DeepSpeed's ZenFlow takes each window's host step at the lr of the window's last "
             "step, and so does this run."
         )
+    if config.zenflow is not None and config.engine.select_schedule != "fixed":
+        notes.append(
+            f'zfctl.select_schedule "{config.engine.select_schedule}" is an option of zfctl\'s '
+            "engine: DeepSpeed's ZenFlow re-selects every select interval, and so does this run."
+        )
     return notes
 
 
