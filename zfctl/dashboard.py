@@ -137,6 +137,16 @@ def _metric_text(metrics: dict, names: list[str]) -> str:
     return ", ".join(shown) or "-"
 
 
+# zfctl-block options that change ZenFlow's arithmetic (opt-in), shown beside the zenflow block
+ALGORITHM_OPTIONS = ("window_lr", "select_schedule")
+
+
+def algorithm_options(header: dict) -> dict:
+    """The run's zfctl-block algorithm options as the engine resolved them (zenflow only)."""
+    resolved = header.get("engine_resolved") or {}
+    return {k: resolved[k] for k in ALGORITHM_OPTIONS if k in resolved}
+
+
 def render_header(header: dict) -> Panel:
     """Model, task, sources, engine and the resolved config."""
     t = Table.grid(padding=(0, 2))
@@ -181,6 +191,7 @@ def render_header(header: dict) -> Panel:
                 f"topk {zf.get('topk_ratio')}, update_interval {zf.get('update_interval')}, "
                 f"select {zf.get('select_strategy')}/{zf.get('select_interval')}, "
                 f"overlap {zf.get('overlap_step')}, warm-up {zf.get('full_warm_up_rounds')}"
+                + "".join(f", {k} {v}" for k, v in algorithm_options(header).items())
             ),
         )
     t.add_row(
@@ -337,7 +348,8 @@ def format_plain_header(header: dict) -> list[str]:
     ]
     lines += [f"{k} source: {v}" for k, v in (header.get("sources") or {}).items()]
     if zf and header.get("engine_mode") == "zenflow":
-        lines.append("zenflow: " + ", ".join(f"{k}={v}" for k, v in zf.items()))
+        shown = {**zf, **algorithm_options(header)}
+        lines.append("zenflow: " + ", ".join(f"{k}={v}" for k, v in shown.items()))
     if (header.get("engine_resolved") or {}).get("unavailable_fields"):
         lines.append("not reported: " + unavailable_note(header["engine_resolved"]))
     lines.append(f"run dir: {header.get('run_dir')}")

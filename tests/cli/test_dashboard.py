@@ -206,3 +206,17 @@ def test_reference_row_shows_the_reference_at_the_same_step():
     text = render_text(render_dashboard(state))
     assert "adamw-s1: accuracy 0.7000 at step 8, this run -7.50 points" in text
     assert reference_text(state, 4, {"accuracy": 0.5}) == "adamw-s1: no accuracy at step 4"
+
+
+def test_header_shows_the_zfctl_algorithm_options_beside_the_zenflow_block():
+    """window_lr and select_schedule change ZenFlow's arithmetic: a run says which it used."""
+    from zfctl.dashboard import format_plain_header
+
+    resolved = {"update_interval": 4, "window_lr": "sum", "select_schedule": "doubling"}
+    header = {**HEADER, "engine_resolved": resolved}
+    (line,) = [x for x in format_plain_header(header) if x.startswith("zenflow: ")]
+    assert line.endswith("select_interval=8, window_lr=sum, select_schedule=doubling")
+    state = DashboardState()
+    state.apply(RunStarted(header))
+    text = render_text(render_dashboard(state), width=200)
+    assert "warm-up None, window_lr sum, select_schedule doubling" in text
