@@ -102,29 +102,21 @@ def test_zenflow_flag_on_offload_template(cli, tmp_path):
     assert_user_error(r, "--topk-ratio", "--template zenflow")
 
 
-def test_window_lr_flag(cli, tmp_path):
+@pytest.mark.parametrize(
+    "key,value,bad,allowed",
+    [("window_lr", "sum", "mean", '"last" or "sum"'),
+     ("select_schedule", "doubling", "dense", '"fixed" or "doubling"')],
+)  # fmt: skip
+def test_zfctl_block_algorithm_flags(cli, tmp_path, key, value, bad, allowed):
+    flag = "--" + key.replace("_", "-")
     out = tmp_path / "ds.json"
-    r = cli("init", "-o", out, "--window-lr", "sum")
+    r = cli("init", "-o", out, flag, value)
     assert r.exit_code == 0, r.output
-    assert json.loads(out.read_text())["zfctl"]["window_lr"] == "sum"
-    assert load_config(out).engine.window_lr == "sum"
-    assert_user_error(cli("init", "-o", tmp_path / "y.json", "--window-lr", "mean"),
-                      "zfctl.window_lr", '"last" or "sum"')  # fmt: skip
-    r = cli("init", "--template", "offload", "-o", tmp_path / "x.json", "--window-lr", "sum")
-    assert_user_error(r, "--window-lr", "--template zenflow")
-
-
-def test_select_schedule_flag(cli, tmp_path):
-    out = tmp_path / "ds.json"
-    r = cli("init", "-o", out, "--select-schedule", "doubling")
-    assert r.exit_code == 0, r.output
-    assert json.loads(out.read_text())["zfctl"]["select_schedule"] == "doubling"
-    assert load_config(out).engine.select_schedule == "doubling"
-    assert_user_error(cli("init", "-o", tmp_path / "y.json", "--select-schedule", "dense"),
-                      "zfctl.select_schedule", '"fixed" or "doubling"')  # fmt: skip
-    r = cli("init", "--template", "offload", "-o", tmp_path / "x.json",
-            "--select-schedule", "doubling")  # fmt: skip
-    assert_user_error(r, "--select-schedule", "--template zenflow")
+    assert json.loads(out.read_text())["zfctl"][key] == value
+    assert getattr(load_config(out).engine, key) == value
+    assert_user_error(cli("init", "-o", tmp_path / "y.json", flag, bad), f"zfctl.{key}", allowed)
+    r = cli("init", "--template", "offload", "-o", tmp_path / "x.json", flag, value)
+    assert_user_error(r, flag, "--template zenflow")
 
 
 def test_unknown_template(cli, tmp_path):

@@ -101,24 +101,17 @@ def test_copy_buckets_sizes_the_engine_and_the_estimate():
     assert held == 8 * bucket * 4
 
 
-def test_window_lr_is_last_or_sum():
-    assert load_config({}).engine.window_lr == "last"
-    cfg = load_config({"zfctl": {"window_lr": "sum"}})
-    assert cfg.engine.window_lr == "sum"
-    assert load_config(cfg.to_json_dict()).engine.window_lr == "sum"
+@pytest.mark.parametrize(
+    "key,default,other,bad,allowed",
+    [("window_lr", "last", "sum", "mean", '"last" or "sum"'),
+     ("select_schedule", "fixed", "doubling", "dense", '"fixed" or "doubling"')],
+)  # fmt: skip
+def test_algorithm_options_take_their_choices(key, default, other, bad, allowed):
+    assert getattr(load_config({}).engine, key) == default
+    cfg = load_config({"zfctl": {key: other}})
+    assert getattr(cfg.engine, key) == other
+    assert getattr(load_config(cfg.to_json_dict()).engine, key) == other
     with pytest.raises(ConfigError) as err:
-        load_config({"zfctl": {"window_lr": "mean"}})
+        load_config({"zfctl": {key: bad}})
     (problem,) = err.value.problems
-    assert problem.path == "zfctl.window_lr" and '"last" or "sum"' in str(err.value)
-
-
-def test_select_schedule_is_fixed_or_doubling():
-    assert load_config({}).engine.select_schedule == "fixed"
-    cfg = load_config({"zfctl": {"select_schedule": "doubling"}})
-    assert cfg.engine.select_schedule == "doubling"
-    assert load_config(cfg.to_json_dict()).engine.select_schedule == "doubling"
-    with pytest.raises(ConfigError) as err:
-        load_config({"zfctl": {"select_schedule": "dense"}})
-    (problem,) = err.value.problems
-    assert problem.path == "zfctl.select_schedule"
-    assert '"fixed" or "doubling"' in str(err.value)
+    assert problem.path == f"zfctl.{key}" and allowed in str(err.value)

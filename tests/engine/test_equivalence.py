@@ -97,60 +97,47 @@ def test_one_step_windows_without_overlap_equal_adamw(kind, topk, accelerator):
     assert_params_close(model, ref, atol=2e-6, rtol=1e-5)
 
 
+# The zfctl block's opt-in algorithm options, each with the cases where ZenFlow must still
+# equal AdamW and the selection steps expected there (STEPS = 20):
+# - window_lr "sum" changes only what a window of several steps does: with every column
+#   selected (topk 1.0) or one-step windows without overlap (the lr sum of one step is its
+#   lr) nothing changes; longer windows are checked against the reference schedule
+#   (test_reference_schedule.py);
+# - select_schedule "doubling" changes only when columns are re-selected: with topk 1.0, or
+#   one-step windows without overlap (each column takes one exact AdamW step per step on
+#   whichever side owns it, moments and counts carried when it moves), through
+#   re-selections 1, 2, 4, 8, 16 steps apart.
+ALGORITHM_OPTION_CASES = {
+    "window_lr-sum-topk1": ({"window_lr": "sum"}, {"topk_ratio": 1.0, "update_interval": 3},
+                            [1]),
+    "window_lr-sum-S1": ({"window_lr": "sum"},
+                         {"topk_ratio": 0.1, "update_interval": 1, "overlap_step": False,
+                          "select_strategy": "step", "select_interval": 3},
+                         [1, 4, 7, 10, 13, 16, 19]),
+    "doubling-topk1": ({"select_schedule": "doubling"},
+                       {"topk_ratio": 1.0, "update_interval": 2, "overlap_step": True},
+                       [1, 4, 8, 16]),
+    "doubling-S1": ({"select_schedule": "doubling"},
+                    {"topk_ratio": 0.1, "update_interval": 1, "overlap_step": False},
+                    [1, 2, 4, 8, 16]),
+}  # fmt: skip
+
+
 @pytest.mark.parametrize("accelerator", ACCELERATORS)
-@pytest.mark.parametrize(
-    "zf",
-    [
-        {"topk_ratio": 1.0, "update_interval": 3},
-        {"topk_ratio": 0.1, "update_interval": 1, "overlap_step": False,
-         "select_strategy": "step", "select_interval": 3},
-    ],
-    ids=["topk1", "S1"],
-)  # fmt: skip
-def test_window_lr_sum_equals_adamw(zf, accelerator):
-    """zfctl.window_lr "sum" changes only what a window of several steps does: with every
-    column selected (topk 1.0) or one-step windows without overlap (the lr sum of one step
-    is its lr) ZenFlow still equals AdamW. Its effect on longer windows is checked against
-    the reference schedule (test_reference_schedule.py)."""
+@pytest.mark.parametrize("case", list(ALGORITHM_OPTION_CASES))
+def test_algorithm_options_equal_adamw_where_they_must(case, accelerator):
+    option, zf, selections = ALGORITHM_OPTION_CASES[case]
     model, batches = _models("mlp")
     ref = copy.deepcopy(model)
-    cfg = make_config(zf, zfctl={"window_lr": "sum"})
+    cfg = make_config(zf, zfctl=option)
     kw = engine_kw(accelerator)
     with ZenFlowEngine(model, cfg, host_kernel=torch_style_kernel, **kw) as e:
-        assert e.resolved["window_lr"] == "sum"
+        assert all(e.resolved[k] == v for k, v in option.items())
         stats = train_engine(e, model, batches)
+        assert e.selection_steps == selections
     train_adamw(ref, batches, threads=e.training_threads)
     if zf["topk_ratio"] < 1.0:
         assert all(s.host_update for s in stats)
-    assert_params_close(model, ref, atol=2e-6, rtol=1e-5)
-
-
-@pytest.mark.parametrize("accelerator", ACCELERATORS)
-@pytest.mark.parametrize(
-    "zf",
-    [
-        {"topk_ratio": 1.0, "update_interval": 2, "overlap_step": True},
-        {"topk_ratio": 0.1, "update_interval": 1, "overlap_step": False},
-    ],
-    ids=["topk1", "S1"],
-)  # fmt: skip
-def test_select_schedule_doubling_equals_adamw(zf, accelerator):
-    """zfctl.select_schedule "doubling" changes only when columns are re-selected: with every
-    column selected (topk 1.0), or one-step windows without overlap (each column takes one
-    exact AdamW step per step on whichever side owns it, moments and counts carried when it
-    moves), ZenFlow still equals AdamW, through re-selections 1, 2, 4, 8, 16 steps apart."""
-    model, batches = _models("mlp")
-    ref = copy.deepcopy(model)
-    cfg = make_config(zf, zfctl={"select_schedule": "doubling"})
-    kw = engine_kw(accelerator)
-    with ZenFlowEngine(model, cfg, host_kernel=torch_style_kernel, **kw) as e:
-        assert e.resolved["select_schedule"] == "doubling"
-        stats = train_engine(e, model, batches)
-        steps = e.selection_steps
-    train_adamw(ref, batches, threads=e.training_threads)
-    S = zf["update_interval"]
-    assert steps == ([1, 4, 8, 16] if S == 2 else [1, 2, 4, 8, 16])  # STEPS = 20
-    if zf["topk_ratio"] < 1.0:
         assert sum(s.selection_changed for s in stats[1:]) > 0  # columns really moved
     assert_params_close(model, ref, atol=2e-6, rtol=1e-5)
 
