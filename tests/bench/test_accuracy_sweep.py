@@ -21,10 +21,11 @@ _spec.loader.exec_module(acc)
 
 
 def test_arms_and_seeds_parse():
-    name, arm = acc.parse_arm("zf=zenflow:topk=0.2,window_lr=sum,zfctl.stream_grads=false")
+    name, arm = acc.parse_arm("zf=zenflow:topk=0.2,window_lr=sum,zfctl.stream_grads=false,"
+                              "schedule=doubling")  # fmt: skip
     assert name == "zf" and arm == {"engine": "zenflow", "set": [
         "zero_optimization.zenflow.topk_ratio=0.2", "zfctl.window_lr=sum",
-        "zfctl.stream_grads=false"]}  # fmt: skip
+        "zfctl.stream_grads=false", "zfctl.select_schedule=doubling"]}  # fmt: skip
     assert acc.parse_arm("adamw=device") == ("adamw", {"engine": "device", "set": []})
     for bad, words in [("zf", "NAME=ENGINE"), ("zf=gpu", "not one of"),
                        ("zf=zenflow:topk", "not key=value"), ("zf=zenflow:speed=2", "unknown key"),

@@ -104,7 +104,7 @@ def test_zenflow_flag_on_offload_template(cli, tmp_path):
 
 @pytest.mark.parametrize(
     "key,value,bad,allowed",
-    [("window_lr", "sum", "mean", '"last" or "sum"'),
+    [("window_lr", "sum", "mean", '"last" or "sum" or "sqrt"'),
      ("select_schedule", "doubling", "dense", '"fixed" or "doubling"')],
 )  # fmt: skip
 def test_zfctl_block_algorithm_flags(cli, tmp_path, key, value, bad, allowed):

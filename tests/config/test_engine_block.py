@@ -103,7 +103,8 @@ def test_copy_buckets_sizes_the_engine_and_the_estimate():
 
 @pytest.mark.parametrize(
     "key,default,other,bad,allowed",
-    [("window_lr", "last", "sum", "mean", '"last" or "sum"'),
+    [("window_lr", "last", "sum", "mean", '"last" or "sum" or "sqrt"'),
+     ("window_lr", "last", "sqrt", "mean", '"last" or "sum" or "sqrt"'),
      ("select_schedule", "fixed", "doubling", "dense", '"fixed" or "doubling"')],
 )  # fmt: skip
 def test_algorithm_options_take_their_choices(key, default, other, bad, allowed):

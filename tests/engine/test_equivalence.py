@@ -99,9 +99,9 @@ def test_one_step_windows_without_overlap_equal_adamw(kind, topk, accelerator):
 
 # The zfctl block's opt-in algorithm options, each with the cases where ZenFlow must still
 # equal AdamW and the selection steps expected there (STEPS = 20):
-# - window_lr "sum" changes only what a window of several steps does: with every column
+# - window_lr "sum" and "sqrt" change only what a window of several steps does: with every column
 #   selected (topk 1.0) or one-step windows without overlap (the lr sum of one step is its
-#   lr) nothing changes; longer windows are checked against the reference schedule
+#   lr, and sqrt(1) = 1) nothing changes; longer windows are checked against the reference schedule
 #   (test_reference_schedule.py);
 # - select_schedule "doubling" changes only when columns are re-selected: with topk 1.0, or
 #   one-step windows without overlap (each column takes one exact AdamW step per step on
@@ -114,6 +114,12 @@ ALGORITHM_OPTION_CASES = {
                          {"topk_ratio": 0.1, "update_interval": 1, "overlap_step": False,
                           "select_strategy": "step", "select_interval": 3},
                          [1, 4, 7, 10, 13, 16, 19]),
+    "window_lr-sqrt-topk1": ({"window_lr": "sqrt"}, {"topk_ratio": 1.0, "update_interval": 3},
+                             [1]),
+    "window_lr-sqrt-S1": ({"window_lr": "sqrt"},
+                          {"topk_ratio": 0.1, "update_interval": 1, "overlap_step": False,
+                           "select_strategy": "step", "select_interval": 3},
+                          [1, 4, 7, 10, 13, 16, 19]),
     "doubling-topk1": ({"select_schedule": "doubling"},
                        {"topk_ratio": 1.0, "update_interval": 2, "overlap_step": True},
                        [1, 4, 8, 16]),

@@ -68,6 +68,12 @@ CASES = {
     "S4-sel8-overlap-sumlr": dict(
         update_interval=4, select_interval=8, overlap_step=True, window_lr="sum"
     ),
+    "S4-sel8-overlap-sqrtlr": dict(
+        update_interval=4, select_interval=8, overlap_step=True, window_lr="sqrt"
+    ),
+    "auto-sel5-sync-sqrtlr": dict(
+        update_interval="auto", select_interval=5, overlap_step=False, window_lr="sqrt"
+    ),
     "auto-sel5-sync-sumlr": dict(
         update_interval="auto", select_interval=5, overlap_step=False, window_lr="sum"
     ),
@@ -199,3 +205,26 @@ def test_doubling_reselects_at_gaps_that_double_up_to_the_interval():
     assert selected_at("doubling", 2, 6) == [1, 4, 8, 14, 20]
     assert selected_at("fixed", 2, 6) == [1, 8, 14, 20]
     assert selected_at("doubling", 1, 1000, steps=40) == [1, 2, 4, 8, 16, 32]
+
+
+def test_window_lr_sqrt_takes_half_the_sum_and_twice_the_decay_over_four_steps():
+    """The reference's window_lr "sqrt" by hand: after the first 4-step window without
+    overlap, the host columns are those of one "last" step at lr 4 x LR / sqrt(4) = 2 x LR
+    with weight decay 2 x WD (the window decays by 4 x LR x WD, as four AdamW steps do)."""
+    model = ParamModel()
+    names = [n for n, _ in model.named_parameters()]
+    init = [p.detach().clone() for p in model.parameters()]
+    dims = [COLUMN_DIMS.get(n) for n in names]
+    kw = dict(betas=BETAS, eps=EPS, topk_ratio=0.1, update_interval=4, select_every=1000,
+              overlap=False)  # fmt: skip
+
+    def after_window(lr, wd, window_lr):
+        ref = run_reference(init, dims, make_grad_fn(4), 4, lr=lr, weight_decay=wd,
+                            window_lr=window_lr, **kw)  # fmt: skip
+        return ref["history"][3][names.index("lin.weight")]
+
+    sqrt = after_window(LR, WD, "sqrt")
+    host_cols = (sqrt == after_window(2 * LR, 2 * WD, "last")).all(dim=0)
+    device_cols = (sqrt == after_window(LR, WD, "last")).all(dim=0)
+    assert host_cols.sum() == 36 and device_cols.sum() == 4
+    assert not (sqrt == after_window(2 * LR, WD, "last")).all(dim=0).any()  # decay matters

@@ -572,7 +572,7 @@ _ENGINE_FIELDS = tuple(f.name for f in dataclasses.fields(EngineOptions))
 _ENGINE_CHOICES = {
     "grad_accumulation": ("host", "device"),
     "stream_grads": (True, False, "auto"),
-    "window_lr": ("last", "sum"),
+    "window_lr": ("last", "sum", "sqrt"),
     "select_schedule": ("fixed", "doubling"),
 }
 

@@ -169,8 +169,12 @@ ENGINE_FIELD_DOCS: dict[str, str] = {
     'columns: "last" (the lr of the window\'s last step: one AdamW step per window on the '
     "window's mean gradient, as DeepSpeed's ZenFlow does) or \"sum\" (the sum of the "
     "window's per-step lrs, weight decay included: a column with a steady gradient moves as "
-    "far per window as under S steps of AdamW, instead of 1/S as far). Opt-in: it changes "
-    "the host step's arithmetic; with one-step windows both are the same.",
+    "far per window as under S steps of AdamW, instead of 1/S as far; a column whose "
+    "gradient is mostly noise moves sqrt(S) times as far, since the window's mean has "
+    '1/sqrt(S) of a step\'s noise) or "sqrt" (that sum / sqrt(S), weight decay times '
+    "sqrt(S): a noise-dominated column moves as far as under S AdamW steps, a steady one "
+    'sqrt(S) times as far as with "last"; bench/window_lr.py). Opt-in: it changes the '
+    "host step's arithmetic; with one-step windows all three are the same.",
     "select_schedule": 'When columns are re-selected after the first selection: "fixed" '
     '(every select interval, as DeepSpeed\'s ZenFlow does) or "doubling" (dense early, '
     "thinning out: the first re-selection one window after the first selection, then after "
@@ -201,7 +205,7 @@ class EngineOptions:
     copy_buckets: int | str = "auto"
     """Device buffers for pieces waiting for the copy engine: an int >= 2 or "auto"."""
     window_lr: str = "last"
-    """The host step's lr: "last" (the window's last step's) or "sum" (of the window's)."""
+    """The host step's lr: "last" (the last step's), "sum" (the window's) or "sqrt"."""
     select_schedule: str = "fixed"
     """Re-selection: "fixed" (every select interval) or "doubling" (gaps S, 2S, 4S, ...)."""
 

@@ -15,6 +15,8 @@ copying its result to the weights, which is what overlap means for the values:
   mean per-step selected mass per column) and ends the window at auto_ratio, bound 1..64;
 - a host step's lr is the lr (``window_lr`` "last") or, with "sum", the lr times the
   window's steps, summed step by step as the engine sums the lrs of the window's steps;
+  with "sqrt", that sum over sqrt(n) and AdamW's weight decay times sqrt(n) (their
+  product, the window's decay, is the sum's);
 - re-selection is due ``select_every`` steps after the last selection, or with
   ``select_schedule`` "doubling" S, 2S, 4S, ... steps after it (S the update interval, 1
   with "auto"; the n-th re-selection waits S * 2**(n-1)), capped at ``select_every``.
@@ -132,7 +134,7 @@ def run_reference(
         g = g.float()
         return (g * g).sum(dim=1 - column_dims[i])
 
-    def host_step(i, grad, scale, lr=lr):
+    def host_step(i, grad, scale, lr=lr, wd=weight_decay):
         thc[i] += 1
         u = _uniform(thc[i])
         kw = {}
@@ -141,7 +143,7 @@ def run_reference(
             kw = {"col_steps": thc[i], "col_inner": inner}
         host_kernel(
             M[i], grad, mh[i], vh[i], step=u if u is not None else int(thc[i].max()), lr=lr,
-            beta1=b1, beta2=b2, eps=eps, weight_decay=weight_decay, grad_scale=scale, **kw,
+            beta1=b1, beta2=b2, eps=eps, weight_decay=wd, grad_scale=scale, **kw,
         )  # fmt: skip
 
     def apply_host(i):
@@ -235,7 +237,10 @@ def run_reference(
                 applied.append(t)
                 pending = False
             for i in zf:
-                host_step(i, A[i], 1.0 / n, lr_sum if window_lr == "sum" else lr)
+                if window_lr == "sqrt":
+                    host_step(i, A[i], 1.0 / n, lr_sum / math.sqrt(n), weight_decay * math.sqrt(n))
+                else:
+                    host_step(i, A[i], 1.0 / n, lr_sum if window_lr == "sum" else lr)
                 A[i].zero_()
                 sel_mass[i] = nonsel_mass[i] = 0.0
             if overlap and not reselect:

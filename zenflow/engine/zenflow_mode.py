@@ -44,6 +44,8 @@ t and, per column, its host count + 1.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import threading
 import time
 from collections import deque
@@ -990,6 +992,24 @@ class ZenFlowMode:
 
         return tasks, before, frees, ready
 
+    def host_step_lr(self, hp, n: int):
+        """The lr and hyper-parameters of the host AdamW step of an ``n``-step window
+        (zfctl.window_lr): "last", the last step's lr (DeepSpeed's); "sum", the sum of the
+        window's lrs (a steady gradient moves as far as under n AdamW steps); "sqrt", that
+        sum / sqrt(n) (a gradient dominated by noise moves as far as under n AdamW steps:
+        the window's mean has 1/sqrt(n) of a step's noise, so Adam's normalised step is
+        sqrt(n) larger), with decoupled weight decay scaled by sqrt(n) so that the window
+        decays by the sum of its lrs, as n AdamW steps do."""
+        mode = self.e.window_lr
+        if mode == "last":
+            return hp.lr, hp
+        if mode == "sum":
+            return self.window_lr_sum, hp
+        root = math.sqrt(n)
+        if hp.adamw_mode and hp.weight_decay:
+            hp = dataclasses.replace(hp, weight_decay=hp.weight_decay * root)
+        return self.window_lr_sum / root, hp
+
     def _end_window(self, t: int, hp, sync: bool) -> None:
         e = self.e
         self.wait_inflight(t)  # at most one host step in flight: the previous one first
@@ -1000,13 +1020,11 @@ class ZenFlowMode:
         self.host_log.append(job)
         kernels = self.kernels
         nt = e.host_threads
-        # zfctl.window_lr: one AdamW step at the last step's lr (DeepSpeed's), or at the sum
-        # of the window's lrs (as far per window as n AdamW steps of a steady gradient)
-        lr = self.window_lr_sum if e.window_lr == "sum" else hp.lr
+        lr, hp_host = self.host_step_lr(hp, n)
 
         def run():
             try:
-                run_host_tasks(tasks, kernels, lr, hp, nt, job, before)
+                run_host_tasks(tasks, kernels, lr, hp_host, nt, job, before)
             finally:  # a failed step must not leave the accumulator waiting forever
                 for ev in frees:
                     ev.set()
