@@ -74,6 +74,16 @@ def test_update_interval_bounds():
     assert tuning.choose(inputs(adam_rate_worker=1e15)).update_interval == 1
 
 
+@pytest.mark.parametrize(
+    "rate, interval, noted", [(9e6, 4, False), (4.5e6, 7, True), (1.0, 64, True)]
+)
+def test_update_interval_above_the_accuracy_tested_one_says_so(rate, interval, noted):
+    # S above 4 hides the host step but the accuracy sweep found staler windows cost accuracy
+    c = tuning.choose(inputs(adam_rate_worker=rate))
+    assert c.update_interval == interval
+    assert ("accuracy sweep" in c.reasons["update_interval"]) is noted
+
+
 def test_overlap_modelled_without_measurement():
     # on: max(4 x 30, 100) = 120 ms; off: 4 x 20 + 50 = 130 ms -> overlap on.
     c = tuning.choose(inputs())

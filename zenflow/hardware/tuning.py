@@ -22,6 +22,9 @@ from zenflow.outputs import write_json_atomic
 
 UPDATE_INTERVAL_MIN = 1
 UPDATE_INTERVAL_MAX = 64
+# The largest update_interval the accuracy sweep (docs/BENCHMARKS.md) found as close to
+# AdamW as the default; above it the update_interval reason says so.
+ACCURACY_TESTED_INTERVAL = 4
 
 # Host bytes per offloaded (2-D) parameter: fp32 master (4) + exp_avg (4) + exp_avg_sq (4)
 # + fp32 gradient accumulator (4) = 16; with overlap_step a second accumulator (4) lets the
@@ -299,6 +302,13 @@ def choose(inp: TuneInputs) -> Choices:
         reasons["pt_reserved_cores_perc"] = (
             f"{perc:.2f}: {inp.train_threads} of {inp.cores} cores for the training thread, "
             f"{worker} for the worker" + used
+        )
+    if s > ACCURACY_TESTED_INTERVAL:
+        reasons["update_interval"] += (
+            f"; note: above S={ACCURACY_TESTED_INTERVAL} windows are staler, and the "
+            "accuracy sweep (docs/BENCHMARKS.md, MiniLM on SST-2) measured ZenFlow further "
+            'behind AdamW at S=8 and collapsing with 64-step windows under window_lr "sum" '
+            "(a window's host step at S x lr); check accuracy with bench/accuracy.py"
         )
     reasons["select_interval"] = (
         "auto: re-select once per epoch (important columns stay for many steps); nothing "
