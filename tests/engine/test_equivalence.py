@@ -108,18 +108,15 @@ def test_one_step_windows_without_overlap_equal_adamw(kind, topk, accelerator):
 #   whichever side owns it, moments and counts carried when it moves), through
 #   re-selections 1, 2, 4, 8, 16 steps apart.
 ALGORITHM_OPTION_CASES = {
-    "window_lr-sum-topk1": ({"window_lr": "sum"}, {"topk_ratio": 1.0, "update_interval": 3},
-                            [1]),
-    "window_lr-sum-S1": ({"window_lr": "sum"},
-                         {"topk_ratio": 0.1, "update_interval": 1, "overlap_step": False,
-                          "select_strategy": "step", "select_interval": 3},
-                         [1, 4, 7, 10, 13, 16, 19]),
-    "window_lr-sqrt-topk1": ({"window_lr": "sqrt"}, {"topk_ratio": 1.0, "update_interval": 3},
-                             [1]),
-    "window_lr-sqrt-S1": ({"window_lr": "sqrt"},
-                          {"topk_ratio": 0.1, "update_interval": 1, "overlap_step": False,
-                           "select_strategy": "step", "select_interval": 3},
-                          [1, 4, 7, 10, 13, 16, 19]),
+    **{case: ({"window_lr": lr_mode}, zenflow, selected)
+       for lr_mode in ("sum", "sqrt")
+       for case, zenflow, selected in [
+           (f"window_lr-{lr_mode}-topk1", {"topk_ratio": 1.0, "update_interval": 3}, [1]),
+           (f"window_lr-{lr_mode}-S1",
+            {"topk_ratio": 0.1, "update_interval": 1, "overlap_step": False,
+             "select_strategy": "step", "select_interval": 3},
+            [1, 4, 7, 10, 13, 16, 19]),
+       ]},
     "doubling-topk1": ({"select_schedule": "doubling"},
                        {"topk_ratio": 1.0, "update_interval": 2, "overlap_step": True},
                        [1, 4, 8, 16]),

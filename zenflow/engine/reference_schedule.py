@@ -236,11 +236,11 @@ def run_reference(
                     apply_host(i)
                 applied.append(t)
                 pending = False
+            root = math.sqrt(n)
+            win_lr, win_wd = {"last": (lr, weight_decay), "sum": (lr_sum, weight_decay),
+                              "sqrt": (lr_sum / root, weight_decay * root)}[window_lr]  # fmt: skip
             for i in zf:
-                if window_lr == "sqrt":
-                    host_step(i, A[i], 1.0 / n, lr_sum / math.sqrt(n), weight_decay * math.sqrt(n))
-                else:
-                    host_step(i, A[i], 1.0 / n, lr_sum if window_lr == "sum" else lr)
+                host_step(i, A[i], 1.0 / n, win_lr, win_wd)
                 A[i].zero_()
                 sel_mass[i] = nonsel_mass[i] = 0.0
             if overlap and not reselect:
