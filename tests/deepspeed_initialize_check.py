@@ -32,6 +32,7 @@ def main(deadline_s: float) -> None:
     import deepspeed
     import torch.distributed as dist
 
+    from zenflow.engine.distributed import leave_process_group
     from zenflow.ops.loader import load_deepspeed_op
 
     # Built first under zenflow's build guard: a lock left by a killed build is cleared
@@ -86,7 +87,7 @@ def main(deadline_s: float) -> None:
     # so that a column is contiguous; the matmul then sums in another order, so the output
     # agrees to fp32 rounding (about 1e-7 here), not bit for bit.
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
-    dist.destroy_process_group()
+    leave_process_group()  # a barrier first: see its docstring
     faulthandler.cancel_dump_traceback_later()
     print(f"ok: {len(original)} parameters unchanged through deepspeed.initialize")
 

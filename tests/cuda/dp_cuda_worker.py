@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cudahelp import ACCEL, MLP, engine_kw, make_config  # noqa: E402
 
 from zenflow import ZenFlowEngine  # noqa: E402
+from zenflow.engine.distributed import leave_process_group  # noqa: E402
 
 GLOBAL_BATCH = 8
 
@@ -72,8 +73,7 @@ def main() -> None:
     }
     engine.close()
     torch.save(result, out)
-    if world > 1:
-        dist.destroy_process_group()
+    leave_process_group()  # a barrier first: see its docstring
 
 
 if __name__ == "__main__":

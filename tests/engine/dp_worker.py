@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import MLP, make_config, mlp_batches  # noqa: E402
 
 from zenflow import ZenFlowEngine  # noqa: E402
+from zenflow.engine.distributed import leave_process_group  # noqa: E402
 
 GLOBAL_BATCH = 8
 
@@ -97,8 +98,7 @@ def main() -> None:
     }
     engine.close()
     torch.save(result, out)
-    if world > 1:
-        dist.destroy_process_group()
+    leave_process_group()  # a barrier first: see its docstring
 
 
 if __name__ == "__main__":

@@ -441,10 +441,10 @@ class DeepSpeedAdapter:
         self._destroy_group()
 
     def _destroy_group(self) -> None:
-        import torch.distributed as dist
+        from zenflow.engine.distributed import leave_process_group
 
-        if self._own_group and dist.is_initialized():
-            dist.destroy_process_group()
+        if self._own_group:  # one rank: the barrier cannot wait for anyone
+            leave_process_group()
 
     def __enter__(self):
         return self

@@ -132,9 +132,10 @@ def barrier(par: Parallel) -> None:
         dist.barrier()
 
 
-def shutdown(par: Parallel) -> None:
+def shutdown(par: Parallel, drain: bool = True) -> None:
+    """Leave the process group: ``drain`` after a clean finish (every rank is here), not
+    after a failure (``zenflow.engine.distributed.leave_process_group`` says why)."""
     if par.enabled:
-        import torch.distributed as dist
+        from zenflow.engine.distributed import leave_process_group
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_process_group(drain)

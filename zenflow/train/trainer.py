@@ -903,11 +903,14 @@ def run_finetune(spec: RunSpec, on_event: Callable[[object], None] = _noop) -> d
     (``zenflow.errors.attach_log_dir``) so the caller can write its traceback there.
     """
     run = _Run(spec, on_event)
+    finished = False
     try:
         run.start_parallel()
         run.claim_run_dir()
         run.setup()
-        return run.run()
+        result = run.run()
+        finished = True
+        return result
     except Exception as exc:
         known = (UserInputError, RunInterrupted, RunDiverged)
         if not isinstance(exc, known) and run.run_dir is not None:
@@ -915,4 +918,4 @@ def run_finetune(spec: RunSpec, on_event: Callable[[object], None] = _noop) -> d
         raise
     finally:
         run.release()
-        shutdown(run.par)
+        shutdown(run.par, drain=finished)
