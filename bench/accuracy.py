@@ -22,7 +22,8 @@ The arms start from one DeepSpeed config (``--config``, default the template), c
 ``ROOT/base_config.json`` when the sweep is made: an arm without settings is that config,
 whatever the template says later. Resumable: a sweep's settings are kept in
 ``ROOT/sweep.json``, each run in
-``ROOT/ARM/sSEED``. Running the same command again skips finished runs, resumes a run
+``ROOT/ARM/sSEED``. ``accuracy.py run ROOT`` on an existing sweep (the settings it leaves out
+are the sweep's; the seeds are all of the sweep's) skips finished runs, resumes a run
 stopped midway from its newest checkpoint (exact: ``zfctl finetune --resume``), and starts
 the rest; arms and seeds may be added to a sweep later, its common settings may not change.
 A finished run keeps its metrics and summary; its checkpoints and model are deleted
@@ -106,6 +107,26 @@ def parse_seeds(text: str) -> list[int]:
     if not seeds:
         raise SweepError(f"--seeds {text!r}: no seeds")
     return sorted(seeds)
+
+
+def given_settings(args, new: bool) -> dict:
+    """The common settings this command states: every one for a new sweep (defaults filled
+    in), only those given on the command line when resuming one (the rest are the sweep's;
+    a given one must match it, ``merge_sweep``)."""
+    given = {"model": args.model, "task": args.task, "steps": args.steps,
+             "micro_batch": args.micro_batch, "seq_len": args.seq_len, "lr": args.lr,
+             "eval_every": args.eval_every, "extra": args.extra}  # fmt: skip
+    config = args.config if args.config is not None else (TEMPLATE if new else None)
+    if new:
+        given = {k: DEFAULTS[k] if v is None else v for k, v in given.items()}
+    else:
+        given = {k: v for k, v in given.items() if v is not None}
+    if config is not None:
+        try:
+            given["config"] = json.loads(config.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise SweepError(f"--config {config}: {exc}") from None
+    return given
 
 
 def load_sweep(root: Path) -> dict | None:
@@ -342,16 +363,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     r.add_argument("root", type=Path)
     r.add_argument("--arm", action="append", default=[], help="NAME=ENGINE[:key=value,...]")
-    r.add_argument("--seeds", default="1-5", help="seeds to run now (added to the sweep's)")
+    r.add_argument("--seeds", help="seeds to run now, added to the sweep's (default: 1-5 for "
+                   "a new sweep, the sweep's own when resuming)")  # fmt: skip
     r.add_argument("--only", help="run only these arms now, e.g. adamw,zf (default: all)")
-    r.add_argument("--model", default=DEFAULTS["model"])
-    r.add_argument("--task", default=DEFAULTS["task"])
-    r.add_argument("--steps", type=int, default=DEFAULTS["steps"])
-    r.add_argument("--micro-batch", type=int, default=DEFAULTS["micro_batch"])
-    r.add_argument("--seq-len", type=int, default=DEFAULTS["seq_len"])
-    r.add_argument("--lr", type=float, default=DEFAULTS["lr"])
-    r.add_argument("--eval-every", type=int, default=DEFAULTS["eval_every"])
-    r.add_argument("--config", type=Path, default=TEMPLATE,
+    # Left out: the defaults for a new sweep, the sweep's own when resuming one.
+    r.add_argument("--model", help=f"default {DEFAULTS['model']}")
+    r.add_argument("--task", help=f"default {DEFAULTS['task']}")
+    r.add_argument("--steps", type=int, help=f"default {DEFAULTS['steps']}")
+    r.add_argument("--micro-batch", type=int, help=f"default {DEFAULTS['micro_batch']}")
+    r.add_argument("--seq-len", type=int, help=f"default {DEFAULTS['seq_len']}")
+    r.add_argument("--lr", type=float, help=f"default {DEFAULTS['lr']}")
+    r.add_argument("--eval-every", type=int, help=f"default {DEFAULTS['eval_every']}")
+    r.add_argument("--config", type=Path,
                    help="the DeepSpeed config every arm starts from (default: the template); "
                    "a copy is kept with the sweep, so a later change of the template does not "
                    "change the sweep's arms")  # fmt: skip
@@ -367,26 +390,23 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []  # more finetune arguments
     args = ap.parse_args(argv[: len(argv) - len(extra) - (1 if "--" in argv else 0)])
-    args.extra = extra
+    args.extra = extra if "--" in argv else None
     try:
         root = args.root
         old = load_sweep(root)
         if args.cmd == "run":
             arms = dict(parse_arm(a) for a in args.arm)
-            common = {"model": args.model, "task": args.task, "steps": args.steps,
-                      "micro_batch": args.micro_batch, "seq_len": args.seq_len, "lr": args.lr,
-                      "eval_every": args.eval_every, "extra": args.extra}  # fmt: skip
             if old is None and not arms:
                 raise SweepError("a new sweep needs at least one --arm")
-            try:
-                common["config"] = json.loads(args.config.read_text(encoding="utf-8"))
-            except (OSError, ValueError) as exc:
-                raise SweepError(f"--config {args.config}: {exc}") from None
+            common = given_settings(args, new=old is None)
             if old is not None and "config" not in old["common"]:
-                del common["config"]  # a sweep made before configs were frozen: as it was
+                common.pop("config", None)  # a sweep made before configs were frozen: as it was
                 print(f"note: {root} keeps no frozen config: its arms use the template as it "
                       "is when each run starts", file=sys.stderr)  # fmt: skip
-            seeds = parse_seeds(args.seeds)
+            if args.seeds is not None:
+                seeds = parse_seeds(args.seeds)
+            else:
+                seeds = parse_seeds("1-5") if old is None else list(old["seeds"])
             only = args.only.split(",") if args.only else None
             sweep = merge_sweep(old, common, arms, seeds)
             unknown = [a for a in only or [] if a not in sweep["arms"]]

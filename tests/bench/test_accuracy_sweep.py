@@ -48,13 +48,15 @@ def test_a_sweep_grows_but_never_changes():
         acc.merge_sweep(sweep, common, {"a": {"engine": "zenflow", "set": []}}, [1])
 
 
+_ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
 def _sweep(tmp_path, model_dir, *args):
     argv = [sys.executable, str(SCRIPT), "run", str(tmp_path / "sweep"), "--model",
             str(model_dir), "--seeds", "1", "--steps", "4", "--eval-every", "2",
             "--micro-batch", "4", "--seq-len", "16", *args, "--", "--sample-data",
             "--max-eval-samples", "16"]  # fmt: skip
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    return subprocess.run(argv, capture_output=True, text=True, env=env, cwd=tmp_path,
+    return subprocess.run(argv, capture_output=True, text=True, env=_ENV, cwd=tmp_path,
                           timeout=600)  # fmt: skip
 
 
@@ -82,10 +84,12 @@ def test_sweep_runs_resumes_and_tabulates(tiny_gpt2_dir, tmp_path):
     assert "| zs | zenflow update_interval=2 zfctl.window_lr=sum |" in r.stdout
 
     # A run stopped midway (no summary, a checkpoint left) is resumed, not redone; a
-    # finished run is skipped; the table comes out the same.
+    # finished run is skipped; the table comes out the same. `run ROOT` alone resumes with
+    # the sweep's own settings, seeds and finetune arguments.
     (root / "zs" / "s1" / runs.SUMMARY_FILE).unlink()
     assert acc.run_state(root / "zs" / "s1") == "resume"
-    again = _sweep(tmp_path, tiny_gpt2_dir, *arms)
+    again = subprocess.run([sys.executable, str(SCRIPT), "run", str(root)], capture_output=True,
+                           text=True, env=_ENV, cwd=tmp_path, timeout=600)  # fmt: skip
     assert again.returncode == 0, again.stdout + again.stderr
     assert "1 runs to do" in again.stdout and "start zs seed 1 (resume)" in again.stdout
     commands = [ln for ln in (root / "zs" / "s1.log").read_text().splitlines() if ln[:2] == "$ "]
