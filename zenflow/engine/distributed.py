@@ -45,13 +45,17 @@ def leave_process_group(drain: bool = True) -> None:
     (torch 2.13; 7 of 80 ranks on a 2-core box, none with the barrier). Waiting in the
     barrier releases the GIL while the other ranks arrive, so the worker threads finish
     with the earlier collectives first. After a failure (a rank may be gone) there is no
-    barrier: it would only wait for the timeout.
+    barrier: it would only wait for the timeout. A barrier that fails (a rank ended after
+    its own failure) is let go: the group is destroyed all the same.
     """
     d = _dist()
     if not (d.is_available() and d.is_initialized()):
         return
     if drain:
-        d.barrier()
+        try:
+            d.barrier()
+        except RuntimeError:  # DistBackendError and friends: a peer is gone
+            pass
     d.destroy_process_group()
 
 
