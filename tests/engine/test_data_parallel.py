@@ -94,7 +94,7 @@ def test_ranks_exit_cleanly_after_their_last_collective(tmp_path):
     worker thread could still be freeing the last collective's tensor when the interpreter
     finalized, and the rank died of SIGABRT after writing its results (7 of 80 ranks on the
     2-core CI box, and a CI run failed on one of the 2-rank tests). Without the barrier this
-    test failed in each of three tries here; with it, it passed in each of two."""
+    test failed in two of three tries here; with it, it passed in each of two."""
     spec = {"mode": "device", "accelerator": "cpu", "zenflow": None, "steps": 8}
     for i in range(20):
         _run(tmp_path, 2, spec, f"exit-{i}")
