@@ -67,6 +67,7 @@ ENGINES = ("zenflow", "offload", "device")
 # The demo's settings (README): pretrained MiniLM-L6 on SST-2, 16 x 48 tokens, lr 5e-5.
 DEFAULTS = {"model": "minilm", "task": "sst2", "steps": 300, "micro_batch": 16, "seq_len": 48,
             "lr": 5e-5, "eval_every": 100, "extra": []}  # fmt: skip
+DEFAULT_SEEDS = "1-5"  # a new sweep's
 
 
 class SweepError(Exception):
@@ -363,8 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     r.add_argument("root", type=Path)
     r.add_argument("--arm", action="append", default=[], help="NAME=ENGINE[:key=value,...]")
-    r.add_argument("--seeds", help="seeds to run now, added to the sweep's (default: 1-5 for "
-                   "a new sweep, the sweep's own when resuming)")  # fmt: skip
+    r.add_argument("--seeds", help="seeds to run now, added to the sweep's (default: "
+                   f"{DEFAULT_SEEDS} for a new sweep, the sweep's own when resuming)")  # fmt: skip
     r.add_argument("--only", help="run only these arms now, e.g. adamw,zf (default: all)")
     # Left out: the defaults for a new sweep, the sweep's own when resuming one.
     r.add_argument("--model", help=f"default {DEFAULTS['model']}")
@@ -406,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.seeds is not None:
                 seeds = parse_seeds(args.seeds)
             else:
-                seeds = parse_seeds("1-5") if old is None else list(old["seeds"])
+                seeds = parse_seeds(DEFAULT_SEEDS) if old is None else list(old["seeds"])
             only = args.only.split(",") if args.only else None
             sweep = merge_sweep(old, common, arms, seeds)
             unknown = [a for a in only or [] if a not in sweep["arms"]]
