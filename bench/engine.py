@@ -11,7 +11,7 @@ per parameter (weights, gradients and engine state, activations excluded).
 
 On ``--device sim`` every mode's device compute runs on the simulated device's reserved
 cores (the floor too), and copies cross a modelled PCIe link (``--bandwidth``), or, with
-``--sim-profile NAME`` (``zenflow.engine.sim_profiles``), a link scaled so that the sim's
+``--sim-profile NAME`` (``zenflow.engine.accelerator.profiles``), a link scaled so that the sim's
 compute:link ratio is the named GPU box's (the profile and the scaling are printed); ``--lag``
 starts each copy up to that many seconds late (a GPU running behind the host). Each mode
 also reports the share of its link bytes that moved while the device computed (forward and

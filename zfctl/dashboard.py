@@ -242,6 +242,22 @@ def render_step(state: DashboardState) -> Table:
         f"{fmt_bytes(state.mean('d2h_bytes'))}, h2d "
         f"{fmt_bytes(state.mean('h2d_bytes'))})",
     )
+    _memory_rows(t, state)
+    t.add_row(
+        "windows",
+        f"last length {state.last_window or '-'}, host updates "
+        f"{state.host_updates}, columns moved {state.selection_changed}, "
+        + (f"[yellow]skipped steps {state.skipped}[/] (non-finite)" if state.skipped else
+           "skipped steps 0"),
+    )  # fmt: skip
+    if state.diverged:
+        t.add_row("[bold red]stopped[/]", f"[red]{escape(state.diverged)}[/]")
+    _eval_rows(t, state)
+    return t
+
+
+def _memory_rows(t: Table, state: DashboardState) -> None:
+    """Device and host memory, each also per parameter of the model."""
     dev = state.mean("device_bytes")
     params = state.header.get("params") or 0
 
@@ -260,15 +276,10 @@ def render_step(state: DashboardState) -> Table:
         f"{fmt_bytes(host)} ({per_param(host)} B/param), of it pinned {fmt_bytes(pinned)} "
         f"({per_param(pinned)} B/param)",
     )
-    t.add_row(
-        "windows",
-        f"last length {state.last_window or '-'}, host updates "
-        f"{state.host_updates}, columns moved {state.selection_changed}, "
-        + (f"[yellow]skipped steps {state.skipped}[/] (non-finite)" if state.skipped else
-           "skipped steps 0"),
-    )  # fmt: skip
-    if state.diverged:
-        t.add_row("[bold red]stopped[/]", f"[red]{escape(state.diverged)}[/]")
+
+
+def _eval_rows(t: Table, state: DashboardState) -> None:
+    """The last evaluation, and --reference's run beside it."""
     if state.evals:
         step, metrics = state.evals[-1]
         names = list(state.header.get("metrics") or []) + ["eval_loss"]
@@ -278,7 +289,6 @@ def render_step(state: DashboardState) -> Table:
             t.add_row("reference", escape(vs))
     else:
         t.add_row("eval", "-")
-    return t
 
 
 def reference_text(state: DashboardState, step: int, metrics: dict) -> str:

@@ -155,7 +155,7 @@ def check_numeric_flags(func: Callable[..., Any], kwargs: dict[str, Any]) -> Non
     inf or nan (``--lr inf``, or ``--lr 1e400``, which the parser reads as inf) and a whole
     number past ``MAX_INT`` either way (``--max-steps 99999999999999999999999``): every
     count, size and seed of zfctl fits in 31 bits, as every integer of a config does."""
-    from zenflow.config.rules import MAX_INT
+    from zenflow.config.readers import MAX_INT
 
     for param, value in kwargs.items():
         if isinstance(value, bool):

@@ -15,6 +15,7 @@ from rich.console import Console
 
 from zenflow import jsonout
 from zenflow.config.architectures import architecture_names
+from zfctl import panels
 from zfctl.errors import check_config_file, user_error
 
 
@@ -27,93 +28,110 @@ def estimate(
             + ". Only the config is read."
         ),
     ],
-    device_mem: Annotated[
-        str | None,
+    head: Annotated[
+        str, typer.Option(help="classification or causal-lm.", rich_help_panel=panels.MODEL)
+    ] = "classification",
+    num_labels: Annotated[
+        int,
         typer.Option(
-            help="Device memory, e.g. 24GiB, 80GB, 512MiB or bytes (a separate device of that "
-            "size). Default: CUDA device 0's memory; without CUDA the device is the CPU."
+            min=1, max=100_000, help="Labels of the classifier.", rich_help_panel=panels.MODEL
         ),
+    ] = 2,
+    micro_batch: Annotated[
+        int | None,
+        typer.Option(min=1, help="Micro-batch (config, else 8).", rich_help_panel=panels.TRAINING),
     ] = None,
-    host_mem: Annotated[
-        str | None,
-        typer.Option(help="Host memory, like --device-mem. Default: MemAvailable."),
-    ] = None,
-    topk_ratio: Annotated[
-        float | None,
-        typer.Option(help="ZenFlow topk_ratio (0 < x <= 1). Default: the config's, else 0.1."),
-    ] = None,
+    seq_len: Annotated[
+        int, typer.Option(min=1, help="Tokens per example.", rich_help_panel=panels.TRAINING)
+    ] = 128,
     bf16: Annotated[
         bool | None,
         typer.Option(
-            "--bf16/--no-bf16", help="bf16 weights and grads. Default: the config's, else bf16."
+            "--bf16/--no-bf16",
+            help="bf16 weights and grads.",
+            rich_help_panel=panels.TRAINING,
         ),
+    ] = None,
+    gradient_checkpointing: Annotated[
+        bool,
+        typer.Option(
+            "--gradient-checkpointing",
+            help="Recompute activations.",
+            rich_help_panel=panels.TRAINING,
+        ),
+    ] = False,
+    gradient_accumulation_steps: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Micro-batches per step.",
+            rich_help_panel=panels.TRAINING,
+        ),
+    ] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option(help="DeepSpeed JSON config.", rich_help_panel=panels.ENGINE),
+    ] = None,
+    topk_ratio: Annotated[
+        float | None,
+        typer.Option(help="topk_ratio (config, else 0.1).", rich_help_panel=panels.ENGINE),
     ] = None,
     overlap_step: Annotated[
         bool | None,
         typer.Option(
             "--overlap-step/--no-overlap-step",
-            help="A second host accumulator slot (overlap). Default: the config's, else off.",
+            help="A second host accumulator slot.",
+            rich_help_panel=panels.ENGINE,
         ),
-    ] = None,
-    micro_batch: Annotated[
-        int | None,
-        typer.Option(min=1, help="Micro-batch for the activations. Default: the config's, else 8."),
-    ] = None,
-    seq_len: Annotated[int, typer.Option(min=1, help="Tokens per example.")] = 128,
-    gradient_checkpointing: Annotated[
-        bool,
-        typer.Option(
-            "--gradient-checkpointing",
-            help="Activations recomputed in backward (zfctl finetune --gradient-checkpointing): "
-            "each layer keeps only its input.",
-        ),
-    ] = False,
-    gradient_accumulation_steps: Annotated[
-        int | None,
-        typer.Option(min=1, help="Micro-batches per step. Default: the config's, else 1."),
     ] = None,
     grad_accumulation: Annotated[
         str | None,
-        typer.Option(
-            help='Where micro-batches are summed (zfctl.grad_accumulation): "host" (streamed '
-            'each micro-batch, least device memory) or "device" (a whole gradient on the '
-            "device). Default: the config's, else host.",
-        ),
+        typer.Option(help="host or device: where grads sum.", rich_help_panel=panels.ENGINE),
     ] = None,
     stream_grads: Annotated[
         bool | None,
         typer.Option(
             "--stream-grads/--no-stream-grads",
-            help="Gradients leave the device during backward (zfctl.stream_grads). Default: "
-            "on for a separate device.",
+            help="Gradients leave during backward.",
+            rich_help_panel=panels.ENGINE,
         ),
     ] = None,
     copy_buckets: Annotated[
         int | None,
+        typer.Option(min=2, help="Gradient buffers for the link.", rich_help_panel=panels.ENGINE),
+    ] = None,
+    device_mem: Annotated[
+        str | None,
         typer.Option(
-            min=2,
-            help="Device buffers for gradient pieces waiting for the link (zfctl.copy_buckets), "
-            "each 1/64 of the offloaded elements. Default: the config's, else 2.",
+            help="Device memory, e.g. 24GiB (default: CUDA device 0's).",
+            rich_help_panel=panels.DEVICES,
         ),
     ] = None,
-    head: Annotated[
-        str, typer.Option(help="classification (what zfctl finetune trains) or causal-lm.")
-    ] = "classification",
-    num_labels: Annotated[
-        int, typer.Option(min=1, max=100_000, help="Labels of the classifier.")
-    ] = 2,
-    config: Annotated[
-        Path | None,
-        typer.Option(help="DeepSpeed JSON config: topk_ratio, bf16, overlap_step, pin_memory."),
+    host_mem: Annotated[
+        str | None,
+        typer.Option(
+            help="Host memory, like --device-mem (default: MemAvailable).",
+            rich_help_panel=panels.DEVICES,
+        ),
     ] = None,
     summary: Annotated[
-        bool, typer.Option("--summary", help="Only the summary table, not the itemised ones.")
+        bool,
+        typer.Option(
+            "--summary",
+            help="Only the summary table, not the itemised ones.",
+            rich_help_panel=panels.OUTPUT,
+        ),
     ] = False,
     json_output: Annotated[
-        bool, typer.Option("--json", help="Print the estimate as one JSON object.")
+        bool,
+        typer.Option(
+            "--json", help="Print the estimate as one JSON object.", rich_help_panel=panels.OUTPUT
+        ),
     ] = False,
 ) -> None:
-    """Estimate device and host memory of each engine for MODEL, before anything is allocated."""
+    """Estimate device and host memory of each engine for MODEL, before anything is allocated.
+
+    Every option: README.md, "Option reference"."""
     from zenflow.hardware import estimate as est
 
     cfg = None

@@ -96,7 +96,7 @@ def eval_(
         text_fields=tuple(text_field) if text_field else None, label_field=label_field,
         tsv_quoting=tsv_quoting, seq_len=seq_len, batch_size=batch_size, max_samples=max_samples,
     )  # fmt: skip
-    from zfctl.finetune import quiet_hugging_face
+    from zfctl.progress import quiet_hugging_face
 
     quiet_hugging_face(errors_only=json_output)
     metrics, preds, logits = run_eval(setup)

@@ -18,10 +18,12 @@ from rich.console import Console
 from rich.markup import escape
 
 from zenflow import jsonout
+from zfctl import panels
 from zfctl.errors import err_console, user_error
 
 TEMPLATES = ("zenflow", "offload")
 ZF = "zero_optimization.zenflow."
+SCHED = "scheduler.params."
 
 
 def templates_dir() -> Path:
@@ -52,125 +54,153 @@ def _int_or_auto(text: str | None) -> int | str | None:
     return int(text) if text.isdigit() else text
 
 
-def _doc(field: str) -> str:
-    from zenflow.config import FIELD_DOCS
-
-    return FIELD_DOCS[field]
-
-
-def _engine_doc(field: str) -> str:
-    from zenflow.config import ENGINE_FIELD_DOCS
-
-    return f"zfctl.{field}: {ENGINE_FIELD_DOCS[field]}"
-
-
 def init(
-    output: Annotated[
-        Path | None,
-        typer.Option(
-            "--output",
-            "-o",
-            help="Where to write the config (default ds_config.json). - (or /dev/stdout) "
-            "writes it to stdout: the JSON alone on stdout, the messages on stderr. A FIFO or "
-            "a character device is written into; a directory, block device or socket is "
-            "refused.",
-            show_default=False,
-        ),
+    # -- Training: the optimizer and its schedule
+    lr: Annotated[
+        float | None, typer.Option(help="Peak learning rate.", rich_help_panel=panels.TRAINING)
     ] = None,
-    template: Annotated[
-        str,
-        typer.Option(help="Template: zenflow (ZeRO-2 + CPU offload + zenflow) or offload."),
-    ] = "zenflow",
-    force: Annotated[
-        bool,
-        typer.Option("--force", help="Overwrite an existing file (a link: the file it names)."),
-    ] = False,
-    print_only: Annotated[
-        bool,
-        typer.Option(
-            "--print",
-            help="Same as --output -: the config on stdout, no file written (with --output "
-            "FILE it is refused: pass one of them).",
-        ),
-    ] = False,
-    topk_ratio: Annotated[float | None, typer.Option(help=_doc("topk_ratio"))] = None,
-    select_strategy: Annotated[str | None, typer.Option(help=_doc("select_strategy"))] = None,
-    select_interval: Annotated[str | None, typer.Option(help=_doc("select_interval"))] = None,
-    update_interval: Annotated[str | None, typer.Option(help=_doc("update_interval"))] = None,
-    full_warm_up_rounds: Annotated[
-        int | None, typer.Option(help=_doc("full_warm_up_rounds"))
+    weight_decay: Annotated[
+        float | None, typer.Option(help="AdamW weight decay.", rich_help_panel=panels.TRAINING)
     ] = None,
-    overlap_step: Annotated[
-        bool | None, typer.Option("--overlap-step/--no-overlap-step", help=_doc("overlap_step"))
+    micro_batch: Annotated[
+        int | None,
+        typer.Option(help="train_micro_batch_size_per_gpu.", rich_help_panel=panels.TRAINING),
     ] = None,
-    auto_ratio: Annotated[float | None, typer.Option(help=_doc("auto_ratio"))] = None,
-    pt_reserved_cores_perc: Annotated[
-        float | None, typer.Option(help=_doc("pt_reserved_cores_perc"))
-    ] = None,
-    window_lr: Annotated[str | None, typer.Option(help=_engine_doc("window_lr"))] = None,
-    select_schedule: Annotated[
-        str | None, typer.Option(help=_engine_doc("select_schedule"))
-    ] = None,
-    lr: Annotated[float | None, typer.Option(help="Peak learning rate.")] = None,
-    weight_decay: Annotated[float | None, typer.Option(help="AdamW weight decay.")] = None,
-    micro_batch: Annotated[int | None, typer.Option(help="train_micro_batch_size_per_gpu.")] = None,
     grad_accum: Annotated[
-        int | None, typer.Option(help="gradient_accumulation_steps (micro-batches per step).")
+        int | None,
+        typer.Option(
+            help="Micro-batches per step (accumulated).",
+            rich_help_panel=panels.TRAINING,
+        ),
     ] = None,
     gradient_clipping: Annotated[
-        float | None, typer.Option(help="Global gradient-norm clipping (0 = off).")
+        float | None,
+        typer.Option(
+            help="Global gradient-norm clipping (0 = off).", rich_help_panel=panels.TRAINING
+        ),
     ] = None,
     bf16: Annotated[
         bool | None,
         typer.Option(
             "--bf16/--no-bf16",
-            help='bf16 weights, gradients and autocast (default: the template\'s "auto": on '
-            "for a CUDA GPU with bf16 and for sim, off on the CPU).",
+            help="bf16 weights, gradients and autocast.",
+            rich_help_panel=panels.TRAINING,
         ),
     ] = None,
     scheduler: Annotated[
         str | None,
-        typer.Option(help="LR scheduler: WarmupLR, WarmupDecayLR, WarmupCosineLR or none."),
+        typer.Option(
+            help="WarmupLR, WarmupDecayLR, WarmupCosineLR or none.", rich_help_panel=panels.TRAINING
+        ),
     ] = None,
     warmup_steps: Annotated[
         int | None,
-        typer.Option(
-            help="Scheduler warmup_num_steps (dropped, with a warning, by --scheduler none)."
-        ),
+        typer.Option(help="Scheduler warmup_num_steps.", rich_help_panel=panels.TRAINING),
     ] = None,
     total_steps: Annotated[
         int | None,
+        typer.Option(help="Scheduler total_num_steps.", rich_help_panel=panels.TRAINING),
+    ] = None,
+    # -- Engine: the template and its zenflow block
+    template: Annotated[
+        str, typer.Option(help="zenflow or offload.", rich_help_panel=panels.ENGINE)
+    ] = "zenflow",
+    topk_ratio: Annotated[
+        float | None,
+        typer.Option(help="Device-updated share of columns.", rich_help_panel=panels.ENGINE),
+    ] = None,
+    select_strategy: Annotated[
+        str | None,
+        typer.Option(help="Re-selection: auto, step or epoch.", rich_help_panel=panels.ENGINE),
+    ] = None,
+    select_interval: Annotated[
+        str | None,
+        typer.Option(help="Re-selection period, or auto.", rich_help_panel=panels.ENGINE),
+    ] = None,
+    update_interval: Annotated[
+        str | None,
+        typer.Option(help="Steps per host window, or auto.", rich_help_panel=panels.ENGINE),
+    ] = None,
+    full_warm_up_rounds: Annotated[
+        int | None,
+        typer.Option(help="Warm-up steps of plain AdamW.", rich_help_panel=panels.ENGINE),
+    ] = None,
+    overlap_step: Annotated[
+        bool | None,
         typer.Option(
-            help="Scheduler total_num_steps (WarmupDecayLR, WarmupCosineLR; dropped, with a "
-            "warning, for WarmupLR and --scheduler none, which have none)."
+            "--overlap-step/--no-overlap-step",
+            help="Host step on a background worker.",
+            rich_help_panel=panels.ENGINE,
         ),
     ] = None,
+    auto_ratio: Annotated[
+        float | None,
+        typer.Option(help="Votes that end an auto window.", rich_help_panel=panels.ENGINE),
+    ] = None,
+    pt_reserved_cores_perc: Annotated[
+        float | None,
+        typer.Option(help="CPU share kept for training.", rich_help_panel=panels.ENGINE),
+    ] = None,
+    window_lr: Annotated[
+        str | None,
+        typer.Option(help="Host step lr: last, sum or sqrt.", rich_help_panel=panels.ENGINE),
+    ] = None,
+    select_schedule: Annotated[
+        str | None,
+        typer.Option(help="Re-selection: fixed or doubling.", rich_help_panel=panels.ENGINE),
+    ] = None,
+    set_: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--set",
+            help="Override: dotted.json.path=value.",
+            rich_help_panel=panels.ENGINE,
+        ),
+    ] = None,
+    # -- Output: where the config goes, and the run's logs
+    output: Annotated[
+        Path | None,
+        typer.Option(
+            "--output",
+            "-o",
+            help="Where to write it (default ds_config.json; - stdout).",
+            show_default=False,
+            rich_help_panel=panels.OUTPUT,
+        ),
+    ] = None,
+    print_only: Annotated[
+        bool,
+        typer.Option(
+            "--print",
+            help="Same as --output -: the config on stdout.",
+            rich_help_panel=panels.OUTPUT,
+        ),
+    ] = False,
+    force: Annotated[
+        bool,
+        typer.Option("--force", help="Overwrite an existing file.", rich_help_panel=panels.OUTPUT),
+    ] = False,
     tensorboard: Annotated[
         str | None,
         typer.Option(
             metavar="DIR",
-            help="Log every step and eval to TensorBoard under DIR/<job name> (DeepSpeed's "
-            'tensorboard block; "" = inside the run directory).',
+            help="Log to TensorBoard under DIR/<job name>.",
+            rich_help_panel=panels.OUTPUT,
         ),
     ] = None,
     csv_monitor: Annotated[
         str | None,
         typer.Option(
             metavar="DIR",
-            help="Log every step and eval to CSV files under DIR/<job name> (DeepSpeed's "
-            'csv_monitor block; "" = inside the run directory).',
+            help="Log to CSV files under DIR/<job name>.",
+            rich_help_panel=panels.OUTPUT,
         ),
     ] = None,
     job_name: Annotated[
         str | None,
         typer.Option(
-            help="job_name of the tensorboard/csv_monitor blocks (default: each run's "
-            "directory name, so runs do not share files)."
+            help="job_name of those logs (default: the run's name).", rich_help_panel=panels.OUTPUT
         ),
-    ] = None,
-    set_: Annotated[
-        list[str] | None,
-        typer.Option("--set", help="Override any key: --set dotted.json.path=value (repeatable)."),
     ] = None,
 ) -> None:
     """Write a DeepSpeed JSON config with a zenflow block, validated before it is written.
@@ -178,8 +208,9 @@ def init(
     A flag that would have no effect is dropped with a yellow warning on stderr naming it
     (exit 0): --warmup-steps and --total-steps with --scheduler none, --total-steps with
     WarmupLR, --force when writing to stdout. --print with --output FILE is refused (exit 2).
+    Every option: README.md, "Option reference".
     """
-    from zenflow.config import ConfigError, load_config, parse_set_args
+    from zenflow.config import parse_set_args
 
     to_stdout = _writes_stdout(output, print_only)
     output = output or Path(DEFAULT_OUTPUT)
@@ -198,36 +229,12 @@ def init(
         "auto_ratio": auto_ratio,
         "pt_reserved_cores_perc": pt_reserved_cores_perc,
     }
-    given = {ZF + k: v for k, v in zenflow_flags.items() if v is not None}
-    # ZenFlow settings of zfctl's engine (the top-level block)
-    for key, value in (("window_lr", window_lr), ("select_schedule", select_schedule)):
-        if value is not None:
-            given["zfctl." + key] = value
-    if given and template != "zenflow":
-        flags = ", ".join("--" + k.rpartition(".")[2].replace("_", "-") for k in given)
-        raise user_error(
-            f"{flags} set zenflow fields, but --template {template} has no zenflow block; "
-            "use --template zenflow."
-        )
-    overrides: dict[str, Any] = dict(given)
+    engine_flags = {"window_lr": window_lr, "select_schedule": select_schedule}
+    overrides: dict[str, Any] = _zenflow_overrides(template, zenflow_flags, engine_flags)
     set_args = parse_set_args(set_ or [])
-    sched = "scheduler.params."
-    if scheduler is not None and scheduler.lower() == "none":
-        warnings += [
-            f"{flag} {value} dropped: --scheduler none writes no scheduler block."
-            for flag, value in (("--warmup-steps", warmup_steps), ("--total-steps", total_steps))
-            if value is not None
-        ]
-        warmup_steps = total_steps = None
-    else:
-        kind = set_args.get("scheduler.type", scheduler or (raw.get("scheduler") or {}).get("type"))
-        if total_steps is not None and kind == "WarmupLR":
-            warnings.append(
-                f"--total-steps {total_steps} dropped: the WarmupLR scheduler has no "
-                "total_num_steps (WarmupDecayLR and WarmupCosineLR do: add --scheduler "
-                "WarmupDecayLR)."
-            )
-            total_steps = None
+    warmup_steps, total_steps = _scheduler_steps(
+        scheduler, warmup_steps, total_steps, set_args, raw, warnings
+    )
     common = {
         "optimizer.params.lr": lr,
         "optimizer.params.weight_decay": weight_decay,
@@ -235,32 +242,17 @@ def init(
         "gradient_accumulation_steps": grad_accum,
         "gradient_clipping": gradient_clipping,
         "bf16.enabled": bf16,
-        sched + "warmup_num_steps": warmup_steps,
-        sched + "total_num_steps": total_steps,
+        SCHED + "warmup_num_steps": warmup_steps,
+        SCHED + "total_num_steps": total_steps,
     }
     overrides.update({k: v for k, v in common.items() if v is not None})
     if lr is not None:
-        overrides[sched + "warmup_max_lr"] = lr  # the schedule's peak follows --lr
+        overrides[SCHED + "warmup_max_lr"] = lr  # the schedule's peak follows --lr
     if scheduler is not None:
-        if scheduler.lower() == "none":
-            raw.pop("scheduler", None)
-            overrides = {k: v for k, v in overrides.items() if not k.startswith(sched)}
-        else:
-            overrides["scheduler.type"] = scheduler
-    if job_name is not None and tensorboard is None and csv_monitor is None:
-        raise user_error("--job-name names the logs of --tensorboard or --csv-monitor; pass one.")
-    for block, folder in (("tensorboard", tensorboard), ("csv_monitor", csv_monitor)):
-        if folder is not None:
-            overrides[f"{block}.enabled"] = True
-            overrides[f"{block}.output_path"] = folder
-            if job_name is not None:
-                overrides[f"{block}.job_name"] = job_name
+        overrides = _set_scheduler(raw, overrides, scheduler)
+    overrides.update(_monitor_overrides(tensorboard, csv_monitor, job_name))
     overrides.update(set_args)
-    # Validate exactly what will be written; raises ConfigError listing every problem.
-    try:
-        config = load_config(raw, overrides=overrides)
-    except ConfigError as exc:  # name what the user gave, not an anonymous dict
-        raise ConfigError(exc.problems, f"zfctl init (template {template} + flags)") from None
+    config = _validated(raw, overrides, template)
     data = config.raw
     err = err_console()
     for line in warnings:
@@ -274,6 +266,79 @@ def init(
 
 
 DEFAULT_OUTPUT = "ds_config.json"
+
+
+def _zenflow_overrides(template: str, zenflow_flags: dict, engine_flags: dict) -> dict[str, Any]:
+    """The zenflow flags that were given, as dotted keys: the zero_optimization.zenflow block's
+    and zfctl's engine block's; refused for a template without a zenflow block."""
+    given = {ZF + k: v for k, v in zenflow_flags.items() if v is not None}
+    # ZenFlow settings of zfctl's engine (the top-level block)
+    for key, value in engine_flags.items():
+        if value is not None:
+            given["zfctl." + key] = value
+    if given and template != "zenflow":
+        flags = ", ".join("--" + k.rpartition(".")[2].replace("_", "-") for k in given)
+        raise user_error(
+            f"{flags} set zenflow fields, but --template {template} has no zenflow block; "
+            "use --template zenflow."
+        )
+    return dict(given)
+
+
+def _scheduler_steps(scheduler, warmup_steps, total_steps, set_args: dict, raw: dict,
+                     warnings: list[str]) -> tuple[int | None, int | None]:  # fmt: skip
+    """--warmup-steps and --total-steps as the scheduler can take them: both dropped for
+    --scheduler none, --total-steps for WarmupLR (which has none), each with a warning."""
+    if scheduler is not None and scheduler.lower() == "none":
+        warnings += [
+            f"{flag} {value} dropped: --scheduler none writes no scheduler block."
+            for flag, value in (("--warmup-steps", warmup_steps), ("--total-steps", total_steps))
+            if value is not None
+        ]
+        return None, None
+    kind = set_args.get("scheduler.type", scheduler or (raw.get("scheduler") or {}).get("type"))
+    if total_steps is not None and kind == "WarmupLR":
+        warnings.append(
+            f"--total-steps {total_steps} dropped: the WarmupLR scheduler has no "
+            "total_num_steps (WarmupDecayLR and WarmupCosineLR do: add --scheduler "
+            "WarmupDecayLR)."
+        )
+        total_steps = None
+    return warmup_steps, total_steps
+
+
+def _set_scheduler(raw: dict, overrides: dict[str, Any], scheduler: str) -> dict[str, Any]:
+    """--scheduler: none removes the template's scheduler block and every scheduler key;
+    a name sets scheduler.type."""
+    if scheduler.lower() == "none":
+        raw.pop("scheduler", None)
+        return {k: v for k, v in overrides.items() if not k.startswith(SCHED)}
+    overrides["scheduler.type"] = scheduler
+    return overrides
+
+
+def _monitor_overrides(tensorboard, csv_monitor, job_name) -> dict[str, Any]:
+    """--tensorboard / --csv-monitor as their DeepSpeed blocks; --job-name needs one."""
+    if job_name is not None and tensorboard is None and csv_monitor is None:
+        raise user_error("--job-name names the logs of --tensorboard or --csv-monitor; pass one.")
+    overrides: dict[str, Any] = {}
+    for block, folder in (("tensorboard", tensorboard), ("csv_monitor", csv_monitor)):
+        if folder is not None:
+            overrides[f"{block}.enabled"] = True
+            overrides[f"{block}.output_path"] = folder
+            if job_name is not None:
+                overrides[f"{block}.job_name"] = job_name
+    return overrides
+
+
+def _validated(raw: dict, overrides: dict[str, Any], template: str):
+    """Validate exactly what will be written; raises ConfigError listing every problem."""
+    from zenflow.config import ConfigError, load_config
+
+    try:
+        return load_config(raw, overrides=overrides)
+    except ConfigError as exc:  # name what the user gave, not an anonymous dict
+        raise ConfigError(exc.problems, f"zfctl init (template {template} + flags)") from None
 
 
 def _writes_stdout(output: Path | None, print_only: bool) -> bool:

@@ -8,6 +8,7 @@ matplotlib is imported only inside ``write_plot``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,8 @@ def _get(d: Any, *keys: str) -> Any:
 
 
 # ---------------------------------------------------------------------------- rendering
+
+Row = Callable[[str, str], None]  # row(label, text): one row of a run's table
 
 
 def _duration(seconds: Any) -> str:
@@ -140,12 +143,20 @@ def render_run(r: dict) -> Table:
     t = Table(title=f"run {escape(r.get('name') or '-')}", show_header=False, title_justify="left")
     t.add_column(style="bold", no_wrap=True)
     t.add_column()
-    timing = r.get("timing_ms_mean") or {}
-    n = _finite(r.get("steps"))
 
     def row(label: str, text: str) -> None:
         t.add_row(label, escape(text))
 
+    _what_ran_rows(row, r)
+    _step_time_rows(row, r.get("timing_ms_mean") or {}, r)
+    _traffic_rows(row, r)
+    _quality_rows(row, r)
+    _setup_rows(row, r)
+    return t
+
+
+def _what_ran_rows(row: Row, r: dict) -> None:
+    """Where the run is, how it ended, what it trained, how far and for how long."""
     row("run dir", r.get("run_dir") or "-")
     row("status", _status_text(r))
     row("model / task / engine", f"{r.get('model')} / {r.get('task')} / {r.get('engine_mode')}")
@@ -161,6 +172,10 @@ def render_run(r: dict) -> Table:
         "wall time",
         f"{_duration(r.get('wall_s'))} (training steps {_duration(r.get('train_s'))})",
     )
+
+
+def _step_time_rows(row: Row, timing: dict, r: dict) -> None:
+    """Where the mean step's time went (``timing``: the run's timing_ms_mean)."""
     row("mean ms / step", _step_split(timing))
     row(
         "engine step ms",
@@ -169,6 +184,11 @@ def render_run(r: dict) -> Table:
     )
     stall = _pct(r.get("stall_fraction"))
     row("stall", "-" if stall == "-" else f"{stall} % of wall time")
+
+
+def _traffic_rows(row: Row, r: dict) -> None:
+    """Bytes over the link per step, device bytes per parameter, samples and tokens/s."""
+    n = _finite(r.get("steps"))
     d2h, h2d = _ratio(r.get("d2h_bytes_total"), n), _ratio(r.get("h2d_bytes_total"), n)
     x_model = _finite(r.get("bytes_per_step_x_model"))
     row(
@@ -184,6 +204,10 @@ def render_run(r: dict) -> Table:
         f"{fmt_num(_finite(r.get('samples_per_s')), '.1f')} samples/s, "
         f"{fmt_num(_finite(r.get('tokens_per_s')), '.0f')} tokens/s",
     )
+
+
+def _quality_rows(row: Row, r: dict) -> None:
+    """The loss at the end, the last evaluation, and the host updates and selections."""
     row(
         "final loss",
         f"{fmt_num(_finite(r.get('final_loss')), '.4f')} (mean of last 10 "
@@ -205,6 +229,10 @@ def render_run(r: dict) -> Table:
         f"{r.get('selection_changes') if r.get('selection_changes') is not None else '-'} "
         "selection changes",
     )
+
+
+def _setup_rows(row: Row, r: dict) -> None:
+    """The model's size, where numbers came from, the config, and how to continue."""
     if r.get("params") is not None or r.get("model_bytes") is not None:
         row(
             "model size",
@@ -222,7 +250,6 @@ def render_run(r: dict) -> Table:
         row("checkpoint", str(r["checkpoint"]))
     if r.get("resume_command"):
         row("resume with", r["resume_command"])
-    return t
 
 
 def _pct(fraction: Any) -> str:

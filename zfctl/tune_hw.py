@@ -18,6 +18,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from zenflow import jsonout
+from zfctl import panels
 
 GIB = 2**30
 DEVICES = ("cpu", "sim", "cuda")
@@ -27,62 +28,88 @@ def tune_hw(
     model: Annotated[
         str | None,
         typer.Option(
-            help="Model whose forward+backward is timed: a hub id or local directory "
-            "(random init when its weights are not available), or builtin:gpt2-4x512. "
-            "Default: gpt2; with --quick, builtin:gpt2-4x512."
+            help="Model to time: hub id, directory, or builtin:gpt2-4x512.",
+            rich_help_panel=panels.MODEL,
         ),
     ] = None,
     micro_batch: Annotated[
         int | None,
-        typer.Option("--micro-batch", min=1, help="Micro-batch size (default 8; 4 with --quick)."),
+        typer.Option(
+            "--micro-batch",
+            min=1,
+            help="Micro-batch size (default 8).",
+            rich_help_panel=panels.TRAINING,
+        ),
     ] = None,
     seq_len: Annotated[
         int | None,
-        typer.Option("--seq-len", min=1, help="Sequence length (default 128; 32 with --quick)."),
+        typer.Option(
+            "--seq-len",
+            min=1,
+            help="Sequence length (default 128).",
+            rich_help_panel=panels.TRAINING,
+        ),
     ] = None,
+    bf16: Annotated[
+        bool | None,
+        typer.Option(
+            "--bf16/--no-bf16", help="The run's training dtype.", rich_help_panel=panels.TRAINING
+        ),
+    ] = None,
+    gradient_checkpointing: Annotated[
+        bool,
+        typer.Option(
+            "--gradient-checkpointing",
+            help="Time recomputed activations.",
+            rich_help_panel=panels.TRAINING,
+        ),
+    ] = False,
+    topk: Annotated[
+        float | None,
+        typer.Option(
+            "--topk",
+            help="Fix topk_ratio (0 < x <= 1) instead of choosing it.",
+            rich_help_panel=panels.ENGINE,
+        ),
+    ] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            "--config",
+            help="DeepSpeed JSON config whose zenflow block to update.",
+            rich_help_panel=panels.ENGINE,
+        ),
+    ] = None,
+    write: Annotated[
+        bool,
+        typer.Option(
+            "--write",
+            help="Write the choices into --config (else show the diff).",
+            rich_help_panel=panels.ENGINE,
+        ),
+    ] = False,
     device: Annotated[
         str | None,
         typer.Option(
             "--device",
-            help="The device to tune for: cuda (measured PCIe and GPU memory), sim (the "
-            "simulated accelerator: its modelled bandwidth and core split, to rehearse a GPU "
-            "box on a CPU) or cpu (the device is the CPU). Default: cuda if available, else cpu.",
+            help="cuda, sim or cpu (default: cuda if available).",
+            rich_help_panel=panels.DEVICES,
         ),
     ] = None,
     device_mem: Annotated[
         str | None,
         typer.Option(
             "--device-mem",
-            help="Device memory for topk's memory bound, e.g. 24GiB, 80GB (sim and cuda). "
-            "Default: the GPU's memory; on sim the RAM its tensors live in.",
-        ),
-    ] = None,
-    bf16: Annotated[
-        bool | None,
-        typer.Option(
-            "--bf16/--no-bf16",
-            help="The run's training dtype (forward+backward, copies, memory). Default: "
-            "--config's, else bf16.",
-        ),
-    ] = None,
-    topk: Annotated[
-        float | None,
-        typer.Option(
-            "--topk",
-            help="Fix topk_ratio (0 < x <= 1) instead of choosing it from the device's "
-            "memory and time bounds.",
+            help="Device memory for topk's bound, e.g. 24GiB.",
+            rich_help_panel=panels.DEVICES,
         ),
     ] = None,
     quick: Annotated[
         bool,
-        typer.Option("--quick", help="Small probes, small model, fewer repeats (about a minute)."),
-    ] = False,
-    gradient_checkpointing: Annotated[
-        bool,
         typer.Option(
-            "--gradient-checkpointing",
-            help="Time forward+backward with activations recomputed and lay out the memory "
-            "for it, as `zfctl finetune --gradient-checkpointing` trains.",
+            "--quick",
+            help="Small probes, small model, fewer repeats (about a minute).",
+            rich_help_panel=panels.DEVICES,
         ),
     ] = False,
     output: Annotated[
@@ -90,24 +117,22 @@ def tune_hw(
         typer.Option(
             "--output",
             "-o",
-            help="Where to write hw.json. Checked before probing, as is --config with "
-            "--write: a folder that cannot be written, a directory, block device or socket "
-            "is refused at once.",
+            help="Where to write hw.json (checked before probing).",
+            rich_help_panel=panels.OUTPUT,
         ),
     ] = Path("hw.json"),
-    config: Annotated[
-        Path | None,
-        typer.Option("--config", help="DeepSpeed JSON config whose zenflow block to update."),
-    ] = None,
-    write: Annotated[
-        bool,
-        typer.Option("--write", help="Write the choices into --config (else only show the diff)."),
-    ] = False,
     json_output: Annotated[
-        bool, typer.Option("--json", help="Print the hw.json content instead of tables.")
+        bool,
+        typer.Option(
+            "--json",
+            help="Print the hw.json content instead of tables.",
+            rich_help_panel=panels.OUTPUT,
+        ),
     ] = False,
 ) -> None:
-    """Probe CPU, memory and accelerator, measure, and choose ZenFlow's settings."""
+    """Probe CPU, memory and accelerator, measure, and choose ZenFlow's settings.
+
+    Every option: README.md, "Option reference"."""
     if write and config is None:
         raise typer.BadParameter("--write needs --config FILE to write into.", param_hint="--write")
     if topk is not None and not 0.0 < topk <= 1.0:
@@ -184,7 +209,7 @@ def config_bf16(doc: dict, device: str | None = None) -> bool:
     import copy
 
     from zenflow.config import load_config
-    from zenflow.engine.schedule import resolve_bf16
+    from zenflow.engine.engine_setup import resolve_bf16
 
     return resolve_bf16(load_config(copy.deepcopy(doc)).bf16, device)
 
@@ -228,7 +253,13 @@ def render(console: Console, result: dict) -> None:
 def probe_rows(result: dict) -> list[tuple[str, str]]:
     """(probe, figure) rows from the hw.json dict."""
     p = result["probes"]
-    cpu, mem, acc, mdl = p["cpu"], p["memory"], p["accelerator"], p["model"]
+    return _machine_rows(p) + _measured_rows(p) + _window_rows(p)
+
+
+def _machine_rows(p: dict) -> list[tuple[str, str]]:
+    """What the machine is: CPU, SIMD, memory and its bandwidth, the accelerator and its
+    link (``p``: hw.json's probes)."""
+    cpu, mem, acc = p["cpu"], p["memory"], p["accelerator"]
     have = [f for f, on in cpu["simd"].items() if on]
     lack = [f for f, on in cpu["simd"].items() if not on]
     lock = mem["memlock_bytes"]
@@ -258,6 +289,14 @@ def probe_rows(result: dict) -> list[tuple[str, str]]:
             f"h2d {acc['h2d_pageable_gbs']:.1f} / d2h {acc['d2h_pageable_gbs']:.1f} GB/s "
             f"pageable, both at once {acc['bidir_pinned_gbs']:.1f} GB/s pinned",
         ))  # fmt: skip
+    return rows
+
+
+def _measured_rows(p: dict) -> list[tuple[str, str]]:
+    """What was timed on it: CPU Adam, the model's forward+backward, the device's AdamW,
+    and the link and device memory figures used."""
+    mdl = p["model"]
+    rows: list[tuple[str, str]] = []
     adam = ", ".join(
         f"{a['num_threads']} thread(s) {a['params_per_s'] / 1e6:.0f}M params/s"
         for a in p["cpu_adam"].values()
@@ -286,6 +325,13 @@ def probe_rows(result: dict) -> list[tuple[str, str]]:
     if p.get("device_memory"):
         dm = p["device_memory"]
         rows.append(("device memory", f"{dm['device_bytes'] / GIB:.1f} GiB ({dm['source']})"))
+    return rows
+
+
+def _window_rows(p: dict) -> list[tuple[str, str]]:
+    """One ZenFlow window timed with the host step overlapped and not, and the engine's
+    own steps."""
+    rows: list[tuple[str, str]] = []
     for ov in p["overlap"]:
         rows.append((
             f"window S={ov['update_interval']}",

@@ -146,7 +146,7 @@ def test_the_table_is_read_once_per_process_until_it_changes(table, monkeypatch)
     import os
 
     from zenflow.train import spec as spec_mod
-    from zenflow.train import tables
+    from zenflow.train.data import tables
 
     calls = []
     real = tables.load_table_task
@@ -174,7 +174,7 @@ def fake_hub(monkeypatch):
     fingerprint; loading from the real hub is the datasets library's job.)"""
     import datasets
 
-    from zenflow.train import hub_data
+    from zenflow.train.data import hub
 
     rows = [("a joy to watch", "pos"), ("nothing works here", "neg")] * 12
     splits = {
@@ -192,9 +192,9 @@ def fake_hub(monkeypatch):
         return datasets.Dataset.from_dict(splits[split])
 
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
-    hub_data._load.cache_clear()
+    hub._load.cache_clear()
     yield calls
-    hub_data._load.cache_clear()
+    hub._load.cache_clear()
 
 
 def test_a_hub_dataset_trains_like_a_file(cli, tmp_path, tiny_gpt2_dir, fake_hub):

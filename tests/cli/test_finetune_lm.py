@@ -360,8 +360,8 @@ def test_eval_reproduces_the_run_and_the_export_is_plain_transformers(cli, tmp_p
     evaluation exactly; transformers alone, without zfctl, loads model/ as a causal LM and
     its loss on the eval rows is the one the trainer measured on the model in memory, to
     the bit (the same rows, batches and sums)."""
+    from zenflow.train.data import build_sft, read_records
     from zenflow.train.models import packaged_gpt2_tokenizer
-    from zenflow.train.sft import build_sft, read_records
 
     train, dev = pc_files
     run = tmp_path / "run"

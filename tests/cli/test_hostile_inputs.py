@@ -313,8 +313,8 @@ def test_estimate_warns_past_the_models_positions(cli):
 
 
 def test_zenflow_settings_longer_than_the_run_are_said():
-    from zenflow.config.rules import run_length_notes
     from zenflow.config.schema import ZenFlowConfig
+    from zenflow.config.zenflow_block import run_length_notes
 
     zf = ZenFlowConfig(update_interval=2**31 - 1, full_warm_up_rounds=50,
                        select_strategy="step", select_interval=100)  # fmt: skip

@@ -1,4 +1,4 @@
-"""The CUDA accelerator's own contract (zenflow/engine/accelerator.py CudaAccelerator),
+"""The CUDA accelerator's own contract (zenflow/engine/accelerator/cuda.py CudaAccelerator),
 checked where a missing wait would show: copies ordered against long-running kernels,
 device blocks reused while a copy still reads them, pinned buffers really page-locked.
 

@@ -37,9 +37,9 @@ def test_dtype_rules():
 
 
 def test_model_on_another_device_is_refused(monkeypatch):
-    import zenflow.engine.schedule as sched
+    import zenflow.engine.engine_setup as setup
 
-    monkeypatch.setattr(sched, "_device_matches", lambda a, b: False)
+    monkeypatch.setattr(setup, "_device_matches", lambda a, b: False)
     with pytest.raises(EngineError, match="move the model first"):
         ZenFlowEngine(MLP(), make_config({"update_interval": 2}))
 
@@ -54,7 +54,7 @@ def test_cuda_without_gpu_says_how_to_fix():
 def test_core_split_is_observed_on_the_threads(monkeypatch):
     """With 8 cores and 25% kept for the training thread, torch runs 2 threads during
     training and the host kernel is asked for 6, on another thread; close() restores."""
-    import zenflow.engine.accelerator as accel_mod
+    import zenflow.engine.accelerator.base as accel_mod
 
     monkeypatch.setattr(accel_mod, "cores", lambda: 8)
     orig = torch.get_num_threads()

@@ -30,7 +30,7 @@ def _run(kind: str, accelerator: str, in_backward: bool, clip: float = 0.0, gas:
     engine = ZenFlowEngine(model, make_config(ZF, clip=clip, **extra), min_numel=1000,
                            host_kernel="reference", **engine_kw(accelerator))  # fmt: skip
     if not in_backward:
-        engine.impl._h2d = None  # every host result goes back at the end of its step
+        engine.impl.image_return.h2d = None  # every host result goes back at the end of its step
     if gas == 1:
         stats = train_engine(engine, model, batches)
     else:  # MLP batches of 8, as two micro-batches of 4

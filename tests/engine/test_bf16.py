@@ -135,7 +135,7 @@ def test_zenflow_bf16_matches_reference_kernel_one_step_windows(accelerator):
 def test_bf16_auto_resolves_per_device():
     """bf16.enabled "auto" (the DeepSpeed/HF convention): on for sim, off for a CPU device,
     on for CUDA only where the GPU has bf16; explicit values pass through."""
-    from zenflow.engine.schedule import resolve_bf16
+    from zenflow.engine.engine_setup import resolve_bf16
 
     assert resolve_bf16("auto", "sim") is True
     assert resolve_bf16("auto", "cpu") is False

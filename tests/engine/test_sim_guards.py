@@ -29,7 +29,7 @@ from conftest import MLP, make_config, mlp_batches, strict_lagged_init, train_en
 from zenflow import ZenFlowEngine
 from zenflow.engine.accelerator import DONE, SimAccelerator, SourceChanged
 from zenflow.engine.host import Accumulator
-from zenflow.engine.zenflow_mode import ZenFlowMode
+from zenflow.engine.zenflow.window import Window
 
 # random.Random(seed * 2 + (engine == "h2d")).uniform(0, lag) is each copy engine's first
 # delay: seed 1 draws 0.956 * lag (d2h) and 0.238 * lag (h2d), both far longer than the few
@@ -207,7 +207,7 @@ class ImagesBehind(SimAccelerator):
 def _without_image_copy_wait(monkeypatch) -> None:
     """The defect of issue item 6: the next host step does not wait for the copies that
     still read the last applied job's images (they look finished to ``_window_tasks``)."""
-    window_tasks = ZenFlowMode._window_tasks
+    window_tasks = Window._window_tasks
 
     def hidden_copies(self, n):
         job = self.last_applied
@@ -219,7 +219,7 @@ def _without_image_copy_wait(monkeypatch) -> None:
         finally:
             job.copies = copies
 
-    monkeypatch.setattr(ZenFlowMode, "_window_tasks", hidden_copies)
+    monkeypatch.setattr(Window, "_window_tasks", hidden_copies)
 
 
 # Host steps back to back (one-step windows, overlap): each host step starts right after the

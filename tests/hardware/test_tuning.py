@@ -293,7 +293,7 @@ def test_sim_split_is_the_engines():
         for n in range(2, 17):
             for t in {max(1, n // 2), max(1, 3 * n // 4)} - {n}:
                 with pytest.MonkeyPatch.context() as mp:
-                    mp.setattr(accelerator, "cores", lambda n=n: n)
+                    mp.setattr(accelerator.base, "cores", lambda n=n: n)
                     assert sim.compute_threads(t / n, True) == (t, n - t)
                     assert sim.compute_threads(t / n, False) == (t, n - t)
     finally:

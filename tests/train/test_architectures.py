@@ -19,7 +19,7 @@ from zenflow.config.architectures import Architecture, architecture, architectur
 from zenflow.errors import ModelSourceError
 from zenflow.hardware import census, estimate
 from zenflow.train import models, runs
-from zenflow.train.models import count_params, resolve_model
+from zenflow.train.models import count_params, resolve, resolve_model, tokenizer
 
 NAMES = ["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "distilgpt2",
          "llama-1b", "llama-7b", "llama-13b", "qwen2-0.5b"]  # fmt: skip
@@ -241,7 +241,7 @@ def test_mirrored_tokenizer_is_preferred(tiny_registry, monkeypatch):
         tok.pad_token = "!"
         return tok
 
-    monkeypatch.setattr(models, "_load_tokenizer", from_cache)
+    monkeypatch.setattr(resolve, "_load_tokenizer", from_cache)
     r = resolve_model("llama-tiny", task_num_labels=2, init="random", seed=0)
     assert seen == ["zfctl-test/llama-tiny"]
     assert isinstance(r.tokenizer, PreTrainedTokenizerBase)
@@ -274,14 +274,14 @@ def test_a_vocabulary_too_small_for_gpt2_ids_rehearses_on_bytes(name):
     from transformers import ByT5Tokenizer
 
     arch = architecture(name)
-    tok, source = models._rehearsal_tokenizer(arch, "the Hugging Face cache")
+    tok, source = tokenizer._rehearsal_tokenizer(arch, "the Hugging Face cache")
     assert isinstance(tok, ByT5Tokenizer)
     ids = tok(["a gripping, funny film ☺"])["input_ids"][0]
     assert max(ids) < 384 <= arch.vocab_size
     assert len(ids) == len("a gripping, funny film ☺".encode()) + 1  # bytes + eos
     assert source.startswith(f"UTF-8 bytes (rehearsal: the {name} tokenizer is")
     assert "past its vocabulary of 32000" in source
-    gpt2_tok, gpt2_source = models._rehearsal_tokenizer(architecture("qwen2-0.5b"), "x")
+    gpt2_tok, gpt2_source = tokenizer._rehearsal_tokenizer(architecture("qwen2-0.5b"), "x")
     assert not isinstance(gpt2_tok, ByT5Tokenizer) and gpt2_source.startswith("GPT-2 BPE")
 
 

@@ -233,10 +233,11 @@ def test_final_checkpoint_is_written_before_the_flush_from_the_engines_state(
     second copy of the optimizer state in host memory), and before the final evaluation."""
     from zenflow import ZenFlowEngine
     from zenflow.train import trainer
+    from zenflow.train.resume import RunCheckpoints
 
     order, shared = [], []
-    real_state = trainer._Run.checkpoint_state
-    real_save = trainer._Run.save_checkpoint
+    real_state = RunCheckpoints.state
+    real_save = RunCheckpoints.save
     real_flush = ZenFlowEngine.flush
     real_eval = trainer._Run.evaluate
 
@@ -256,8 +257,8 @@ def test_final_checkpoint_is_written_before_the_flush_from_the_engines_state(
         order.append("eval")
         return real_eval(self, *a, **kw)
 
-    monkeypatch.setattr(trainer._Run, "checkpoint_state", state_spy)
-    monkeypatch.setattr(trainer._Run, "save_checkpoint", save_spy)
+    monkeypatch.setattr(RunCheckpoints, "state", state_spy)
+    monkeypatch.setattr(RunCheckpoints, "save", save_spy)
     monkeypatch.setattr(ZenFlowEngine, "flush", flush_spy)
     monkeypatch.setattr(trainer._Run, "evaluate", eval_spy)
     run_finetune(make_spec(tiny_gpt2_dir, sample_dir, tmp_path, engine_mode="zenflow",

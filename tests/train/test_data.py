@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
+from zenflow.errors import DataError
 from zenflow.train import data
-from zenflow.train.data import DataError, Example, get_task, load_task
+from zenflow.train.data import Example, encoding, get_task, glue, load_task
 from zenflow.train.models import packaged_gpt2_tokenizer
 
 
@@ -212,7 +213,7 @@ def test_glue_hub_preset_reads_the_hub_rows(monkeypatch):
     in-memory dataset (no hub here); the real hub/cache path is the datasets library's."""
     import datasets
 
-    from zenflow.train import hub_data
+    from zenflow.train.data import hub
 
     rows = {
         "train": {"premise": ["p1", "p2"], "hypothesis": ["h1", "h2"], "label": [2, 0]},
@@ -225,11 +226,11 @@ def test_glue_hub_preset_reads_the_hub_rows(monkeypatch):
         return datasets.Dataset.from_dict(rows[split])
 
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
-    hub_data._load.cache_clear()
+    hub._load.cache_clear()
     try:
         td = load_task("mnli")
     finally:
-        hub_data._load.cache_clear()
+        hub._load.cache_clear()
     assert asked == [
         ("nyu-mll/glue", "mnli", "train"),
         ("nyu-mll/glue", "mnli", "validation_matched"),
@@ -251,7 +252,7 @@ def test_sst2_sample_writer(tmp_path):
     pos = {w for e in td.train if e.label == 1 for w in e.texts[0].split()}
     neg = {w for e in td.train if e.label == 0 for w in e.texts[0].split()}
     # Learnable: the sentiment words of the two classes do not overlap.
-    assert set(data._POS_ADJ) <= pos and not set(data._POS_ADJ) & neg
+    assert set(glue._POS_ADJ) <= pos and not set(glue._POS_ADJ) & neg
 
 
 # ------------------------------------------------------------------- encode and batch
@@ -306,7 +307,7 @@ def test_truncation_line_counts_eval_whole_and_samples_a_large_train(gpt2_tok, m
     assert data.truncation_line(td, gpt2_tok, 64, seed=0) == (
         "none truncated at --seq-len 64 tokens: train 0 of 10 (0.0%), eval 0 of 2 (0.0%)"
     )
-    monkeypatch.setattr(data, "TRUNCATION_SAMPLE", 5)
+    monkeypatch.setattr(encoding, "TRUNCATION_SAMPLE", 5)
     sampled = data.truncation_line(td, gpt2_tok, 16, seed=0)
     assert "train " in sampled and " of a 5-row sample of 10 (" in sampled
     assert sampled == data.truncation_line(td, gpt2_tok, 16, seed=0)  # seeded

@@ -11,9 +11,18 @@ import pytest
 import torch
 
 from zenflow.errors import DataError
-from zenflow.train.lm import choice_set, evaluate_lm, lm_loss, load_lm_data, loss_tokens
+from zenflow.train.data import (
+    IGNORE,
+    build_sft,
+    choice_set,
+    evaluate_lm,
+    lm_loss,
+    load_lm_data,
+    loss_tokens,
+    records_from,
+    score_completions,
+)
 from zenflow.train.models import packaged_gpt2_tokenizer
-from zenflow.train.sft import IGNORE, build_sft, records_from, score_completions
 
 SMALL_VOCAB = 97  # a prime: random ids, no tokenizer
 

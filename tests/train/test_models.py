@@ -16,6 +16,7 @@ from zenflow.train import models
 from zenflow.train.models import (
     PACKAGED_MODELS,
     count_params,
+    packaged,
     packaged_gpt2_tokenizer,
     packaged_model_dir,
     packaged_zip,
@@ -210,7 +211,7 @@ def test_extraction_is_reused_not_repeated(minilm, monkeypatch):
     root, _ = minilm
     monkeypatch.setenv(models.MODEL_DIR_ENV, str(root))
     calls = []
-    monkeypatch.setattr(models, "_extract_atomically", lambda *a: calls.append(a))
+    monkeypatch.setattr(packaged, "_extract_atomically", lambda *a: calls.append(a))
     directory, _, version = packaged_model_dir(MINILM)
     assert calls == [] and directory == root / f"minilm-{version}"
     assert sorted(p.name for p in root.iterdir()) == [f"minilm-{version}"]  # no temp dirs
@@ -239,7 +240,7 @@ def test_extraction_is_atomic(tmp_path, monkeypatch):
         seen.append((Path(path).name, target.exists()))  # the target appears only at rename
 
     monkeypatch.setattr(zipfile.ZipFile, "extractall", extract_and_look)
-    models._extract_atomically(zip_path, target)
+    packaged._extract_atomically(zip_path, target)
     assert len(seen) == 1 and seen[0][0].startswith(f".m-1.0.tmp-{os.getpid()}-")
     assert seen[0][1] is False
     assert (target / "config.json").read_text() == '{"model_type": "bert"}'
@@ -257,7 +258,7 @@ def test_failed_extraction_leaves_no_target(tmp_path, monkeypatch):
 
     monkeypatch.setattr(zipfile.ZipFile, "extractall", half_then_crash)
     with pytest.raises(OSError, match="disk full"):
-        models._extract_atomically(zip_path, target)
+        packaged._extract_atomically(zip_path, target)
     assert list(target.parent.iterdir()) == []  # no half-extracted dir, no temp dir
 
 
@@ -271,7 +272,7 @@ def test_corrupt_zip_is_refused(tmp_path):
     bad = tmp_path / "bad.zip"
     bad.write_bytes(bytes(data))
     with pytest.raises(ModelSourceError, match="is corrupt .*weights.bin"):
-        models._extract_atomically(bad, tmp_path / "cache" / "m")
+        packaged._extract_atomically(bad, tmp_path / "cache" / "m")
     assert list((tmp_path / "cache").iterdir()) == []
 
 

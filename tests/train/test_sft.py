@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from zenflow.errors import DataError, EngineError
-from zenflow.train.models import packaged_gpt2_tokenizer
-from zenflow.train.sft import (
+from zenflow.train.data import (
     CHAT,
     IGNORE,
     PACKING_MODEL_TYPES,
@@ -22,7 +21,6 @@ from zenflow.train.sft import (
     RecordFields,
     SFTData,
     Tokenised,
-    _token_loss_mask,
     build_sft,
     check_packing_support,
     completion_logprob,
@@ -36,6 +34,8 @@ from zenflow.train.sft import (
     score_completions,
     token_loss_sum,
 )
+from zenflow.train.data.record_encoding import _token_loss_mask
+from zenflow.train.models import packaged_gpt2_tokenizer
 
 # Each turn: "<|role|>\n" header, content, "<|end|>\n"; the generation prompt is the
 # assistant header. The markers are plain text to GPT-2 (several tokens each).

@@ -227,11 +227,11 @@ def test_signals_during_a_save_end_with_a_whole_checkpoint_and_exact_resume(
     losses, evaluations and final weights."""
     import threading
 
-    from zenflow.train import trainer
+    from zenflow.train.resume import RunCheckpoints
 
     ref_losses, ref_evals, ref_params = storm_straight
     _slow_host_steps(monkeypatch, 0.5)
-    real_state = trainer._Run.checkpoint_state
+    real_state = RunCheckpoints.state
 
     def send_storm():
         for item in storm:
@@ -246,7 +246,7 @@ def test_signals_during_a_save_end_with_a_whole_checkpoint_and_exact_resume(
             time.sleep(0.005)  # the first signal lands in the capture, before its drain ends
         return real_state(self, step, *a, **kw)
 
-    monkeypatch.setattr(trainer._Run, "checkpoint_state", checkpoint_state)
+    monkeypatch.setattr(RunCheckpoints, "state", checkpoint_state)
 
     class Events(list):
         def __call__(self, e):

@@ -68,16 +68,16 @@ def test_disk_full_during_a_checkpoint(tiny_gpt2_dir, sample_dir, tmp_path, monk
 
 
 def test_disk_full_writing_metrics(tiny_gpt2_dir, sample_dir, tmp_path, monkeypatch):
-    from zenflow.train import trainer
+    from zenflow.train.metrics import MetricsLog
 
-    real = trainer._Run.write_metrics
+    real = MetricsLog.write
 
     def full_at_step_3(self, record):
         if record.get("step") == 3:
-            self.metrics_file.write = _raise_enospc
+            self.file.write = _raise_enospc
         real(self, record)
 
-    monkeypatch.setattr(trainer._Run, "write_metrics", full_at_step_3)
+    monkeypatch.setattr(MetricsLog, "write", full_at_step_3)
     spec = make_spec(tiny_gpt2_dir, sample_dir, tmp_path, engine_mode="device", max_steps=6,
                      checkpoint_every=1)  # fmt: skip
     with pytest.raises(StorageError) as exc:

@@ -10,15 +10,16 @@ from pathlib import Path
 import pytest
 
 from zenflow.errors import DataError
-from zenflow.train.data import METRICS, compute_metrics
-from zenflow.train.tables import (
-    FORMATS,
+from zenflow.train.data import (
+    METRICS,
     LabelSet,
+    compute_metrics,
     infer_labels,
     load_table_task,
     read_rows,
     seeded_split,
 )
+from zenflow.train.data.tables import FORMATS
 
 # Quotes, commas and a non-ASCII letter: each format must give these texts back unchanged.
 RECORDS = [

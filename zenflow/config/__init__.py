@@ -1,6 +1,8 @@
 """zenflow.config: the DeepSpeed config contract (ZENFLOW.md section 3) and the LR schedules.
 
-``schema`` holds the frozen dataclasses and ``ConfigError``; ``rules`` the checks;
+``schema`` holds the frozen dataclasses and ``ConfigError``; ``rules`` the checks (``readers``:
+typed readers that collect problems; ``zenflow_block``: the zenflow block and ZeRO section;
+``training_sections``: optimizer, scheduler, batch sizes);
 ``loader`` reading, overrides and ``load_config``; ``lr_schedule`` DeepSpeed's schedules.
 ``architectures``: the built-in model shapes by name (`zfctl estimate` and `zfctl finetune`).
 """

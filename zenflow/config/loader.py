@@ -19,8 +19,9 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from zenflow.config.rules import parse_zenflow, validate
+from zenflow.config.rules import validate
 from zenflow.config.schema import Config, ConfigError, ConfigProblem
+from zenflow.config.zenflow_block import parse_zenflow
 from zenflow.errors import undecodable_at
 
 # Levels of objects/arrays allowed (the top-level object is level 1).

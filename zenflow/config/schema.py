@@ -21,7 +21,8 @@ caller, never silently dropped and never an error):
   ``output_path``, ``job_name``) and ``wandb`` (``enabled``, ``group``, ``team``,
   ``project``): see ``MonitorConfig``; zenflow.train.monitors writes them.
 
-The rules are in ``zenflow.config.rules``, loading in ``zenflow.config.loader``. Every
+The rules are in ``zenflow.config.rules`` (with ``readers``, ``zenflow_block`` and
+``training_sections``), loading in ``zenflow.config.loader``. Every
 problem of one file is collected and raised together in one ``ConfigError``; each names
 the JSON path, the bad value, what is allowed and how to fix it. ``null`` for an honoured
 key outside the zenflow block means "not given" (as in DeepSpeed). HF-style ``"auto"``
@@ -333,7 +334,7 @@ class Config:
     bf16: bool | str
     """bf16 weights, gradients and autocast (``bf16.enabled``): true, false or "auto" (the
     DeepSpeed / HF convention: on for a CUDA device with bf16 and for sim, off on the CPU;
-    resolved by the engine, ``zenflow.engine.schedule.resolve_bf16``)."""
+    resolved by the engine, ``zenflow.engine.engine_setup.resolve_bf16``)."""
     fp16: bool
     """Always False: fp16 is rejected as not supported by the engine."""
     steps_per_print: int

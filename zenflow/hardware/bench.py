@@ -330,28 +330,9 @@ def run_bench(
     ``"run"`` (before each child: round, contender, index) and ``"done"`` (after it: mean ms),
     and ``"note"`` lines. ``runner`` runs one job (tests may pass their own).
     """
-    from zenflow.hardware.bench_worker import preset_shape
-
     emit = on_progress or (lambda _event: None)
-    if spec.rounds < 1 or spec.steps < 1 or spec.micro_batch < 1 or spec.seq_len < 2:
-        raise UserInputError(
-            "--rounds, --steps and --micro-batch must be at least 1, --seq-len at least 2."
-        )
-    if spec.warmup_windows < 0:
-        raise UserInputError("--warmup-windows must be 0 or more.")
-    preset_shape(spec.model)  # a malformed LxW preset fails here, before any child starts
-    _check_device(spec)
-    notes: list[str] = []
-    skipped: dict[str, str] = {}
-    engines = spec.engines
-    if spec.device == "sim":
-        for name in (e for e in engines if e in DEEPSPEED_ENGINES):
-            skipped[name] = "DeepSpeed runs on cpu or cuda only, not on the sim accelerator"
-        engines = tuple(e for e in engines if e not in DEEPSPEED_ENGINES)
-        for name, why in skipped.items():
-            notes.append(f"{name} skipped: {why}")
-    if not engines:
-        raise UserInputError("No engine left to run on --device sim; add one of ours.")
+    _check_spec(spec)
+    engines, skipped, notes = _engines_here(spec)
     warmup, measured = window_steps(spec)
     if measured != spec.steps:
         notes.append(
@@ -367,34 +348,10 @@ def run_bench(
     base = {"model": spec.model, "micro_batch": spec.micro_batch, "seq_len": spec.seq_len,
             "device": spec.device, "seed": spec.seed, "deadline_s": spec.deadline_s,
             "warmup": warmup, "measured": measured}  # fmt: skip
-    accel = "cuda" if spec.device == "cuda" else "cpu"
     if uses_ds:
-        emit({"event": "run", "round": 0, "contender": "preparing DeepSpeed's ops", "index": 0})
-        builders = ["CPUAdamBuilder"] + (["ShareMemCommBuilder"] if accel == "cpu" else [])
-        log = str(logdir / "prepare-deepspeed.log")
-        env = {"DS_ACCELERATOR": accel}
-        runner(
-            {**base, "engine": "prepare-deepspeed", "builders": builders, "log": log, "env": env}
-        )
-        emit({"event": "done", "contender": "preparing DeepSpeed's ops", "mean_ms": None})
-    results: dict[str, list[dict]] = {}
-    first: dict | None = None
-    for index, (rnd, contender) in enumerate(schedule):
-        emit({"event": "run", "round": rnd, "contender": contender, "index": index})
-        job = {**base, "engine": contender, "round": rnd,
-               "ds_config": ds_config(spec, contender),
-               "log": str(logdir / f"r{rnd}-{contender}.log")}  # fmt: skip
-        if contender.startswith("deepspeed-"):
-            # Only names DeepSpeed's shared-memory segment; removed after the child.
-            port = str(20000 + (os.getpid() * 64 + index) % 40000)
-            job["env"] = {"DS_ACCELERATOR": accel, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-        result = runner(job)
-        first = first or result
-        results.setdefault(contender, []).append(result)
-        emit({"event": "done", "round": rnd, "contender": contender,
-              "mean_ms": statistics.fmean(r["ms"] for r in result["records"])})  # fmt: skip
+        _prepare_deepspeed(spec, base, logdir, emit, runner)
+    results, first = _run_schedule(spec, schedule, base, logdir, emit, runner)
     shutil.rmtree(logdir, ignore_errors=True)  # kept on failure (BenchError names it)
-    assert first is not None
     model_bytes, params = int(first["model_bytes"]), int(first["params"])
     return {
         "engines": summarize(results, model_bytes, params),
@@ -419,6 +376,89 @@ def run_bench(
         "notes": notes,
         "machine": _machine(),
     }
+
+
+def _check_spec(spec: BenchSpec) -> None:
+    """Refuse what cannot run before any child starts."""
+    from zenflow.hardware.bench_worker import preset_shape
+
+    if spec.rounds < 1 or spec.steps < 1 or spec.micro_batch < 1 or spec.seq_len < 2:
+        raise UserInputError(
+            "--rounds, --steps and --micro-batch must be at least 1, --seq-len at least 2."
+        )
+    if spec.warmup_windows < 0:
+        raise UserInputError("--warmup-windows must be 0 or more.")
+    preset_shape(spec.model)  # a malformed LxW preset fails here, before any child starts
+    _check_device(spec)
+
+
+def _engines_here(spec: BenchSpec) -> tuple[tuple[str, ...], dict[str, str], list[str]]:
+    """(engines that run on ``spec.device``, skipped ones with why, notes saying so)."""
+    notes: list[str] = []
+    skipped: dict[str, str] = {}
+    engines = spec.engines
+    if spec.device == "sim":
+        for name in (e for e in engines if e in DEEPSPEED_ENGINES):
+            skipped[name] = "DeepSpeed runs on cpu or cuda only, not on the sim accelerator"
+        engines = tuple(e for e in engines if e not in DEEPSPEED_ENGINES)
+        for name, why in skipped.items():
+            notes.append(f"{name} skipped: {why}")
+    if not engines:
+        raise UserInputError("No engine left to run on --device sim; add one of ours.")
+    return engines, skipped, notes
+
+
+def _ds_accelerator(spec: BenchSpec) -> str:
+    """DeepSpeed's accelerator for ``spec.device`` (DS_ACCELERATOR)."""
+    return "cuda" if spec.device == "cuda" else "cpu"
+
+
+def _prepare_deepspeed(
+    spec: BenchSpec,
+    base: dict,
+    logdir: Path,
+    emit: Callable[[dict], None],
+    runner: Callable[[dict], dict],
+) -> None:
+    """Build DeepSpeed's ops once, in a child of their own, before the first round."""
+    accel = _ds_accelerator(spec)
+    emit({"event": "run", "round": 0, "contender": "preparing DeepSpeed's ops", "index": 0})
+    builders = ["CPUAdamBuilder"] + (["ShareMemCommBuilder"] if accel == "cpu" else [])
+    log = str(logdir / "prepare-deepspeed.log")
+    env = {"DS_ACCELERATOR": accel}
+    runner({**base, "engine": "prepare-deepspeed", "builders": builders, "log": log, "env": env})
+    emit({"event": "done", "contender": "preparing DeepSpeed's ops", "mean_ms": None})
+
+
+def _run_schedule(
+    spec: BenchSpec,
+    schedule: list[tuple[int, str]],
+    base: dict,
+    logdir: Path,
+    emit: Callable[[dict], None],
+    runner: Callable[[dict], dict],
+) -> tuple[dict[str, list[dict]], dict]:
+    """Every (round, contender) of ``schedule`` in order, one child each: their results by
+    contender (rounds in order), and the first result (the model's size and source)."""
+    results: dict[str, list[dict]] = {}
+    first: dict | None = None
+    for index, (rnd, contender) in enumerate(schedule):
+        emit({"event": "run", "round": rnd, "contender": contender, "index": index})
+        job = {**base, "engine": contender, "round": rnd,
+               "ds_config": ds_config(spec, contender),
+               "log": str(logdir / f"r{rnd}-{contender}.log")}  # fmt: skip
+        if contender.startswith("deepspeed-"):
+            # Only names DeepSpeed's shared-memory segment; removed after the child.
+            port = str(20000 + (os.getpid() * 64 + index) % 40000)
+            job["env"] = {"DS_ACCELERATOR": _ds_accelerator(spec), "MASTER_ADDR": "127.0.0.1",
+                          "MASTER_PORT": port}  # fmt: skip
+        result = runner(job)
+        first = first or result
+        results.setdefault(contender, []).append(result)
+        emit({"event": "done", "round": rnd, "contender": contender,
+              "mean_ms": statistics.fmean(r["ms"] for r in result["records"])})  # fmt: skip
+    assert first is not None
+    return results, first
 
 
 def _machine() -> dict:

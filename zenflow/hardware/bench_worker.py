@@ -83,7 +83,7 @@ def build_model(name: str, seed: int):
 
 def make_batch(model, micro_batch: int, seq_len: int, seed: int, device) -> dict:
     """A seeded random token batch (no pad tokens) with 2-class labels."""
-    from zenflow.hardware.measure import random_batch
+    from zenflow.hardware.probe_model import random_batch
 
     return random_batch(model, micro_batch, seq_len, device, seed=seed + 1)
 
@@ -109,8 +109,6 @@ def run_contender(job: dict) -> dict:
     """Warm up, then time ``job["measured"]`` steps of one engine; per-step records back."""
     import torch
 
-    from zenflow.engine.accelerator import device_synchronize
-
     device = torch.device("cuda" if job["device"] == "cuda" else "cpu")
     if job.get("threads"):
         torch.set_num_threads(int(job["threads"]))
@@ -122,42 +120,13 @@ def run_contender(job: dict) -> dict:
     model_bytes = sum(p.numel() * p.element_size() for p in params)
     engine = _make_engine(job, model)
     if engine is None and job["device"] == "sim":
-        # the floor's forward+backward runs where the engines' does: on the simulated
-        # device's reserved share of the cores
-        from zenflow.engine.accelerator import SimAccelerator
-
-        sim = SimAccelerator()
-        torch.set_num_threads(sim.compute_threads(0.5, False)[0])
-        sim.close()
+        _floor_on_sim_share()
     if engine is not None:  # in the training dtype (bf16 weights are cast by the engine)
         model_bytes = engine.model_bytes
     threads = torch.get_num_threads()  # the training thread's share (close() restores it)
     forward = getattr(engine, "train_module", model)
-    records = []
     try:
-        for i in range(job["warmup"] + job["measured"]):
-            t0 = time.perf_counter()
-            ctx = engine.autocast() if engine is not None else _null()
-            with ctx:
-                loss = forward(**batch).loss
-            if engine is None:
-                loss.backward()
-                model.zero_grad(set_to_none=True)
-                float(loss)  # the one read a training loop does per step (the engines' too)
-                stats = None
-            else:
-                engine.backward(loss)
-                stats = engine.step(loss)
-                engine.zero_grad()
-            # No full sync per step: it would drain the engine's copy streams and remove the
-            # overlap being measured. The device work still queued at the end of the
-            # measured steps is waited for once and counted in the last step.
-            last = i == job["warmup"] + job["measured"] - 1
-            if last:
-                device_synchronize(device)
-            ms = (time.perf_counter() - t0) * 1e3
-            if i >= job["warmup"]:
-                records.append(_record(ms, stats, engine))
+        records = _timed_steps(job, engine, model, forward, batch, device)
         resolved = dict(engine.resolved) if engine is not None else {"mode": "floor"}
     finally:
         if engine is not None:
@@ -170,6 +139,50 @@ def run_contender(job: dict) -> dict:
         "threads": threads,
         "resolved": {k: v for k, v in resolved.items() if _plain(v)},
     }
+
+
+def _floor_on_sim_share() -> None:
+    """The floor's forward+backward runs where the engines' does: on the simulated device's
+    reserved share of the cores."""
+    import torch
+
+    from zenflow.engine.accelerator import SimAccelerator
+
+    sim = SimAccelerator()
+    torch.set_num_threads(sim.compute_threads(0.5, False)[0])
+    sim.close()
+
+
+def _timed_steps(job: dict, engine, model, forward, batch: dict, device) -> list[dict]:
+    """``job["warmup"]`` unmeasured steps, then a record of each measured one: forward,
+    backward, the engine's step and ``zero_grad`` (floor: backward and ``zero_grad`` only)."""
+    from zenflow.engine.accelerator import device_synchronize
+
+    records = []
+    for i in range(job["warmup"] + job["measured"]):
+        t0 = time.perf_counter()
+        ctx = engine.autocast() if engine is not None else _null()
+        with ctx:
+            loss = forward(**batch).loss
+        if engine is None:
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+            float(loss)  # the one read a training loop does per step (the engines' too)
+            stats = None
+        else:
+            engine.backward(loss)
+            stats = engine.step(loss)
+            engine.zero_grad()
+        # No full sync per step: it would drain the engine's copy streams and remove the
+        # overlap being measured. The device work still queued at the end of the
+        # measured steps is waited for once and counted in the last step.
+        last = i == job["warmup"] + job["measured"] - 1
+        if last:
+            device_synchronize(device)
+        ms = (time.perf_counter() - t0) * 1e3
+        if i >= job["warmup"]:
+            records.append(_record(ms, stats, engine))
+    return records
 
 
 def _record(ms: float, stats, engine) -> dict:

@@ -2,12 +2,12 @@
 
 ``measure_cpu_adam`` times the CPU Adam step (native or, with the reason, the reference) on
 a given number of threads; ``measure_fwd_bwd`` times forward+backward of a probe model
-(``load_probe_model``: a Hugging Face model or a built-in GPT-2 shape, on the device and in
-the dtype the engine would train it in); ``measure_device_adam`` times the engine's device
-update of every column (topk 1.0); ``measure_overlap`` runs one update window with the host
-step on a worker thread beside the device work, and without; ``measure_engine`` times real
-``ZenFlowEngine`` steps. Each returns plain data that ``zenflow.hardware.tuning`` decides
-from.
+(``zenflow.hardware.probe_model``: a Hugging Face model or a built-in GPT-2 shape, on the
+device and in the dtype the engine would train it in; its names are re-exported here);
+``measure_device_adam`` times the engine's device update of every column (topk 1.0);
+``measure_overlap`` runs one update window with the host step on a worker thread beside the
+device work, and without; ``measure_engine`` times real ``ZenFlowEngine`` steps. Each
+returns plain data that ``zenflow.hardware.tuning`` decides from; nothing here decides.
 """
 
 from __future__ import annotations
@@ -19,13 +19,22 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from zenflow.hardware.probe_model import (
+    BUILTIN_SHAPES,
+    BUILTIN_SMALL,
+    ProbeModel,
+    fwd_bwd_once,
+    load_probe_model,
+    random_batch,
+)
 from zenflow.hardware.probes import median_seconds
 
-# Built-in GPT-2 shapes (layers, width, heads; GPT-2 vocabulary), random init. The first is
-# the --quick default, the architecture of ZENFLOW.md section 7 (38.4M params); the second
-# is a toy for tests.
-BUILTIN_SHAPES = {"builtin:gpt2-4x512": (4, 512, 8), "builtin:gpt2-2x128": (2, 128, 4)}
-BUILTIN_SMALL = "builtin:gpt2-4x512"
+__all__ = [
+    "BUILTIN_SHAPES", "BUILTIN_SMALL", "AccumulateProbe", "AdamProbe", "DeviceAdamProbe",
+    "OverlapProbe", "ProbeModel", "fwd_bwd_once", "load_probe_model", "measure_accumulate",
+    "measure_cpu_adam", "measure_device_adam", "measure_engine", "measure_fwd_bwd",
+    "measure_overlap", "random_batch", "resolve_adam", "torch_threads",
+]  # fmt: skip
 
 # Hyper-parameters of the timed Adam steps (the time does not depend on them).
 _ADAM_HP = {"lr": 1e-4, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
@@ -149,141 +158,6 @@ def measure_accumulate(
 # Model forward+backward
 
 
-@dataclass
-class ProbeModel:
-    """The model whose forward+backward is timed, with its parameter counts."""
-
-    name: str
-    source: str  # where the weights came from, in words
-    model: object
-    batch: dict
-    params_total: int
-    params_2d: int
-    micro_batch: int
-    seq_len: int
-    device: str = "cpu"  # "cpu" or "cuda" (the simulated accelerator computes on the CPU)
-    bf16: bool = False  # bf16 weights and bf16 autocast, as the engine trains with bf16
-
-
-def load_probe_model(
-    name: str,
-    micro_batch: int,
-    seq_len: int,
-    seed: int = 0,
-    *,
-    device: str | None = None,
-    bf16: bool = False,
-    gradient_checkpointing: bool = False,
-) -> ProbeModel:
-    """Build the model (2 labels, like a GLUE task) and a random token batch for timing.
-
-    ``device``: "cuda" or "cpu" (None: cuda when available). ``bf16``: the weights cast to
-    bf16 and forward run under bf16 autocast, as ``ZenFlowEngine`` does with bf16 enabled.
-    ``gradient_checkpointing``: transformers' activation recomputation, as ``zfctl finetune
-    --gradient-checkpointing`` runs (forward+backward then includes the recomputation).
-    """
-    import torch
-
-    torch.manual_seed(seed)
-    if name in BUILTIN_SHAPES:
-        from transformers import GPT2Config, GPT2ForSequenceClassification
-
-        layers, width, heads = BUILTIN_SHAPES[name]
-        cfg = GPT2Config(
-            n_layer=layers, n_embd=width, n_head=heads, num_labels=2, pad_token_id=50256
-        )
-        model = GPT2ForSequenceClassification(cfg)
-        source = f"built-in GPT-2 shape ({layers} layers, width {width}), random init"
-    else:
-        model, source = _resolve_named_model(name, seed)
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model.to(device).train()
-    if bf16:
-        model.to(dtype=torch.bfloat16)
-    if gradient_checkpointing:
-        if not getattr(model, "supports_gradient_checkpointing", False):
-            from zenflow.errors import UserInputError
-
-            raise UserInputError(
-                f"--gradient-checkpointing: {type(model).__name__} does not support "
-                "activation checkpointing in transformers; run without it."
-            )
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    batch = random_batch(model, micro_batch, seq_len, device, name=name)
-    params = [p for p in model.parameters() if p.requires_grad]
-    return ProbeModel(
-        name=name,
-        source=source,
-        model=model,
-        batch=batch,
-        params_total=sum(p.numel() for p in params),
-        params_2d=sum(p.numel() for p in params if p.dim() == 2),
-        micro_batch=micro_batch,
-        seq_len=seq_len,
-        device=device.type,
-        bf16=bf16,
-    )
-
-
-def _resolve_named_model(name: str, seed: int) -> tuple[object, str]:
-    """The model through zenflow.train.models: its weights if available, else random init (said)."""
-    from zenflow.errors import ModelSourceError
-    from zenflow.train.models import resolve_model
-
-    try:
-        resolved = resolve_model(name, task_num_labels=2, init="pretrained", seed=seed)
-        return resolved.model, resolved.sources.get("model", "pretrained weights")
-    except ModelSourceError as exc:
-        first = str(exc).split(". ")[0]
-        resolved = resolve_model(name, task_num_labels=2, init="random", seed=seed)
-        return resolved.model, f"random init, seed {seed} (weights not available: {first})"
-
-
-def random_batch(model, micro_batch: int, seq_len: int, device, *, name="the model",
-                 seed: int | None = None) -> dict:  # fmt: skip
-    """Random token ids (no pad tokens: the last position is the sequence end) and 2-class
-    labels for a sequence classifier; refuses a ``seq_len`` beyond the model's positions.
-    ``seed``: a seeded generator (benchmarks), else torch's global RNG."""
-    import torch
-
-    from zenflow.errors import UserInputError
-
-    cfg = model.config
-    if getattr(cfg, "pad_token_id", None) is None:
-        cfg.pad_token_id = getattr(cfg, "eos_token_id", None) or 0
-    limit = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
-    if limit and seq_len > limit:
-        raise UserInputError(
-            f"--seq-len {seq_len} is longer than {name}'s {limit} positions; use --seq-len "
-            f"{limit} or less."
-        )
-    gen = None if seed is None else torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, max(2, cfg.vocab_size - 1), (micro_batch, seq_len), generator=gen)
-    ids[ids == cfg.pad_token_id] = 1
-    labels = torch.randint(0, 2, (micro_batch,), generator=gen)
-    return {
-        "input_ids": ids.to(device),
-        "attention_mask": torch.ones_like(ids).to(device),
-        "labels": labels.to(device),
-    }
-
-
-def fwd_bwd_once(pm: ProbeModel) -> None:
-    """One forward+backward; waits for the device so wall time covers its work."""
-    import torch
-
-    if pm.bf16:
-        with torch.autocast(device_type=pm.device, dtype=torch.bfloat16):
-            out = pm.model(**pm.batch)
-    else:
-        out = pm.model(**pm.batch)
-    out.loss.backward()
-    pm.model.zero_grad(set_to_none=True)
-    from zenflow.engine.accelerator import device_synchronize
-
-    device_synchronize(pm.batch["input_ids"].device)
-
-
 def measure_fwd_bwd(pm: ProbeModel, num_threads: int, repeats: int = 5) -> float:
     """Median ms of one forward+backward on ``num_threads`` torch threads (restored after)."""
     with torch_threads(num_threads):
@@ -321,7 +195,7 @@ def measure_device_adam(
 ) -> DeviceAdamProbe:
     """Median time of the engine's device update with every column selected (topk 1.0).
 
-    Per ZenFlow weight, as ``zenflow.engine.zenflow_mode`` does each step: the selected
+    Per ZenFlow weight, as ``zenflow.engine.zenflow`` does each step: the selected
     columns of the gradient gathered in fp32, AdamW (``zenflow.engine.device_adam``: torch's
     fused kernel where the engine would use it, else the reference) on the
     fp32 master (the gathered weight itself in fp32 training), the result written back into
@@ -439,79 +313,16 @@ def measure_overlap(
     same buffers reused, 16 bytes/param), which costs the same memory traffic as distinct
     buffers once they exceed the caches while capping memory at 256 MiB.
     """
-    import torch
-
-    fn = adam[0]
-    n = max(1, min(host_numel, chunk_numel))
-    param, grad = torch.randn(n), torch.randn(n)
-    exp_avg, exp_avg_sq = torch.zeros(n), torch.zeros(n)
-    step = [0]
-
-    def host_step(threads: int) -> None:
-        step[0] += 1
-        left = host_numel
-        while left > 0:
-            k = min(left, n)
-            fn(
-                param[:k],
-                grad[:k],
-                exp_avg[:k],
-                exp_avg_sq[:k],
-                step=step[0],
-                **_ADAM_HP,
-                num_threads=threads,
-            )
-            left -= k
-
-    on_windows, on_fbs, on_hosts, on_waits = [], [], [], []
-    off_windows, off_fbs, off_hosts = [], [], []
+    host_step = _ChunkedHostStep(adam[0], host_numel, chunk_numel)
     with torch_threads(train_threads):
-        for r in range(repeats + 1):
-            host_s: list[float] = []
-            failed: list[BaseException] = []
-
-            def worker(out: list[float] = host_s, err: list[BaseException] = failed) -> None:
-                t = time.perf_counter()
-                try:
-                    host_step(worker_threads)
-                except BaseException as exc:  # re-raised on the training thread below
-                    err.append(exc)
-                out.append(time.perf_counter() - t)
-
-            t0 = time.perf_counter()
-            th = threading.Thread(target=worker, name="zenflow-hw-host-step")
-            th.start()
-            fbs = []
-            for _ in range(update_interval):
-                t = time.perf_counter()
-                fwd_bwd_once(pm)
-                fbs.append(time.perf_counter() - t)
-            t_join = time.perf_counter()
-            th.join()
-            t1 = time.perf_counter()
-            if failed:
-                raise failed[0]
-            if r:  # the first window is a warm-up
-                on_windows.append(t1 - t0)
-                on_fbs.append(statistics.median(fbs))
-                on_hosts.append(host_s[0])
-                on_waits.append(t1 - t_join)
+        on_windows, on_fbs, on_hosts, on_waits = _overlapped_windows(
+            pm, host_step, update_interval, worker_threads, repeats
+        )
     off_train, off_host = (train_threads, worker_threads) if off_split else (all_threads,) * 2
     with torch_threads(off_train):
-        for r in range(repeats + 1):
-            fbs = []
-            t0 = time.perf_counter()
-            for _ in range(update_interval):
-                t = time.perf_counter()
-                fwd_bwd_once(pm)
-                fbs.append(time.perf_counter() - t)
-            t_host = time.perf_counter()
-            host_step(off_host)
-            t1 = time.perf_counter()
-            if r:
-                off_windows.append(t1 - t0)
-                off_fbs.append(statistics.median(fbs))
-                off_hosts.append(t1 - t_host)
+        off_windows, off_fbs, off_hosts = _serial_windows(
+            pm, host_step, update_interval, off_host, repeats
+        )
     med = statistics.median
     return OverlapProbe(
         update_interval=update_interval,
@@ -529,6 +340,100 @@ def measure_overlap(
         repeats=repeats,
         off_split=off_split,
     )
+
+
+class _ChunkedHostStep:
+    """The host step over ``host_numel`` params: the Adam op over chunks of one reused set of
+    ``min(host_numel, chunk_numel)``-element fp32 buffers, one step count for every call."""
+
+    def __init__(self, fn: Callable, host_numel: int, chunk_numel: int) -> None:
+        import torch
+
+        self.fn, self.host_numel = fn, host_numel
+        self.n = n = max(1, min(host_numel, chunk_numel))
+        self.param, self.grad = torch.randn(n), torch.randn(n)
+        self.exp_avg, self.exp_avg_sq = torch.zeros(n), torch.zeros(n)
+        self.step = 0
+
+    def __call__(self, threads: int) -> None:
+        self.step += 1
+        left = self.host_numel
+        while left > 0:
+            k = min(left, self.n)
+            self.fn(
+                self.param[:k],
+                self.grad[:k],
+                self.exp_avg[:k],
+                self.exp_avg_sq[:k],
+                step=self.step,
+                **_ADAM_HP,
+                num_threads=threads,
+            )
+            left -= k
+
+
+def _timed_steps(pm: ProbeModel, update_interval: int) -> list[float]:
+    """Seconds of each of one window's forward+backward steps."""
+    fbs = []
+    for _ in range(update_interval):
+        t = time.perf_counter()
+        fwd_bwd_once(pm)
+        fbs.append(time.perf_counter() - t)
+    return fbs
+
+
+def _overlapped_windows(pm: ProbeModel, host_step: _ChunkedHostStep, update_interval: int,
+                        worker_threads: int, repeats: int):  # fmt: skip
+    """Overlap on: each window's steps on this thread while the host step runs on a worker
+    thread; the window ends when both are done. The first window is a warm-up. Returns
+    (window, median step, host step, wait at the end) seconds per measured window."""
+    on_windows, on_fbs, on_hosts, on_waits = [], [], [], []
+    for r in range(repeats + 1):
+        host_s: list[float] = []
+        failed: list[BaseException] = []
+
+        def worker(out: list[float] = host_s, err: list[BaseException] = failed) -> None:
+            t = time.perf_counter()
+            try:
+                host_step(worker_threads)
+            except BaseException as exc:  # re-raised on the training thread below
+                err.append(exc)
+            out.append(time.perf_counter() - t)
+
+        t0 = time.perf_counter()
+        th = threading.Thread(target=worker, name="zenflow-hw-host-step")
+        th.start()
+        fbs = _timed_steps(pm, update_interval)
+        t_join = time.perf_counter()
+        th.join()
+        t1 = time.perf_counter()
+        if failed:
+            raise failed[0]
+        if r:  # the first window is a warm-up
+            on_windows.append(t1 - t0)
+            on_fbs.append(statistics.median(fbs))
+            on_hosts.append(host_s[0])
+            on_waits.append(t1 - t_join)
+    return on_windows, on_fbs, on_hosts, on_waits
+
+
+def _serial_windows(pm: ProbeModel, host_step: _ChunkedHostStep, update_interval: int,
+                    host_threads: int, repeats: int):  # fmt: skip
+    """Overlap off: each window's steps, then the host step on ``host_threads``. The first
+    window is a warm-up. Returns (window, median step, host step) seconds per measured
+    window."""
+    off_windows, off_fbs, off_hosts = [], [], []
+    for r in range(repeats + 1):
+        t0 = time.perf_counter()
+        fbs = _timed_steps(pm, update_interval)
+        t_host = time.perf_counter()
+        host_step(host_threads)
+        t1 = time.perf_counter()
+        if r:
+            off_windows.append(t1 - t0)
+            off_fbs.append(statistics.median(fbs))
+            off_hosts.append(t1 - t_host)
+    return off_windows, off_fbs, off_hosts
 
 
 def measure_engine(

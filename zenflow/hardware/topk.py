@@ -7,7 +7,7 @@ at any k):
 - **memory**: the device holds the selected columns' fp32 state (master and moments, a step
   count per column) beside everything else it holds (weights, gradients, dense-parameter
   state, copy buckets, activations). The bytes come from ``zfctl estimate``'s layout
-  (``zenflow.hardware.estimate.layout``, engine ``zenflow``) at each candidate k:
+  (``zenflow.hardware.layout.layout``, engine ``zenflow``) at each candidate k:
   ``memory_table``. The bound is the largest k whose layout fits the device (on a CPU,
   device and host share the RAM, so both sides must fit it together).
 - **time**: every step the device updates the selected columns and the dense params, and
@@ -105,7 +105,7 @@ def is_selected_item(item) -> bool:
 def memory_table(census, settings, grid: tuple[float, ...] = TOPK_GRID) -> tuple[TopkMemory, ...]:
     """The zenflow layout of ``census`` at every k of ``grid`` (``settings``: an estimate
     ``Settings``; its topk_ratio is replaced by each k)."""
-    from zenflow.hardware.estimate import layout
+    from zenflow.hardware.layout import layout
 
     rows = []
     for k in grid:

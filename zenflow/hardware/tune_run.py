@@ -5,7 +5,7 @@
 tensors in RAM unless ``device_mem`` models a GPU's memory) or "cpu" (the device is the CPU:
 said plainly, choices marked CPU-only). It wires the probes (``zenflow.hardware.probes``),
 the timed measurements (``zenflow.hardware.measure``) and the memory estimate
-(``zenflow.hardware.estimate``, via ``zenflow.hardware.topk``) into the pure
+(``zenflow.hardware.layout``, via ``zenflow.hardware.topk``) into the pure
 ``zenflow.hardware.tuning.choose``.
 """
 
@@ -20,7 +20,6 @@ from zenflow.errors import UserInputError
 from zenflow.hardware import topk as topk_bounds
 from zenflow.hardware.measure import (
     OverlapProbe,
-    load_probe_model,
     measure_accumulate,
     measure_cpu_adam,
     measure_device_adam,
@@ -29,6 +28,7 @@ from zenflow.hardware.measure import (
     measure_overlap,
     resolve_adam,
 )
+from zenflow.hardware.probe_model import load_probe_model
 from zenflow.hardware.probes import probe_accelerator, probe_cpu, probe_memory
 from zenflow.hardware.topk import MemoryBudget
 from zenflow.hardware.tuning import Choices, TuneInputs, choose, memory_verdict
@@ -122,7 +122,7 @@ def link_rates(acc, mem) -> tuple[float, float, str]:
 
 def arch_shape(model, num_labels: int = 2):
     """The activation estimate's shape of a transformers classification model, or None."""
-    from zenflow.hardware.estimate import ArchShape
+    from zenflow.hardware.census import ArchShape
 
     cfg = getattr(model, "config", None)
     try:
@@ -137,218 +137,283 @@ def arch_shape(model, num_labels: int = 2):
 
 def run_tune(settings: TuneSettings) -> dict:
     """Probe, measure and choose; returns the hw.json content (plain JSON-able dict)."""
-    import torch
+    run = _TuneRun(settings)
+    run.probe()
+    run.measure_host()
+    run.measure_model()
+    run.lay_out()
+    run.choose()
+    run.cross_check()
+    return run.hw_json()
 
-    from zenflow.hardware.estimate import Settings, census_of
 
-    device = resolve_device(settings.device, settings.device_mem)
-    say = settings.progress or (lambda _msg: None)
-    quick = settings.quick
-    repeats = 3 if quick else 5  # forward+backward and overlap windows; the rest is cheap
-    notes: list[str] = []
+class _TuneRun:
+    """One tune-hw run, step by step; each step keeps what it measured for the next ones
+    and for hw.json, and adds its notes in the order they are shown."""
 
-    say(f"probing CPU, memory and the device ({device})")
-    load_1min = os.getloadavg()[0]  # before this run adds its own load
-    cpu = probe_cpu()
-    mem = probe_memory(buffer_mb=64 if quick else 256, repeats=5)
-    acc = probe_accelerator(buffer_mb=64 if quick else 256, repeats=5, kind=device)
-    cores = max(1, min(cpu.usable_cores, torch.get_num_threads() or cpu.usable_cores))
-    if device == "cpu":
-        notes.append(CPU_ONLY_NOTE)
-    elif device == "sim":
-        notes.append(SIM_NOTE)
-    if load_1min > 0.5:
-        notes.append(
-            f"Other processes were using the CPU (1-minute load {load_1min:.1f} on {cores} "
-            "cores) when measuring started: the figures are noisy; rerun on an idle machine "
-            "for firm numbers."
+    def __init__(self, settings: TuneSettings) -> None:
+        self.settings = settings
+        self.device = resolve_device(settings.device, settings.device_mem)
+        self.say = settings.progress or (lambda _msg: None)
+        self.quick = settings.quick
+        # forward+backward and overlap windows; the rest is cheap
+        self.repeats = 3 if self.quick else 5
+        self.notes: list[str] = []
+
+    def probe(self) -> None:
+        """CPU, memory and the device; the training shares of the cores to measure."""
+        import torch
+
+        device, quick = self.device, self.quick
+        self.say(f"probing CPU, memory and the device ({device})")
+        self.load_1min = os.getloadavg()[0]  # before this run adds its own load
+        self.cpu = cpu = probe_cpu()
+        self.mem = probe_memory(buffer_mb=64 if quick else 256, repeats=5)
+        self.acc = probe_accelerator(buffer_mb=64 if quick else 256, repeats=5, kind=device)
+        self.cores = cores = max(
+            1, min(cpu.usable_cores, torch.get_num_threads() or cpu.usable_cores)
         )
+        if device == "cpu":
+            self.notes.append(CPU_ONLY_NOTE)
+        elif device == "sim":
+            self.notes.append(SIM_NOTE)
+        if self.load_1min > 0.5:
+            self.notes.append(
+                f"Other processes were using the CPU (1-minute load {self.load_1min:.1f} on "
+                f"{cores} cores) when measuring started: the figures are noisy; rerun on an "
+                "idle machine for firm numbers."
+            )
+        # Training share candidates: half the cores; without --quick also three quarters. On
+        # sim a share t is the engine's split for pt_reserved_cores_perc = t / cores (t device
+        # threads, cores - t host threads).
+        shares = sorted({max(1, cores // 2)} | (set() if quick else {max(1, 3 * cores // 4)}))
+        self.shares = [t for t in shares if t < cores] or [cores]
 
-    # Training share candidates: half the cores; without --quick also three quarters. On
-    # sim a share t is the engine's split for pt_reserved_cores_perc = t / cores (t device
-    # threads, cores - t host threads).
-    shares = sorted({max(1, cores // 2)} | (set() if quick else {max(1, 3 * cores // 4)}))
-    shares = [t for t in shares if t < cores] or [cores]
-
-    say("resolving the native CPU Adam" + ("" if quick else " (builds on first use)"))
-    adam = resolve_adam(allow_build=not quick)
-    if adam[2]:
-        notes.append(f"CPU Adam measured with the plain PyTorch reference: {adam[2]}.")
-    adam_numel = (8 if quick else 16) * 2**20
-    say(f"measuring CPU Adam ({adam[1]}) on {adam_numel / 2**20:.0f}M params")
-    adam_all = measure_cpu_adam(adam_numel, cores, 5, adam)
-    adam_by_threads = {cores: adam_all}
-    for t in shares:
-        w = cores - t
-        if w >= 1 and w not in adam_by_threads:
-            adam_by_threads[w] = measure_cpu_adam(adam_numel, w, 5, adam)
-
-    # The host's accumulation of the streamed pieces (a separate device only: a CPU device
-    # sums where autograd writes), on the cores the worker has beside the training thread
-    acc_by_threads = {}
-    if device != "cpu":
-        say(f"measuring the host's gradient accumulation on {adam_numel / 2**20:.0f}M elements")
-        for t in shares:
+    def measure_host(self) -> None:
+        """The host's CPU Adam on all cores and on each worker share, and (a separate device
+        only) its accumulation of the streamed pieces."""
+        cores, quick = self.cores, self.quick
+        self.say("resolving the native CPU Adam" + ("" if quick else " (builds on first use)"))
+        self.adam = adam = resolve_adam(allow_build=not quick)
+        if adam[2]:
+            self.notes.append(f"CPU Adam measured with the plain PyTorch reference: {adam[2]}.")
+        adam_numel = (8 if quick else 16) * 2**20
+        self.say(f"measuring CPU Adam ({adam[1]}) on {adam_numel / 2**20:.0f}M params")
+        self.adam_all = measure_cpu_adam(adam_numel, cores, 5, adam)
+        self.adam_by_threads = {cores: self.adam_all}
+        for t in self.shares:
             w = cores - t
-            if w >= 1 and w not in acc_by_threads:
-                acc_by_threads[w] = measure_accumulate(adam_numel, w, settings.bf16)
+            if w >= 1 and w not in self.adam_by_threads:
+                self.adam_by_threads[w] = measure_cpu_adam(adam_numel, w, 5, adam)
 
-    dtype = "bf16" if settings.bf16 else "fp32"
-    mb, seq = settings.micro_batch, settings.seq_len
-    say(f"building {settings.model} (micro-batch {mb}, seq {seq}, {dtype})")
-    compute = "cuda" if device == "cuda" else "cpu"  # the simulated device computes on the CPU
-    pm = load_probe_model(settings.model, mb, seq, device=compute, bf16=settings.bf16,
-                          gradient_checkpointing=settings.gradient_checkpointing)  # fmt: skip
-    if "random" in pm.source.lower():
-        notes.append(f"Model {pm.name}: {pm.source}; timings do not depend on the weights.")
-    say("measuring forward+backward")
-    fb_by_threads = {cores: measure_fwd_bwd(pm, cores, repeats)}
-    for t in shares:
-        if t not in fb_by_threads:
-            fb_by_threads[t] = measure_fwd_bwd(pm, t, repeats)
+        # The host's accumulation of the streamed pieces (a separate device only: a CPU device
+        # sums where autograd writes), on the cores the worker has beside the training thread
+        self.acc_by_threads = {}
+        if self.device != "cpu":
+            self.say(
+                f"measuring the host's gradient accumulation on {adam_numel / 2**20:.0f}M elements"
+            )
+            for t in self.shares:
+                w = cores - t
+                if w >= 1 and w not in self.acc_by_threads:
+                    self.acc_by_threads[w] = measure_accumulate(adam_numel, w, self.settings.bf16)
 
-    # The device's AdamW, with the threads its forward+backward has (sim: each share).
-    dev_threads = shares if device == "sim" else [cores]
-    cap = (256 if device == "cuda" else 4 if quick else 16) * 2**20
-    say(f"measuring the device's AdamW (the engine's update at topk 1.0) on {device}")
-    dev_adam = {t: measure_device_adam(pm, t, 3, cap) for t in dev_threads}
+    def measure_model(self) -> None:
+        """The probe model's forward+backward on all cores and each training share, and the
+        device's AdamW with the threads its forward+backward has (sim: each share)."""
+        settings, device, cores = self.settings, self.device, self.cores
+        self.dtype = "bf16" if settings.bf16 else "fp32"
+        mb, seq = settings.micro_batch, settings.seq_len
+        self.say(f"building {settings.model} (micro-batch {mb}, seq {seq}, {self.dtype})")
+        compute = "cuda" if device == "cuda" else "cpu"  # the simulated device computes on the CPU
+        self.pm = pm = load_probe_model(
+            settings.model, mb, seq, device=compute, bf16=settings.bf16,
+            gradient_checkpointing=settings.gradient_checkpointing,
+        )  # fmt: skip
+        if "random" in pm.source.lower():
+            self.notes.append(
+                f"Model {pm.name}: {pm.source}; timings do not depend on the weights."
+            )
+        self.say("measuring forward+backward")
+        self.fb_by_threads = {cores: measure_fwd_bwd(pm, cores, self.repeats)}
+        for t in self.shares:
+            if t not in self.fb_by_threads:
+                self.fb_by_threads[t] = measure_fwd_bwd(pm, t, self.repeats)
 
-    say("laying out the zenflow engine's memory at topk 0.01..1.00 (zfctl estimate)")
-    census = census_of(pm.model, name=pm.name, source=pm.source, arch=arch_shape(pm.model))
-    table = topk_bounds.memory_table(census, Settings(
-        bf16=settings.bf16, overlap_step=True, pin_memory=device == "cuda",
-        micro_batch=settings.micro_batch, seq_len=settings.seq_len,
-        gradient_checkpointing=settings.gradient_checkpointing,
-        **settings.layout))  # fmt: skip
-    budget = memory_budget(device, settings.device_mem, acc, mem)
-    d2h, h2d, link = link_rates(acc, mem)
+        dev_threads = self.shares if device == "sim" else [cores]
+        cap = (256 if device == "cuda" else 4 if self.quick else 16) * 2**20
+        self.say(f"measuring the device's AdamW (the engine's update at topk 1.0) on {device}")
+        self.dev_adam = {t: measure_device_adam(pm, t, 3, cap) for t in dev_threads}
 
-    def inputs(train: int, overlap: OverlapProbe | None = None) -> TuneInputs:
+    def lay_out(self) -> None:
+        """The zenflow engine's memory at every topk (topk's memory bound), the budget it
+        must fit and the link's rates."""
+        from zenflow.hardware.census import census_of
+        from zenflow.hardware.layout import Settings
+
+        settings, device, pm = self.settings, self.device, self.pm
+        self.say("laying out the zenflow engine's memory at topk 0.01..1.00 (zfctl estimate)")
+        self.census = census_of(pm.model, name=pm.name, source=pm.source,
+                                arch=arch_shape(pm.model))  # fmt: skip
+        self.table = topk_bounds.memory_table(self.census, Settings(
+            bf16=settings.bf16, overlap_step=True, pin_memory=device == "cuda",
+            micro_batch=settings.micro_batch, seq_len=settings.seq_len,
+            gradient_checkpointing=settings.gradient_checkpointing,
+            **settings.layout))  # fmt: skip
+        self.budget = memory_budget(device, settings.device_mem, self.acc, self.mem)
+        self.d2h, self.h2d, self.link = link_rates(self.acc, self.mem)
+
+    def inputs(self, train: int, overlap: OverlapProbe | None = None) -> TuneInputs:
+        """``choose``'s inputs with ``train`` training threads (and a measured window)."""
+        cores, device = self.cores, self.device
         worker = cores - train
         return TuneInputs(
             cores=cores,
-            params_total=census.params,
-            params_2d=census.zenflow_params,
-            fb_all_ms=fb_by_threads[cores],
-            fb_split_ms=fb_by_threads[train],
+            params_total=self.census.params,
+            params_2d=self.census.zenflow_params,
+            fb_all_ms=self.fb_by_threads[cores],
+            fb_split_ms=self.fb_by_threads[train],
             train_threads=train,
-            adam_rate_worker=adam_by_threads[worker if worker >= 1 else cores].params_per_s,
-            adam_rate_all=adam_all.params_per_s,
-            mem_available_bytes=mem.available_bytes,
-            memlock_bytes=mem.memlock_bytes,
+            adam_rate_worker=self.adam_by_threads[worker if worker >= 1 else cores].params_per_s,
+            adam_rate_all=self.adam_all.params_per_s,
+            mem_available_bytes=self.mem.available_bytes,
+            memlock_bytes=self.mem.memlock_bytes,
             accelerator=device,
-            accelerator_memory_bytes=budget.device_bytes,
-            topk_ratio=settings.topk_ratio,
+            accelerator_memory_bytes=self.budget.device_bytes,
+            topk_ratio=self.settings.topk_ratio,
             overlap=overlap,
-            memory_table=table,
-            memory_budget=budget,
-            device_adam_rate=dev_adam[train if device == "sim" else cores].params_per_s,
-            dtype_bytes=2 if settings.bf16 else 4,
-            d2h_bytes_per_s=d2h,
-            h2d_bytes_per_s=h2d,
-            link=link,
-            host_accumulate_rate=(acc_by_threads[worker].elements_per_s
-                                  if worker in acc_by_threads else None),
+            memory_table=self.table,
+            memory_budget=self.budget,
+            device_adam_rate=self.dev_adam[train if device == "sim" else cores].params_per_s,
+            dtype_bytes=2 if self.settings.bf16 else 4,
+            d2h_bytes_per_s=self.d2h,
+            h2d_bytes_per_s=self.h2d,
+            link=self.link,
+            host_accumulate_rate=(self.acc_by_threads[worker].elements_per_s
+                                  if worker in self.acc_by_threads else None),
         )  # fmt: skip
 
-    # Pick the training share with the shortest modelled per-step time, then measure it.
-    def per_step(c: Choices) -> float:
-        return min(c.windows["on_ms"], c.windows["off_ms"]) / c.update_interval
+    def choose(self) -> None:
+        """The training share with the shortest modelled per-step time, then its window
+        measured each way until S and topk stop moving (2 tries with --quick, else 3)."""
+        cores, quick = self.cores, self.quick
 
-    train = min(shares, key=lambda t: per_step(choose(inputs(t))))
-    choices = choose(inputs(train))
-    overlaps: list[OverlapProbe] = []
-    if cores >= 2:
-        for _ in range(2 if quick else 3):
-            s, k = choices.update_interval, choices.topk_ratio
-            host_numel = int(census.zenflow_params * (1 - k))
-            say(f"measuring one {s}-step window with overlap on ({train}+{cores - train}) and off")
-            ov = measure_overlap(
-                pm,
-                update_interval=s,
-                train_threads=train,
-                worker_threads=cores - train,
-                all_threads=cores,
-                host_numel=host_numel,
-                adam=adam,
-                repeats=2 if quick else 3,
-                off_split=device != "cpu",
+        def per_step(c: Choices) -> float:
+            return min(c.windows["on_ms"], c.windows["off_ms"]) / c.update_interval
+
+        self.train = train = min(self.shares, key=lambda t: per_step(choose(self.inputs(t))))
+        self.choices = choices = choose(self.inputs(train))
+        self.overlaps: list[OverlapProbe] = []
+        if cores >= 2:
+            for _ in range(2 if quick else 3):
+                s, k = choices.update_interval, choices.topk_ratio
+                host_numel = int(self.census.zenflow_params * (1 - k))
+                self.say(
+                    f"measuring one {s}-step window with overlap on ({train}+{cores - train}) "
+                    "and off"
+                )
+                ov = measure_overlap(
+                    self.pm,
+                    update_interval=s,
+                    train_threads=train,
+                    worker_threads=cores - train,
+                    all_threads=cores,
+                    host_numel=host_numel,
+                    adam=self.adam,
+                    repeats=2 if quick else 3,
+                    off_split=self.device != "cpu",
+                )
+                self.overlaps.append(ov)
+                self.choices = choices = choose(self.inputs(train, ov))
+                if (choices.update_interval, choices.topk_ratio) == (s, k):
+                    break
+
+    def cross_check(self) -> None:
+        """The method in words, and real engine steps each way beside the choice (they do
+        not decide; a failure is a note)."""
+        choices, device = self.choices, self.device
+        method = "components (forward+backward and host Adam, run concurrently on threads)"
+        if self.overlaps and not choices.windows["measured"]:
+            method += "; window at the final S modelled from the concurrent figures"
+        self.engine_runs: list[dict] = []
+        if self.cores >= 2 and self.settings.engine_check:
+            self.say(f"cross-checking with real engine steps on {device}, overlap on and off")
+            try:
+                block = choices.zenflow_block()
+                self.engine_runs = [
+                    measure_engine(self.pm, block, on, accelerator=device) for on in (True, False)
+                ]
+            except Exception as exc:  # the engine is optional here: say why it was skipped
+                self.notes.append(f"Engine cross-check skipped: {type(exc).__name__}: {exc}")
+        if self.engine_runs:
+            on_ms, off_ms = (r["ms_per_step"] for r in self.engine_runs)
+            agree = (on_ms < off_ms) == choices.overlap_step
+            method += (
+                f"; engine cross-check (not used to decide): overlap on {on_ms:.0f} ms/step, "
+                f"off {off_ms:.0f} ms/step, {'agrees' if agree else 'disagrees'}"
             )
-            overlaps.append(ov)
-            choices = choose(inputs(train, ov))
-            if (choices.update_interval, choices.topk_ratio) == (s, k):
-                break
-    method = "components (forward+backward and host Adam, run concurrently on threads)"
-    if overlaps and not choices.windows["measured"]:
-        method += "; window at the final S modelled from the concurrent figures"
-    engine_runs: list[dict] = []
-    if cores >= 2 and settings.engine_check:
-        say(f"cross-checking with real engine steps on {device}, overlap on and off")
-        try:
-            block = choices.zenflow_block()
-            engine_runs = [
-                measure_engine(pm, block, on, accelerator=device) for on in (True, False)
-            ]
-        except Exception as exc:  # the engine is optional here: say why it was skipped
-            notes.append(f"Engine cross-check skipped: {type(exc).__name__}: {exc}")
-    if engine_runs:
-        on_ms, off_ms = (r["ms_per_step"] for r in engine_runs)
-        agree = (on_ms < off_ms) == choices.overlap_step
-        method += (
-            f"; engine cross-check (not used to decide): overlap on {on_ms:.0f} ms/step, "
-            f"off {off_ms:.0f} ms/step, {'agrees' if agree else 'disagrees'}"
-        )
+        self.method = method
 
-    return {
-        "date": _now(),
-        "versions": _versions(),
-        "device": device,
-        "cpu_only": choices.cpu_only,
-        "settings": {
-            "model": settings.model,
-            "micro_batch": settings.micro_batch,
-            "seq_len": settings.seq_len,
-            "quick": quick,
-            "device": device,
-            "bf16": settings.bf16,
-            "device_mem": settings.device_mem,
-            "gradient_checkpointing": settings.gradient_checkpointing,
-            **({"layout": settings.layout} if settings.layout else {}),
-        },
-        "method": method,
-        "probes": {
-            "load_1min_before": load_1min,
-            "cpu": dataclasses.asdict(cpu),
-            "memory": dataclasses.asdict(mem),
-            "accelerator": dataclasses.asdict(acc),
-            "link": {"d2h_bytes_per_s": d2h, "h2d_bytes_per_s": h2d, "source": link},
-            "device_memory": dataclasses.asdict(budget),
-            "cpu_adam": {str(k): dataclasses.asdict(v) for k, v in sorted(adam_by_threads.items())},
-            "device_adam": {str(k): dataclasses.asdict(v) for k, v in sorted(dev_adam.items())},
-            "host_accumulate": {
-                str(k): dataclasses.asdict(v) for k, v in sorted(acc_by_threads.items())
+    def hw_json(self) -> dict:
+        """The hw.json document: settings, what was probed and measured, the choices."""
+        settings, choices, pm = self.settings, self.choices, self.pm
+        return {
+            "date": _now(),
+            "versions": _versions(),
+            "device": self.device,
+            "cpu_only": choices.cpu_only,
+            "settings": {
+                "model": settings.model,
+                "micro_batch": settings.micro_batch,
+                "seq_len": settings.seq_len,
+                "quick": self.quick,
+                "device": self.device,
+                "bf16": settings.bf16,
+                "device_mem": settings.device_mem,
+                "gradient_checkpointing": settings.gradient_checkpointing,
+                **({"layout": settings.layout} if settings.layout else {}),
             },
-            "model": {
-                "name": pm.name,
-                "source": pm.source,
-                "params_total": pm.params_total,
-                "params_2d": pm.params_2d,
-                "params_zenflow": census.zenflow_params,
-                "micro_batch": pm.micro_batch,
-                "seq_len": pm.seq_len,
-                "dtype": dtype,
+            "method": self.method,
+            "probes": {
+                "load_1min_before": self.load_1min,
+                "cpu": dataclasses.asdict(self.cpu),
+                "memory": dataclasses.asdict(self.mem),
+                "accelerator": dataclasses.asdict(self.acc),
+                "link": {
+                    "d2h_bytes_per_s": self.d2h,
+                    "h2d_bytes_per_s": self.h2d,
+                    "source": self.link,
+                },  # fmt: skip
+                "device_memory": dataclasses.asdict(self.budget),
+                "cpu_adam": _by_threads(self.adam_by_threads),
+                "device_adam": _by_threads(self.dev_adam),
+                "host_accumulate": _by_threads(self.acc_by_threads),
+                "model": {
+                    "name": pm.name,
+                    "source": pm.source,
+                    "params_total": pm.params_total,
+                    "params_2d": pm.params_2d,
+                    "params_zenflow": self.census.zenflow_params,
+                    "micro_batch": pm.micro_batch,
+                    "seq_len": pm.seq_len,
+                    "dtype": self.dtype,
+                },
+                "fwd_bwd_ms": {str(k): v for k, v in sorted(self.fb_by_threads.items())},
+                "overlap": [dataclasses.asdict(o) for o in self.overlaps],
+                "engine": self.engine_runs,
             },
-            "fwd_bwd_ms": {str(k): v for k, v in sorted(fb_by_threads.items())},
-            "overlap": [dataclasses.asdict(o) for o in overlaps],
-            "engine": engine_runs,
-        },
-        "choices": choices.zenflow_block(),
-        "reasons": choices.reasons,
-        "topk": choices.topk,
-        "windows": choices.windows,
-        "memory_check": {**choices.memory, "verdict": memory_verdict(choices.memory)},
-        "notes": notes,
-    }
+            "choices": choices.zenflow_block(),
+            "reasons": choices.reasons,
+            "topk": choices.topk,
+            "windows": choices.windows,
+            "memory_check": {**choices.memory, "verdict": memory_verdict(choices.memory)},
+            "notes": self.notes,
+        }
+
+
+def _by_threads(probes: dict) -> dict:
+    """Probe records keyed by their thread count (as a string), in thread order."""
+    return {str(k): dataclasses.asdict(v) for k, v in sorted(probes.items())}
 
 
 def _now() -> str:

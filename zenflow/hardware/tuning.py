@@ -202,108 +202,21 @@ def choose(inp: TuneInputs) -> Choices:
     core split.
     """
     reasons: dict[str, str] = {}
-    can_split = inp.can_split
-    worker = inp.cores - inp.train_threads
-    ov = inp.overlap
-    # The host Adam rate and the forward+backward the host step hides under; with a
-    # concurrent measurement, the figures measured under contention.
-    if can_split:
-        measured_rate = ov is not None and ov.host_numel > 0 and ov.on_host_ms > 0
-        host_rate = ov.host_numel / ov.on_host_ms * 1e3 if measured_rate else inp.adam_rate_worker
-        fb = ov.on_fb_ms if ov else inp.fb_split_ms
-    else:
-        host_rate, fb = inp.adam_rate_all, inp.fb_all_ms
-    # What the device's per-step work hides under: on a separate device that splits the
-    # cores, its share's forward+backward; on the CPU (or one core) all cores'.
-    fb_device = fb if inp.separate_device and can_split else inp.fb_all_ms
-
-    def accumulate_ms(k: float) -> float:
-        """The host's per-step sum of the offloaded share (0: not measured)."""
-        if not inp.host_accumulate_rate:
-            return 0.0
-        return inp.params_2d * (1.0 - k) / inp.host_accumulate_rate * 1e3
-
-    def interval_of(k: float) -> int:
-        # the window hides the host Adam under what forward+backward leaves the host after
-        # its per-step accumulation
-        return interval_to_hide(inp.params_2d * (1.0 - k) / host_rate * 1e3,
-                                fb - accumulate_ms(k))  # fmt: skip
-
-    topk, reasons["topk_ratio"], topk_info = choose_topk(inp, interval_of, fb_device, host_rate)
+    h = _Hiding.of(inp)
+    topk, reasons["topk_ratio"], topk_info = choose_topk(
+        inp, h.interval_of, h.fb_device, h.host_rate
+    )
     if inp.accelerator == "cpu":
         reasons["topk_ratio"] = "CPU-only (device = host): " + reasons["topk_ratio"]
     host_numel = inp.params_2d * (1.0 - topk)
     host_all_ms = host_numel / inp.adam_rate_all * 1e3
     host_worker_ms = host_numel / inp.adam_rate_worker * 1e3
 
-    if not can_split:
-        s = interval_to_hide(host_all_ms, inp.fb_all_ms)
-        reasons["update_interval"] = (
-            f"host Adam over {_count(host_numel)} offloaded params takes {host_all_ms:.0f} ms "
-            f"on {inp.cores} core(s), forward+backward {inp.fb_all_ms:.0f} ms: S={s} "
-            f"amortises it ({s}x{inp.fb_all_ms:.0f}={s * inp.fb_all_ms:.0f} ms)"
-        )
-        on_ms, off_ms, measured = math.inf, s * inp.fb_all_ms + host_all_ms, False
-        overlap = False
-        reasons["overlap_step"] = (
-            f"off: {inp.cores} core(s) leaves no core for a worker; window {off_ms:.0f} ms"
-        )
-        perc = 0.5
-        reasons["pt_reserved_cores_perc"] = "0.5 (unused: no core split on this machine)"
+    if not inp.can_split:
+        w = _window_unsplit(inp, host_numel, host_all_ms, reasons)
     else:
-        host = host_numel / host_rate * 1e3
-        s = interval_of(topk)
-        basis = "measured while both ran" if ov else "measured separately"
-        acc = accumulate_ms(topk)
-        left = f"{fb:.0f}" if not acc else f"{fb:.0f}-{acc:.0f} ms of accumulation = {fb - acc:.0f}"
-        reasons["update_interval"] = (
-            f"host Adam over {_count(host_numel)} offloaded params takes {host:.0f} ms on "
-            f"{worker} worker core(s), forward+backward {fb:.0f} ms on {inp.train_threads} "
-            f"training core(s) ({basis}): S={s} hides it ({s}x{left} ms per step)"
-        )
-        if s == UPDATE_INTERVAL_MAX and host > s * fb:
-            reasons["update_interval"] += "; capped at 64, the host step is not fully hidden"
-        # A measured window counts only at the S and the host share it was measured at.
-        measured = bool(ov and ov.update_interval == s and ov.host_numel == int(host_numel))
-        if measured:
-            on_ms, off_ms = ov.on_window_ms, ov.off_window_ms
-            how = "measured"
-        elif ov:  # S or k moved after the measurement: scale its parts to the new S and k
-            scale = host_numel / ov.host_numel if ov.host_numel else 0.0
-            on_ms = max(s * ov.on_fb_ms, ov.on_host_ms * scale)
-            off_ms = s * ov.off_fb_ms + ov.off_host_ms * scale
-            how = f"modelled from the parts of the S={ov.update_interval} measurement"
-        elif inp.separate_device:  # off keeps the split: the host step after the steps
-            on_ms = max(s * fb, host)
-            off_ms = s * inp.fb_split_ms + host_worker_ms
-            how = "modelled from component times"
-        else:
-            on_ms = max(s * fb, host)
-            off_ms = s * inp.fb_all_ms + host_all_ms
-            how = "modelled from component times"
-        overlap = on_ms < off_ms
-        off_cores = (
-            f"the same {inp.train_threads}+{worker} split: a separate device keeps its "
-            "reserved cores"
-            if inp.separate_device
-            else f"{inp.cores} cores"
-        )
-        reasons["overlap_step"] = (
-            f"{'on' if overlap else 'off'}: per {s}-step window ({how}) overlap on "
-            f"({inp.train_threads}+{worker} cores) {on_ms:.0f} ms vs off ({off_cores}) "
-            f"{off_ms:.0f} ms"
-        )
-        perc = inp.train_threads / inp.cores
-        used = (
-            " (kept whether or not overlap_step is on: the device's compute share)"
-            if inp.separate_device
-            else ("" if overlap else " (only used with overlap_step on)")
-        )
-        reasons["pt_reserved_cores_perc"] = (
-            f"{perc:.2f}: {inp.train_threads} of {inp.cores} cores for the training thread, "
-            f"{worker} for the worker" + used
-        )
-    if s > ACCURACY_TESTED_INTERVAL:
+        w = _window_split(inp, h, topk, host_numel, host_all_ms, host_worker_ms, reasons)
+    if w.s > ACCURACY_TESTED_INTERVAL:
         reasons["update_interval"] += (
             f"; note: above S={ACCURACY_TESTED_INTERVAL} windows are staler, and the "
             "accuracy sweep (docs/BENCHMARKS.md, MiniLM on SST-2) measured ZenFlow further "
@@ -314,6 +227,184 @@ def choose(inp: TuneInputs) -> Choices:
         "auto: re-select once per epoch (important columns stay for many steps); nothing "
         "measured here argues for another cadence"
     )
+    windows = {"update_interval": w.s, "on_ms": w.on_ms, "off_ms": w.off_ms,
+               "measured": w.measured, "host_all_ms": host_all_ms,
+               "host_worker_ms": host_worker_ms}  # fmt: skip
+    return Choices(
+        topk_ratio=topk,
+        update_interval=w.s,
+        select_strategy="auto",
+        select_interval="auto",
+        overlap_step=w.overlap,
+        pt_reserved_cores_perc=round(w.perc, 4),
+        reasons=reasons,
+        windows=windows,
+        memory=_memory_check(inp, topk, w.overlap),
+        topk={"chosen": topk, **topk_info},
+        cpu_only=inp.accelerator == "cpu",
+    )
+
+
+@dataclass(frozen=True)
+class _Hiding:
+    """What the host step hides under: the host Adam rate and the forward+backward of the
+    training thread (with a concurrent measurement, the figures measured under contention),
+    and what the device's per-step work hides under."""
+
+    inp: TuneInputs
+    host_rate: float  # host Adam params/s
+    fb: float  # ms of the forward+backward the host step hides under
+    fb_device: float  # ms of the forward+backward the device's per-step work hides under
+
+    @classmethod
+    def of(cls, inp: TuneInputs) -> _Hiding:
+        ov = inp.overlap
+        if inp.can_split:
+            measured_rate = ov is not None and ov.host_numel > 0 and ov.on_host_ms > 0
+            host_rate = (
+                ov.host_numel / ov.on_host_ms * 1e3 if measured_rate else inp.adam_rate_worker
+            )
+            fb = ov.on_fb_ms if ov else inp.fb_split_ms
+        else:
+            host_rate, fb = inp.adam_rate_all, inp.fb_all_ms
+        # On a separate device that splits the cores, its share's forward+backward; on the
+        # CPU (or one core) all cores'.
+        fb_device = fb if inp.separate_device and inp.can_split else inp.fb_all_ms
+        return cls(inp, host_rate, fb, fb_device)
+
+    def accumulate_ms(self, k: float) -> float:
+        """The host's per-step sum of the offloaded share (0: not measured)."""
+        inp = self.inp
+        if not inp.host_accumulate_rate:
+            return 0.0
+        return inp.params_2d * (1.0 - k) / inp.host_accumulate_rate * 1e3
+
+    def interval_of(self, k: float) -> int:
+        # the window hides the host Adam under what forward+backward leaves the host after
+        # its per-step accumulation
+        return interval_to_hide(self.inp.params_2d * (1.0 - k) / self.host_rate * 1e3,
+                                self.fb - self.accumulate_ms(k))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Window:
+    """The update interval and the window times behind overlap_step and the core split."""
+
+    s: int
+    on_ms: float
+    off_ms: float
+    measured: bool
+    overlap: bool
+    perc: float
+
+
+def _window_unsplit(
+    inp: TuneInputs, host_numel: float, host_all_ms: float, reasons: dict[str, str]
+) -> _Window:
+    """One core (or no split): S amortises the host step over all cores' steps, overlap off."""
+    s = interval_to_hide(host_all_ms, inp.fb_all_ms)
+    reasons["update_interval"] = (
+        f"host Adam over {_count(host_numel)} offloaded params takes {host_all_ms:.0f} ms "
+        f"on {inp.cores} core(s), forward+backward {inp.fb_all_ms:.0f} ms: S={s} "
+        f"amortises it ({s}x{inp.fb_all_ms:.0f}={s * inp.fb_all_ms:.0f} ms)"
+    )
+    on_ms, off_ms, measured = math.inf, s * inp.fb_all_ms + host_all_ms, False
+    reasons["overlap_step"] = (
+        f"off: {inp.cores} core(s) leaves no core for a worker; window {off_ms:.0f} ms"
+    )
+    reasons["pt_reserved_cores_perc"] = "0.5 (unused: no core split on this machine)"
+    return _Window(s, on_ms, off_ms, measured, False, 0.5)
+
+
+def _window_split(
+    inp: TuneInputs,
+    h: _Hiding,
+    topk: float,
+    host_numel: float,
+    host_all_ms: float,
+    host_worker_ms: float,
+    reasons: dict[str, str],
+) -> _Window:
+    """A training thread and a worker: S hides the host step on the worker under the
+    training share's steps; overlap on when its window is the shorter."""
+    worker = inp.cores - inp.train_threads
+    ov, fb = inp.overlap, h.fb
+    host = host_numel / h.host_rate * 1e3
+    s = h.interval_of(topk)
+    basis = "measured while both ran" if ov else "measured separately"
+    acc = h.accumulate_ms(topk)
+    left = f"{fb:.0f}" if not acc else f"{fb:.0f}-{acc:.0f} ms of accumulation = {fb - acc:.0f}"
+    reasons["update_interval"] = (
+        f"host Adam over {_count(host_numel)} offloaded params takes {host:.0f} ms on "
+        f"{worker} worker core(s), forward+backward {fb:.0f} ms on {inp.train_threads} "
+        f"training core(s) ({basis}): S={s} hides it ({s}x{left} ms per step)"
+    )
+    if s == UPDATE_INTERVAL_MAX and host > s * fb:
+        reasons["update_interval"] += "; capped at 64, the host step is not fully hidden"
+    on_ms, off_ms, measured, how = _window_ms(
+        inp, s, fb, host, host_numel, host_all_ms, host_worker_ms
+    )
+    overlap = on_ms < off_ms
+    off_cores = (
+        f"the same {inp.train_threads}+{worker} split: a separate device keeps its reserved cores"
+        if inp.separate_device
+        else f"{inp.cores} cores"
+    )
+    reasons["overlap_step"] = (
+        f"{'on' if overlap else 'off'}: per {s}-step window ({how}) overlap on "
+        f"({inp.train_threads}+{worker} cores) {on_ms:.0f} ms vs off ({off_cores}) "
+        f"{off_ms:.0f} ms"
+    )
+    perc = inp.train_threads / inp.cores
+    used = (
+        " (kept whether or not overlap_step is on: the device's compute share)"
+        if inp.separate_device
+        else ("" if overlap else " (only used with overlap_step on)")
+    )
+    reasons["pt_reserved_cores_perc"] = (
+        f"{perc:.2f}: {inp.train_threads} of {inp.cores} cores for the training thread, "
+        f"{worker} for the worker" + used
+    )
+    return _Window(s, on_ms, off_ms, measured, overlap, perc)
+
+
+def _window_ms(
+    inp: TuneInputs,
+    s: int,
+    fb: float,
+    host: float,
+    host_numel: float,
+    host_all_ms: float,
+    host_worker_ms: float,
+) -> tuple[float, float, bool, str]:
+    """(window ms with overlap on, off, whether measured, how in words) at S = ``s``."""
+    ov = inp.overlap
+    # A measured window counts only at the S and the host share it was measured at.
+    measured = bool(ov and ov.update_interval == s and ov.host_numel == int(host_numel))
+    if measured:
+        return ov.on_window_ms, ov.off_window_ms, measured, "measured"
+    if ov:  # S or k moved after the measurement: scale its parts to the new S and k
+        scale = host_numel / ov.host_numel if ov.host_numel else 0.0
+        on_ms = max(s * ov.on_fb_ms, ov.on_host_ms * scale)
+        off_ms = s * ov.off_fb_ms + ov.off_host_ms * scale
+        return (
+            on_ms,
+            off_ms,
+            measured,
+            (f"modelled from the parts of the S={ov.update_interval} measurement"),
+        )
+    if inp.separate_device:  # off keeps the split: the host step after the steps
+        on_ms = max(s * fb, host)
+        off_ms = s * inp.fb_split_ms + host_worker_ms
+    else:
+        on_ms = max(s * fb, host)
+        off_ms = s * inp.fb_all_ms + host_all_ms
+    return on_ms, off_ms, measured, "modelled from component times"
+
+
+def _memory_check(inp: TuneInputs, topk: float, overlap: bool) -> dict[str, object]:
+    """The host memory the choice needs against what is available (and, with CUDA, the
+    pinned part against the locked-memory limit)."""
     mem = memory_needed(inp.params_total, inp.params_2d, topk, overlap, inp.accelerator)
     mem_ok = mem["total"] <= inp.mem_available_bytes
     memory: dict[str, object] = {
@@ -327,21 +418,7 @@ def choose(inp: TuneInputs) -> Choices:
     if inp.accelerator == "cuda":
         memory["pinned_needed"] = mem["host_state"]
         memory["pinned_ok"] = inp.memlock_bytes is None or inp.memlock_bytes >= mem["host_state"]
-    windows = {"update_interval": s, "on_ms": on_ms, "off_ms": off_ms, "measured": measured,
-               "host_all_ms": host_all_ms, "host_worker_ms": host_worker_ms}  # fmt: skip
-    return Choices(
-        topk_ratio=topk,
-        update_interval=s,
-        select_strategy="auto",
-        select_interval="auto",
-        overlap_step=overlap,
-        pt_reserved_cores_perc=round(perc, 4),
-        reasons=reasons,
-        windows=windows,
-        memory=memory,
-        topk={"chosen": topk, **topk_info},
-        cpu_only=inp.accelerator == "cpu",
-    )
+    return memory
 
 
 def memory_verdict(memory: dict) -> str:

@@ -147,7 +147,7 @@ def deepspeed_config(config, *, steps_per_epoch: int | None = None) -> tuple[dic
         )
     out = config.to_json_dict()
     if config.bf16 == "auto":  # DeepSpeed takes a bool: resolved for where it runs
-        from zenflow.engine.schedule import resolve_bf16
+        from zenflow.engine.engine_setup import resolve_bf16
 
         out["bf16"]["enabled"] = resolve_bf16("auto", None)
     out.pop("train_batch_size", None)
@@ -196,6 +196,32 @@ def unsupported_notes(config) -> list[str]:
     return notes
 
 
+def _trainable_params(model) -> tuple[list, Any]:
+    """The model's trainable parameters and their device (cpu or cuda)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise EngineError("The model has no trainable parameters (requires_grad=True).")
+    device = params[0].device
+    if device.type not in ("cpu", "cuda"):
+        raise EngineError(
+            f"--engine deepspeed runs on cpu or cuda; the model is on {device}. Use "
+            "--engine zenflow for other accelerators."
+        )
+    return params, device
+
+
+def _check_offload_config(config) -> None:
+    """DeepSpeed's ZeRO-Offload needs stage 2 with the optimizer on the CPU (ZenFlow: a
+    zenflow block)."""
+    if config.zenflow is None and (config.zero_stage != 2 or config.offload_device != "cpu"):
+        raise UserInputError(
+            "--engine deepspeed runs DeepSpeed's ZeRO-Offload or ZenFlow: the config needs "
+            '"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}} '
+            f"(found stage {config.zero_stage}, offload device {config.offload_device}), "
+            "and a zenflow block for ZenFlow (templates/offload.json, templates/zenflow.json)."
+        )
+
+
 class DeepSpeedAdapter:
     """DeepSpeed's engine (``deepspeed.initialize``) with the interface of ``ZenFlowEngine``.
 
@@ -204,36 +230,30 @@ class DeepSpeedAdapter:
     """
 
     def __init__(self, model, config, *, steps_per_epoch: int | None = None):
-        import torch
-
         self.model = model
         self.config = config
         self._closed = False
         self._flushed = False
-        params = [p for p in model.parameters() if p.requires_grad]
-        if not params:
-            raise EngineError("The model has no trainable parameters (requires_grad=True).")
-        device = params[0].device
-        if device.type not in ("cpu", "cuda"):
-            raise EngineError(
-                f"--engine deepspeed runs on cpu or cuda; the model is on {device}. Use "
-                "--engine zenflow for other accelerators."
-            )
+        params, device = _trainable_params(model)
         self.model_bytes = sum(p.numel() * p.element_size() for p in params)
-        if config.zenflow is None and (config.zero_stage != 2 or config.offload_device != "cpu"):
-            raise UserInputError(
-                "--engine deepspeed runs DeepSpeed's ZeRO-Offload or ZenFlow: the config needs "
-                '"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}} '
-                f"(found stage {config.zero_stage}, offload device {config.offload_device}), "
-                "and a zenflow block for ZenFlow (templates/offload.json, templates/zenflow.json)."
-            )
+        _check_offload_config(config)
         self.mode = "zenflow" if config.zenflow is not None else "offload"
         self.device = device
         ds_config, notes = deepspeed_config(config, steps_per_epoch=steps_per_epoch)
         self.ds_config = ds_config
         self._bf16 = bool(ds_config["bf16"]["enabled"])
-
         accel = "cuda" if device.type == "cuda" else "cpu"
+        deepspeed = self._import_deepspeed(accel, device)
+        self._initialize(deepspeed, params, accel)
+        self.global_step = 0
+        self._since_boundary = 0
+        self._timers = bool(config.wall_clock_breakdown)
+        self.resolved: dict[str, Any] = self._resolved(deepspeed.__version__, accel, notes)
+
+    def _import_deepspeed(self, accel: str, device):
+        """DeepSpeed imported for ``accel`` (its accelerator is chosen at import), pinned
+        version checked, quietened, its CPU ops built; the environment of a single local
+        process set when no process group exists (``_own_group``)."""
         if os.environ.get("DS_ACCELERATOR", accel) != accel:
             raise EngineError(
                 f"DS_ACCELERATOR={os.environ['DS_ACCELERATOR']} but the model is on {device}; "
@@ -275,6 +295,14 @@ class DeepSpeedAdapter:
         load_deepspeed_op("CPUAdamBuilder")
         if accel == "cpu":
             load_deepspeed_op("ShareMemCommBuilder")
+        return deepspeed
+
+    def _initialize(self, deepspeed, params: list, accel: str) -> None:
+        """``deepspeed.initialize`` in this process's group (created here when there is
+        none); the shared-memory segment's name is unlinked right after."""
+        import torch
+        import torch.distributed as dist
+
         if self._own_group:
             backend = "nccl" if accel == "cuda" else "gloo"
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
@@ -283,33 +311,38 @@ class DeepSpeedAdapter:
         try:
             with contextlib.redirect_stdout(io.StringIO()):  # config dump, "built successfully"
                 self.model_engine, self.optimizer, _, self.lr_scheduler = deepspeed.initialize(
-                    model=model, model_parameters=params, config=copy.deepcopy(ds_config)
-                )
+                    model=self.model, model_parameters=params,
+                    config=copy.deepcopy(self.ds_config),
+                )  # fmt: skip
         except BaseException:
             self._destroy_group()
             raise
         finally:
             for path in shm_segment_paths():
                 path.unlink(missing_ok=True)
-        self.global_step = 0
-        self._since_boundary = 0
-        self._timers = bool(config.wall_clock_breakdown)
+
+    def _resolved(self, version: str, accel: str, notes: dict) -> dict[str, Any]:
+        """What the engine runs with (``ZenFlowEngine.resolved``'s keys where they apply)."""
+        import torch.distributed as dist
+
+        config = self.config
         zenflow = None
         if self.mode == "zenflow":
             engine = self.model_engine
+            block = self.ds_config["zero_optimization"]["zenflow"]
             zenflow = {
                 "topk_ratio": config.zenflow.topk_ratio,
                 "update_interval": "auto" if engine.auto_update else engine.update_interval,
-                "select_strategy": ds_config["zero_optimization"]["zenflow"]["select_strategy"],
+                "select_strategy": block["select_strategy"],
                 "select_interval": engine.select_interval,
                 "overlap_step": bool(engine.overlap_step),
                 "full_warm_up_rounds": engine.full_warm_up_rounds,
             }
-        self.resolved: dict[str, Any] = {
+        resolved: dict[str, Any] = {
             "engine": "deepspeed",
-            "deepspeed_version": deepspeed.__version__,
+            "deepspeed_version": version,
             "mode": f"deepspeed-{self.mode}",
-            "device": str(device),
+            "device": str(self.device),
             "accelerator": accel,
             "zero_stage": int(self.model_engine.zero_optimization_stage()),
             "offload_device": str(config.offload_device),
@@ -334,7 +367,8 @@ class DeepSpeedAdapter:
             **notes,
         }
         if zenflow is not None:  # the trainer's header reads these top-level keys
-            self.resolved.update(zenflow)
+            resolved.update(zenflow)
+        return resolved
 
     # ------------------------------------------------------------------ the engine API
     @property

@@ -224,8 +224,7 @@ def _table_setup(model_dir, run_dir, rec, saved_labels, data_file, text_fields, 
     import json
 
     from zenflow.errors import DataError
-    from zenflow.train.data import Example
-    from zenflow.train.tables import LabelSet, infer_labels, metrics_for, read_rows
+    from zenflow.train.data import Example, LabelSet, infer_labels, metrics_for, read_rows
 
     fields = tuple(text_fields or rec.get("text_fields") or ("text",))
     label = label_field or rec.get("label_field") or "label"
@@ -253,7 +252,7 @@ def _labels_of_config(cfg: dict, found):
     """The label set of a Hugging Face model config: its id2label names, or, for HF's
     default names (LABEL_0, ...), the ids themselves ("0", "1", ...) for integer labels."""
     from zenflow.errors import DataError
-    from zenflow.train.tables import LabelSet
+    from zenflow.train.data import LabelSet
 
     if cfg.get("problem_type") == "regression" or int(cfg.get("num_labels", 2)) == 1:
         return LabelSet("regression", None, "float")
@@ -296,8 +295,7 @@ def _run_lm_eval(setup: EvalSetup, tokenizer, device: str) -> tuple[dict, list, 
     """A causal LM's eval: the records as the run tokenised them (never packed)."""
     from transformers import AutoModelForCausalLM
 
-    from zenflow.train.lm import eval_rows, evaluate_lm, load_lm_data
-    from zenflow.train.sft import read_records
+    from zenflow.train.data import eval_rows, evaluate_lm, load_lm_data, read_records
 
     if tokenizer.pad_token is None:  # as the trainer set it (models._finish)
         tokenizer.pad_token = tokenizer.eos_token

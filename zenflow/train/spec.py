@@ -54,14 +54,14 @@ class RunSpec:
     gradient_checkpointing: bool = False  # recompute activations in backward (transformers')
     sim_profile: str | None = None  # sim: scale the link to a named GPU box
     device_mem: int | None = None  # sim: the simulated device's memory budget (bytes)
-    # The user's own table (zenflow.train.tables) instead of a GLUE task's files: train rows,
+    # The user's own table (zenflow.train.data.tables) instead of a GLUE task's files: train rows,
     # eval rows (None: a seeded split of data_file), the text column(s) and the label column.
     data_file: str | None = None
     eval_file: str | None = None
     text_fields: tuple[str, ...] | None = None
     label_field: str | None = None
     tsv_quoting: str | None = None  # .tsv tables: "csv" (quotes honoured, the default) or "none"
-    # What is trained (zenflow.train.lm): a classification head on the table / GLUE task, or
+    # What is trained (zenflow.train.objective): a classification head on the table / GLUE task, or
     # a causal LM on the data_file's records (text, prompt/completion or chat messages),
     # optionally packed; the records' field names (None: prompt, completion, messages; the
     # text field is text_fields[0], default "text").
@@ -332,7 +332,7 @@ def data_digests(spec: RunSpec) -> dict[str, str]:
     resumed run continues exactly only on the same rows)."""
     import hashlib
 
-    from zenflow.train.hub_data import hub_fingerprint, is_hub_id
+    from zenflow.train.data import hub_fingerprint, is_hub_id
 
     out = {}
     for path in (spec.data_file, spec.eval_file):
@@ -361,7 +361,7 @@ def _stamp(path: str) -> tuple[int, int]:
 def _load_table(files, eval_file, text_fields, label_field, seed, task, tsv_quoting):
     """``load_table_task``, once per files (by path, size and mtime) and settings: the CLI's
     preflight and the trainer in the same process read a table once."""
-    from zenflow.train.tables import load_table_task
+    from zenflow.train.data.tables import load_table_task
 
     return load_table_task(files[0][0], eval_file, text_fields=text_fields,
                            label_field=label_field, seed=seed, name=task,
@@ -370,7 +370,7 @@ def _load_table(files, eval_file, text_fields, label_field, seed, task, tsv_quot
 
 def load_spec_table(spec: RunSpec):
     """The ``--data`` table of ``spec`` as ``(TaskData, TableReport)``
-    (``zenflow.train.tables.load_table_task``); a resumed run also checks that the files
+    (``zenflow.train.data.tables.load_table_task``); a resumed run also checks that the files
     are those the run was started with (their sha256, ``data_digests``)."""
     files = tuple((p, *_stamp(p)) for p in (spec.data_file, spec.eval_file) if p is not None)
     data, report = _load_table(files, spec.eval_file, spec.text_fields or DEFAULT_TEXT_FIELDS,
@@ -400,8 +400,8 @@ def _check_files_unchanged(spec: RunSpec) -> None:
 
 
 def record_fields(spec: RunSpec):
-    """The ``sft.RecordFields`` of a causal-LM spec (defaults where a field is None)."""
-    from zenflow.train.sft import RecordFields
+    """The ``data.RecordFields`` of a causal-LM spec (defaults where a field is None)."""
+    from zenflow.train.data import RecordFields
 
     given = {
         "text": (spec.text_fields or (None,))[0],
@@ -413,9 +413,9 @@ def record_fields(spec: RunSpec):
 
 
 def load_spec_lm(spec: RunSpec, tokenizer):
-    """The causal-LM data of ``spec`` (``zenflow.train.lm.load_lm_data``), checked against a
+    """The causal-LM data of ``spec`` (``zenflow.train.data.load_lm_data``), checked against a
     resumed run's files like ``load_spec_table``."""
-    from zenflow.train.lm import load_lm_data
+    from zenflow.train.data import load_lm_data
 
     data = load_lm_data(spec.data_file, spec.eval_file, tokenizer, spec.seq_len,
                         fields=record_fields(spec), pack=spec.pack, seed=spec.seed,

@@ -1,9 +1,9 @@
 """What a run says about itself: the header of ``RunStarted`` and summary.json.
 
 ``run`` is the trainer's session (``zenflow.train.trainer._Run``): its spec, config, task,
-engine and counts. ``zenflow_settings`` names the zenflow block the engine runs with, the
-defaults included when the config has none; ``step_counts`` is what the dashboard counts
-over the steps a resumed run already did.
+engine, counts and checkpoints. ``zenflow_settings`` names the zenflow block the engine runs
+with, the defaults included when the config has none; ``step_counts`` is what the dashboard
+counts over the steps a resumed run already did.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def run_header(run, start_step: int, start_counts: dict | None = None) -> dict:
         "model_bytes": run.engine.model_bytes,
         "device": run.engine.resolved.get("device_description", str(run.device)),
         "world_size": run.par.world,
-        # examples, not rows: packed causal-LM rows hold several (sft.SFTData.examples)
+        # examples, not rows: packed causal-LM rows hold several (data.SFTData.examples)
         "train_examples": getattr(run.task_data.train, "examples", len(run.task_data.train)),
         "dev_examples": len(run.task_data.dev),
         "eval_examples": min(
@@ -117,25 +117,31 @@ def run_summary(run, lines: list[dict], wall_s: float, status: str) -> dict:
     """summary.json: the run's numbers computed from its metrics ``lines``."""
     steps = [m for m in lines if m.get("type") == "step"]
     evals = [m for m in lines if m.get("type") == "eval"]
-    n = len(steps)
-    model_bytes = run.engine.model_bytes
-    # a value read back as missing (None: runs.read_metrics) counts as 0
-    d2h = sum(int(m.get("d2h_bytes") or 0) for m in steps)
-    h2d = sum(int(m.get("h2d_bytes") or 0) for m in steps)
-    samples = n * run.global_micro * run.gas  # every rank's samples (data parallel)
-    tokens = samples * run.spec.seq_len
-    train_s = sum(float(m.get("wall_ms") or 0.0) for m in steps) / 1e3
-    losses = [m.get("loss") for m in steps]
-    timing = {f: finite_mean(m.get(f) for m in steps) for f in TIMING_FIELDS}
-    windows = [m["window_len"] for m in steps if m.get("window_len")]
-    last_eval = {k: v for k, v in evals[-1].items() if k != "type"} if evals else None
-    cfg = run.config
     return {
         "status": status,
         "run_dir": str(run.run_dir),
         "model": run.spec.model,
         "task": run.task.name,
         "engine_mode": run.spec.engine_mode,
+        **_progress(run, steps, evals),
+        **_traffic(run, steps),
+        **_throughput(run, steps, wall_s),
+        **_memory(run, steps),
+        "world_size": run.par.world,
+        "device": run.engine.resolved.get("device_description", str(run.device)),
+        "data_parallel": _dp_costs(run),
+        "sources": run.sources,
+        "config": _config_record(run),
+        "checkpoint": str(run.checkpoints.last) if run.checkpoints.last else None,
+    }
+
+
+def _progress(run, steps: list[dict], evals: list[dict]) -> dict:
+    """How far the run got: steps, losses, the last evaluation, the non-finite steps."""
+    n = len(steps)
+    losses = [m.get("loss") for m in steps]
+    last_eval = {k: v for k, v in evals[-1].items() if k != "type"} if evals else None
+    return {
         "steps": n,
         "total_steps": run.total_steps,
         "epochs": n / run.spe,
@@ -154,6 +160,20 @@ def run_summary(run, lines: list[dict], wall_s: float, status: str) -> dict:
             for m in steps
             if m.get("skipped") or m.get("loss") is None or not math.isfinite(m["loss"])
         ),
+    }
+
+
+def _traffic(run, steps: list[dict]) -> dict:
+    """Phase times, the stall, the copy traffic per step (and per model size), the host
+    updates and re-selections."""
+    n = len(steps)
+    model_bytes = run.engine.model_bytes
+    # a value read back as missing (None: runs.read_metrics) counts as 0
+    d2h = sum(int(m.get("d2h_bytes") or 0) for m in steps)
+    h2d = sum(int(m.get("h2d_bytes") or 0) for m in steps)
+    timing = {f: finite_mean(m.get(f) for m in steps) for f in TIMING_FIELDS}
+    windows = [m["window_len"] for m in steps if m.get("window_len")]
+    return {
         "timing_ms_mean": timing,
         "stall_fraction": (
             timing["stall_ms"] / timing["wall_ms"]
@@ -169,14 +189,29 @@ def run_summary(run, lines: list[dict], wall_s: float, status: str) -> dict:
         "host_updates": sum(1 for m in steps if m.get("host_update")),
         "mean_window_len": sum(windows) / len(windows) if windows else None,
         "selection_changes": sum(int(m.get("selection_changed", 0)) for m in steps),
+    }
+
+
+def _throughput(run, steps: list[dict], wall_s: float) -> dict:
+    """Samples and tokens trained on, in how long, and the model's size."""
+    samples = len(steps) * run.global_micro * run.gas  # every rank's samples (data parallel)
+    tokens = samples * run.spec.seq_len
+    train_s = sum(float(m.get("wall_ms") or 0.0) for m in steps) / 1e3
+    return {
         "samples": samples,
         "tokens": tokens,
         "train_s": train_s,
         "samples_per_s": samples / train_s if train_s > 0 else None,
         "tokens_per_s": tokens / train_s if train_s > 0 else None,
         "wall_s": wall_s,
-        "model_bytes": model_bytes,
+        "model_bytes": run.engine.model_bytes,
         "params": run.params,
+    }
+
+
+def _memory(run, steps: list[dict]) -> dict:
+    """Device and host memory per parameter, and the sync counters."""
+    return {
         # device memory of weights, grads and engine state (activations excluded), the
         # largest seen at a step, per parameter (rank 0's device)
         "device_bytes_per_param": _device_bytes_per_param(steps, run.params),
@@ -193,23 +228,23 @@ def run_summary(run, lines: list[dict], wall_s: float, status: str) -> dict:
         # the sync counter: the most full device syncs / device-to-host reads in one step
         "full_syncs_max": _most(steps, "full_syncs"),
         "d2h_reads_max": _most(steps, "d2h_reads"),
-        "world_size": run.par.world,
-        "device": run.engine.resolved.get("device_description", str(run.device)),
-        "data_parallel": _dp_costs(run),
-        "sources": run.sources,
-        "config": {
-            "source": cfg.source,
-            "lr": cfg.optimizer.lr,
-            "optimizer": cfg.optimizer.type,
-            "weight_decay": cfg.optimizer.weight_decay,
-            "scheduler": cfg.scheduler.type,
-            "micro_batch": run.micro_batch,
-            "gradient_accumulation_steps": run.gas,
-            "seq_len": run.spec.seq_len,
-            "gradient_clipping": cfg.gradient_clipping,
-            "bf16": run.engine.resolved.get("bf16", cfg.bf16),
-            "zenflow": zenflow_settings(cfg, run.spec.engine_mode, run.engine.resolved),
-            "engine_resolved": dict(run.engine.resolved),
-        },
-        "checkpoint": str(run.last_checkpoint) if run.last_checkpoint else None,
+    }
+
+
+def _config_record(run) -> dict:
+    """The settings the run trained with (summary.json's "config")."""
+    cfg = run.config
+    return {
+        "source": cfg.source,
+        "lr": cfg.optimizer.lr,
+        "optimizer": cfg.optimizer.type,
+        "weight_decay": cfg.optimizer.weight_decay,
+        "scheduler": cfg.scheduler.type,
+        "micro_batch": run.micro_batch,
+        "gradient_accumulation_steps": run.gas,
+        "seq_len": run.spec.seq_len,
+        "gradient_clipping": cfg.gradient_clipping,
+        "bf16": run.engine.resolved.get("bf16", cfg.bf16),
+        "zenflow": zenflow_settings(cfg, run.spec.engine_mode, run.engine.resolved),
+        "engine_resolved": dict(run.engine.resolved),
     }

@@ -12,6 +12,10 @@ What a profile does not model: the sim device's memory bandwidth (elementwise de
 such as gathers and the device AdamW, costs relatively more on a CPU core than on HBM, by
 the ratio printed as ``elementwise``), and the host (its cores and memory run at this
 machine's speed, not the box's). Each result prints the profile and the scaling.
+
+Owns the named boxes and the calibration (measured once per process and setting); the sim
+backend (``sim.py``) only reads the calibrated bandwidth and latency. It must not construct
+an accelerator or touch the copy engines.
 """
 
 from __future__ import annotations

@@ -15,6 +15,9 @@ Contract:
   the reason and the fix.
 - ``hub_fingerprint(text)``: the split's ``datasets`` fingerprint, what a resumed run
   compares instead of a file's sha256.
+
+Owns: the id's shape and loading a split. Must not: decide what the rows mean; the table
+and record sources read them as they read a file's.
 """
 
 from __future__ import annotations

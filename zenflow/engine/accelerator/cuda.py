@@ -1,0 +1,162 @@
+"""The ``cuda`` backend: torch.cuda.
+
+Copies run on two dedicated copy streams (one per direction), ordered against the compute
+stream by events; host buffers are pinned; events the host waits on block instead of
+spinning; phases are timed with CUDA events, never with a full synchronize. Device memory is
+read from the caching allocator's counters. Of the backends only this one calls torch.cuda,
+``pin_memory`` or ``non_blocking``; it must not import the sim or its guards.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zenflow.engine.accelerator.base import Accelerator, _nbytes
+
+
+class CudaEvent:
+    """torch.cuda.Event with the event interface of ``base.py`` (query, synchronize)."""
+
+    __slots__ = ("event",)
+
+    def __init__(self, event):
+        self.event = event
+
+    def query(self) -> bool:
+        return self.event.query()
+
+    def synchronize(self) -> None:
+        self.event.synchronize()
+
+
+def _cuda_event(timing: bool = False):
+    # blocking=True: a host thread waiting on it sleeps instead of spinning on a core the
+    # core split gave to someone else.
+    return torch.cuda.Event(blocking=True, enable_timing=timing)
+
+
+class CudaAccelerator(Accelerator):
+    """A CUDA device: two copy streams, events, pinned host buffers, the caching
+    allocator's counters for device memory."""
+
+    kind = "cuda"
+    models_pinning = True
+
+    def __init__(self, device: torch.device, *, pin: bool = True):
+        super().__init__(device)
+        self.pin = pin
+        self.models_pinning = pin
+        torch.cuda.set_device(device)
+        # one stream per direction, like the GPU's two copy engines (and sim's)
+        self.streams = {"d2h": torch.cuda.Stream(device=device),
+                        "h2d": torch.cuda.Stream(device=device)}  # fmt: skip
+        self._input_pool: dict[tuple, torch.Tensor] = {}
+
+    def _pin(self, shape, dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+    def bind_thread(self) -> None:
+        torch.cuda.set_device(self.device)
+
+    def _copy(self, dst, src, direction: str, after, dev_tensor):
+        compute = torch.cuda.current_stream(self.device)
+        stream = self.streams[direction]
+        ready = _cuda_event()
+        ready.record(compute)  # the source (d2h) / the destination's last reader (h2d)
+        with torch.cuda.stream(stream):
+            stream.wait_event(ready)
+            if after is not None:
+                if isinstance(after, CudaEvent):
+                    stream.wait_event(after.event)
+                else:
+                    after.synchronize()
+            dst.copy_(src, non_blocking=True)
+            # the caching allocator must not reuse the device block before the copy ran
+            dev_tensor.record_stream(stream)
+            done = _cuda_event()
+            done.record(stream)
+        if direction == "d2h":
+            self.traffic.d2h_bytes += _nbytes(src)
+        else:
+            self.traffic.h2d_bytes += _nbytes(src)
+        return CudaEvent(done)
+
+    def copy_d2h(self, dst, src, after=None):
+        return self._copy(dst, src, "d2h", after, src)
+
+    def copy_h2d(self, dst, src, after=None):
+        return self._copy(dst, src, "h2d", after, dst)
+
+    def to_host(self, src: torch.Tensor) -> torch.Tensor:
+        dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+        self.copy_d2h(dst, src).synchronize()
+        return dst
+
+    def to_device_input(self, t: torch.Tensor, key: str = "") -> torch.Tensor:
+        # A pageable host->device copy waits for the compute stream (a hidden sync per
+        # micro-batch); from a pinned buffer it is queued. The buffer is reused once the
+        # copy that last read it is done: one buffer per input name and shape, so the
+        # second input of a batch never waits for the first one's copy.
+        key = (key, tuple(t.shape), t.dtype)
+        entry = self._input_pool.get(key)
+        if entry is not None:
+            entry[1].synchronize()
+            buf = entry[0]
+        else:
+            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        buf.copy_(t)
+        out = buf.to(self.device, non_blocking=True)
+        done = _cuda_event()
+        done.record(torch.cuda.current_stream(self.device))
+        self._input_pool[key] = (buf, done)
+        return out
+
+    def record_compute(self):
+        ev = _cuda_event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return CudaEvent(ev)
+
+    def compute_wait(self, event) -> None:
+        if isinstance(event, CudaEvent):
+            torch.cuda.current_stream(self.device).wait_event(event.event)
+        else:
+            event.synchronize()
+
+    def synchronize(self) -> None:
+        self.syncs.full += 1
+        torch.cuda.synchronize(self.device)
+
+    def mark(self):
+        ev = _cuda_event(timing=True)
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def elapsed_ms(self, start, end) -> float:
+        return float(start.elapsed_time(end))
+
+    def device_bytes(self) -> int:
+        return int(torch.cuda.memory_allocated(self.device))
+
+    def peak_bytes(self) -> int:
+        return int(torch.cuda.max_memory_allocated(self.device))
+
+    def reset_peak(self) -> None:
+        super().reset_peak()  # the per-holder peak (peak_held) is per step too
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def rng_state(self) -> dict:
+        return {"cuda": torch.cuda.get_rng_state(self.device)}
+
+    def set_rng_state(self, state: dict) -> None:
+        if "cuda" in state:
+            torch.cuda.set_rng_state(state["cuda"], self.device)
+
+    def describe(self) -> str:
+        return f"cuda ({torch.cuda.get_device_name(self.device)})"
+
+
+def device_synchronize(device: torch.device) -> None:
+    """Wait for all work queued on ``device``; a no-op off CUDA. Not for timing: use an
+    accelerator's ``mark``/``elapsed_ms`` (a full sync drains the engine's copy streams)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

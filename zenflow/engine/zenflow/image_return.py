@@ -1,0 +1,129 @@
+"""The image return: the result of a host step back into the device weights.
+
+Owns the host->device leg: ONLY the non-selected columns, by index, in the training dtype
+(the fp32 master is never overwritten), either at the end of a step (``apply``) or, with
+overlap, piece by piece during the window-end step's backward (``apply_in_backward``, two
+device buckets of its own); which weights already went back this step; the staleness
+figure. Must not touch the window sums, the host job or the worker (``window``), nor the
+selected columns (the device step's).
+
+With ``overlap_step`` a host step runs while the next window trains and its result reaches
+W at the end of that next window: non-selected columns lag by at most 2S steps (S without
+overlap).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import torch
+
+from zenflow.engine.copies import DeviceBuckets
+from zenflow.engine.host import HostJob
+from zenflow.engine.zenflow.state import ZfWeight
+
+
+class ImageReturn:
+    """Host results into the device weights (the non-selected columns only).
+
+    ``mode``: the ZenFlowMode (its engine, weights, settings and copy pipeline)."""
+
+    def __init__(self, mode):
+        self.m = mode
+        self.e = mode.e
+        # With overlap, the window-end step's backward brings the previous host step's
+        # result back (``apply_in_backward``): two device buckets of their own, so its
+        # host->device copies run beside the backward's device->host ones
+        self.h2d: DeviceBuckets | None = None
+        self._h2d_queue: deque = deque()  # (bucket index, bucket, copy event, weight, piece)
+        self.applied_early: set[int] = set()  # weights the window end need not apply
+        self.applied_in_backward = 0  # weights applied so, over the run (stats, tests)
+        self.max_staleness = 0
+        if mode.transport is not None and mode.overlap and not mode.e.dp.enabled:
+            self.h2d = DeviceBuckets(mode.e.accel, mode.bucket_elems, mode.e.dtype, 2)
+
+    def apply_in_backward(self, w: ZfWeight, job: HostJob) -> None:
+        """The window-end step applies ``job`` at its end; its columns of ``w`` go back now,
+        in ``w``'s backward hook (the last micro-batch's: no later forward reads ``w``
+        before the step ends), when the worker has written ``w``'s image already. Each
+        piece's host->device copy runs while backward goes on; its scatter into the weight
+        waits one piece (``_finish_h2d``), so the device never waits for the copy it just
+        queued. Values and order are the end-of-step apply's (``apply`` skips ``w``): no
+        reader of ``w``'s non-selected columns comes between, the selected columns' update
+        touches other columns, and every scatter is done before the step's device update
+        (``collect``). A skipped step keeps what it applied: the same values are applied
+        again at the window's real end."""
+        if w.position not in job.meta.get("ready", ()) or not w.owned:
+            return
+        t0 = time.perf_counter()
+        for pc in w.pieces:
+            if len(self._h2d_queue) >= 2:
+                self._finish_h2d()
+            i, bucket = self.h2d.take(pc.shape)
+            ev = self.e.accel.copy_h2d(bucket, pc.of(w.image))
+            job.copies.append(ev)
+            self._h2d_queue.append((i, bucket, ev, w, pc))
+        self.applied_early.add(w.position)
+        self.applied_in_backward += 1
+        self.m.transport.wait_s += time.perf_counter() - t0  # a wait here stalls backward
+
+    def _finish_h2d(self) -> None:
+        """Scatter the oldest piece copied back in the backward into its weight."""
+        i, bucket, ev, w, pc = self._h2d_queue.popleft()
+        accel = self.e.accel
+        accel.compute_wait(ev)
+        dst, dim, idx = pc.select(w.spec.param.data, w.nonsel_dev)
+        dst.index_copy_(dim, idx, bucket)
+        self.h2d.mark(i, accel.record_compute())
+
+    def finish(self) -> None:
+        """Every piece copied back in the backward into its weight, before any update of
+        the step (``collect``): the wait counts as stall."""
+        t0 = time.perf_counter()
+        while self._h2d_queue:
+            self._finish_h2d()
+        self.e.rec.stall_s += time.perf_counter() - t0
+
+    def apply(self, job: HostJob, t: int) -> None:
+        """Copy the host result into the device weights: ONLY the non-selected columns, by
+        index, cast to the training dtype (the fp32 master is never overwritten). Weights
+        whose columns went back in this step's backward are skipped."""
+        e = self.e
+        t0 = time.perf_counter()
+        dp = e.dp
+        early, self.applied_early = self.applied_early, set()
+        for w in self.m.zweights:
+            p = w.spec.param.data
+            if w.position in early:  # went back during this step's backward
+                continue
+            if not self.m.zero_copy:
+                for pc in w.pieces:
+                    i, bucket = self.m.transport.take_bucket(pc.shape)
+                    if w.owned:
+                        ev = e.accel.copy_h2d(bucket, pc.of(w.image))
+                        job.copies.append(ev)
+                        e.accel.compute_wait(ev)
+                    if dp.enabled:  # the owner's result to every rank's device
+                        dp.broadcast_(bucket, w.owner)
+                    dst, dim, idx = pc.select(p, w.nonsel_dev)
+                    dst.index_copy_(dim, idx, bucket)
+                    self.m.transport.buckets.mark(i, e.accel.record_compute())
+            else:  # shared memory: the gather is the copy (counted at the weight's dtype)
+                if w.owned:
+                    vals = w.host.master.index_select(w.cd, w.nonsel_host).to(p.dtype)
+                    e.accel.traffic.h2d_bytes += vals.numel() * p.element_size()
+                else:
+                    shape = list(p.shape)
+                    shape[w.cd] = w.n_cols - w.k
+                    vals = torch.empty(shape, dtype=p.dtype, device=p.device)
+                if dp.enabled:
+                    dp.broadcast_(vals, w.owner)
+                p.index_copy_(w.cd, w.nonsel_dev, vals)
+        job.applied_step = t
+        # Staleness: the oldest gradient in this update is from job.window_start; the device
+        # sees it at the end of step t. With overlap t is the end of the NEXT window, so
+        # non-selected columns lag by at most 2S steps (S without overlap).
+        self.max_staleness = max(self.max_staleness, t - job.window_start + 1)
+        e.rec.host_update = True
+        e.rec.stall_s += time.perf_counter() - t0

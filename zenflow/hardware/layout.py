@@ -1,0 +1,301 @@
+"""The bytes each engine holds for a model: ``layout(census, mode, settings)``, one line per
+buffer, the single source of the formulas (ZENFLOW.md section 2b).
+
+Notation (as in ZENFLOW.md section 2b): P = trainable params, Pz = params of ZenFlow weights
+(2-D, >= ``DEFAULT_MIN_NUMEL`` elements, scored by columns), Pd = P - Pz (dense params),
+S = selected elements (sum over ZenFlow weights of rows x k), N = Pz - S, dt = bytes of the
+training dtype (2 bf16, 4 fp32), B = elements of one staging bucket, nb = device buckets
+(2; 4 with data parallelism), L = elements of the largest gradient the stream routes (the
+one being produced during backward).
+
+The layout is the streamed one (``zfctl.stream_grads``, on for a separate device): every
+gradient leaves the device as backward produces it, so the device holds the selected
+columns' gradient (S), the always-important parameters' (Pd), the one in flight (L) and the
+buckets, at the peak of backward. Without streaming, or with micro-batches summed on the
+device (``zfctl.grad_accumulation: "device"``), it holds the whole gradient (P) instead.
+Only what crosses the link is pinned: staging, images, landing buffers.
+
+Every item has a category the engine's own memory accounting uses: on the device "weights",
+"grads", "optimizer" (fp32 master slices, moments, step counts), "staging" (copy buckets)
+and "activations" (an estimate); on the host "master_moments", "accumulators" and "staging".
+
+Lays out one engine mode; checking the items against a memory budget, and the verdict, are
+``zenflow.hardware.estimate``'s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from zenflow.engine.copies import bucket_count
+from zenflow.hardware.census import ArchShape, EstimateError, ParamCensus
+
+ENGINE_MODES = ("device", "offload", "zenflow")
+DEVICE_CATEGORIES = ("weights", "grads", "optimizer", "staging", "activations")
+HOST_CATEGORIES = ("master_moments", "accumulators", "staging")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The run settings the layout depends on."""
+
+    topk_ratio: float = 0.1
+    bf16: bool = True
+    overlap_step: bool = False  # the host step runs while the next window trains
+    pin_memory: bool = True  # link buffers pinned (only with a separate device)
+    micro_batch: int = 8
+    seq_len: int = 128
+    stream_grads: bool = True  # gradients leave the device during backward
+    grad_accumulation: str = "host"  # where micro-batches are summed ("host" or "device")
+    gradient_accumulation_steps: int = 1
+    gradient_checkpointing: bool = False  # activations recomputed in backward
+    world_size: int = 1  # data-parallel ranks: more device buckets in flight
+    warmup: bool = False  # full_warm_up_rounds > 0: warm-up images on the host
+    cpu_device: bool = False  # the device is the CPU: ZenFlow sums where autograd writes
+    copy_buckets: int | None = None  # zfctl.copy_buckets (None: "auto")
+
+    @property
+    def whole_grads(self) -> bool:
+        """Whether the device holds whole gradients (no streaming, or micro-batches summed
+        in them)."""
+        return not self.stream_grads or (
+            self.gradient_accumulation_steps > 1 and self.grad_accumulation == "device"
+        )
+
+    @property
+    def host_sums(self) -> bool:
+        """Micro-batches summed on the host in fp32."""
+        return self.gradient_accumulation_steps > 1 and not self.whole_grads
+
+    @property
+    def dtype_bytes(self) -> int:
+        return 2 if self.bf16 else 4
+
+    @property
+    def dtype(self) -> str:
+        return "bf16" if self.bf16 else "fp32"
+
+
+def settings_from_config(config=None, **overrides: Any) -> Settings:
+    """Settings from a zenflow Config (topk_ratio, bf16, overlap_step, pin_memory, micro-batch);
+    keyword overrides that are not None win. Without a config: bf16, topk 0.1."""
+    values: dict[str, Any] = {}
+    if config is not None:
+        # bf16 "auto" resolves on for a separate device (what the estimate is about)
+        values["bf16"] = config.bf16 == "auto" or bool(config.bf16)
+        values["pin_memory"] = bool(config.pin_memory)
+        if config.train_micro_batch_size_per_gpu:
+            values["micro_batch"] = int(config.train_micro_batch_size_per_gpu)
+        values["gradient_accumulation_steps"] = int(config.gradient_accumulation_steps)
+        values["grad_accumulation"] = config.engine.grad_accumulation
+        values["stream_grads"] = config.engine.stream_grads in (True, "auto")
+        if config.engine.copy_buckets != "auto":
+            values["copy_buckets"] = int(config.engine.copy_buckets)
+        if config.zenflow is not None:
+            values["topk_ratio"] = float(config.zenflow.topk_ratio)
+            values["overlap_step"] = bool(config.zenflow.overlap_step)
+            values["warmup"] = int(config.zenflow.full_warm_up_rounds) > 0
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    if not 0 < values.get("topk_ratio", 0.1) <= 1:
+        raise EstimateError(f"--topk-ratio must be in (0, 1], got {values['topk_ratio']}.")
+    return Settings(**values)
+
+
+@dataclass(frozen=True)
+class Item:
+    """One buffer an engine holds."""
+
+    side: str  # "device" or "host"
+    category: str  # one of DEVICE_CATEGORIES / HOST_CATEGORIES
+    what: str
+    bytes: int
+    formula: str
+    pinned: bool = False  # a host buffer that crosses the link (page-locked when pinning)
+
+
+def activation_bytes(arch: ArchShape | None, s: Settings) -> tuple[int | None, str]:
+    """Activation memory of one micro-batch (an estimate) and its formula.
+
+    Transformer blocks: Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+    Transformer Models"), s*b*h*(34 + 5*a*s/h) bytes per layer at 2-byte activations, scaled
+    by dt/2. With activation checkpointing (``gradient_checkpointing``: transformers
+    recomputes each layer in backward from its input) every layer keeps only its input,
+    s*b*h*dt, and one layer's full activations exist at a time, while it is recomputed.
+    Head: fp32 logits and their gradient, b*s*vocab*4*2 for a causal LM, b*num_labels*4*2
+    for a classifier.
+    """
+    if arch is None:
+        return None, "unknown for this architecture (no hidden_size/heads/layers in its config)"
+    b, seq, h, a, dt = s.micro_batch, s.seq_len, arch.hidden, arch.heads, s.dtype_bytes
+    per_layer = seq * b * h * (34 + 5 * a * seq / h) * dt / 2
+    if arch.causal_lm:
+        head, head_f = b * seq * arch.vocab * 4 * 2, "b*s*vocab*8"
+    else:
+        head, head_f = b * arch.num_labels * 4 * 2, "b*labels*8"
+    if s.gradient_checkpointing:
+        body = arch.layers * seq * b * h * dt + per_layer
+        formula = f"L*s*b*h*dt + s*b*h*(34+5*a*s/h)*dt/2 (checkpointed) + {head_f}"
+        return int(body + head), formula
+    formula = f"L*s*b*h*(34+5*a*s/h)*dt/2 + {head_f}"
+    return int(arch.layers * per_layer + head), formula
+
+
+# --------------------------------------------------------------------------- the layout
+
+
+class _Buffers:
+    """The items laid out so far, in order, and the notation of the module docstring."""
+
+    def __init__(self, census: ParamCensus, s: Settings) -> None:
+        self.census, self.s = census, s
+        self.items: list[Item] = []
+        self.P, self.Pz, self.Pd = census.params, census.zenflow_params, census.dense_params
+        self.dt, self.dn = s.dtype_bytes, s.dtype
+        self.S, self.K = census.selected(s.topk_ratio)
+        self.N = self.Pz - self.S
+        self.B = census.bucket_elements
+        self.fp32_state = 12 if s.bf16 else 8  # + fp32 master only when the weights are bf16
+        self.dp = s.world_size > 1
+
+    def dev(self, cat: str, what: str, n: int, formula: str) -> None:
+        self.items.append(Item("device", cat, what, int(n), formula))
+
+    def host(self, cat: str, what: str, n: int, formula: str, pinned: bool = False) -> None:
+        self.items.append(Item("host", cat, what, int(n), formula, pinned))
+
+
+def layout(census: ParamCensus, mode: str, s: Settings) -> list[Item]:
+    """Every buffer the engine holds in ``mode``, with its bytes and formula.
+
+    This is the single source of the formulas (ZENFLOW.md section 2b), one line per buffer.
+    Activations are included on the device side when the architecture is known.
+    """
+    if mode not in ENGINE_MODES:
+        raise EstimateError(f"engine {mode!r} is not one of {', '.join(ENGINE_MODES)}.")
+    b = _Buffers(census, s)
+    # Every engine: the model's weights in the training dtype.
+    b.dev("weights", f"weights ({b.dn})", b.P * b.dt, f"P*{b.dt}")
+    if mode == "device":
+        _device_engine(b)
+    elif mode == "offload":
+        _offload_engine(b)
+    else:
+        _zenflow_engine(b)
+    return _with_activations(b.items, census, s)
+
+
+def _device_engine(b: _Buffers) -> None:
+    """Plain mixed-precision AdamW, everything on the device."""
+    P, dt, dn = b.P, b.dt, b.dn
+    b.dev("grads", f"gradients ({dn})", P * dt, f"P*{dt}")
+    b.dev("optimizer", "exp_avg + exp_avg_sq (fp32)", P * 8, "P*8")
+    if b.s.bf16:
+        b.dev("optimizer", "master weights (fp32)", P * 4, "P*4")
+
+
+def _offload_engine(b: _Buffers) -> None:
+    """ZeRO-Offload: the whole optimizer on the host."""
+    census, s, P, dt, dn = b.census, b.s, b.P, b.dt, b.dn
+    Lo = census.largest_numel
+    if s.whole_grads:
+        b.dev("grads", f"gradients ({dn}, whole)", P * dt, f"P*{dt}")
+    else:
+        b.dev("grads", f"the gradient being streamed (largest, {dn})", Lo * dt, f"L*{dt}")
+    Bo = census.bucket_elements_all
+    nb = bucket_count(s.copy_buckets, b.dp, P, Bo)
+    b.dev("staging", f"copy buckets ({nb}, {dn})", nb * Bo * dt, f"{nb}*B*{dt}")
+    b.host("master_moments", "master + exp_avg + exp_avg_sq (fp32)", P * 12, "P*12")
+    if s.host_sums:  # micro-batches land in pinned staging, summed in fp32
+        b.host("staging", f"device->host staging ({dn})", P * dt, f"P*{dt}", True)
+        b.host("accumulators", "micro-batch gradient sums (fp32)", P * 4, "P*4")
+    else:  # every step's gradient lands here before the CPU Adam reads it
+        b.host("staging", f"gradient landing buffer ({dn})", P * dt, f"P*{dt}", True)
+    if s.bf16:  # fp32: the master itself is copied back, no image needed
+        b.host("staging", "bf16 image of the updated weights", P * 2, "P*2", True)
+
+
+def _zenflow_engine(b: _Buffers) -> None:
+    """ZenFlow: the selected columns on the device, the rest on the host."""
+    _zenflow_device(b)
+    # full-shape host state: a column may move to the host at any re-selection
+    b.host("master_moments", "ZenFlow weights: master + moments (fp32)", b.Pz * 12, "Pz*12")
+    if b.s.cpu_device:  # zero-copy: full-shape fp32 sums, 2 with overlap; nothing crosses
+        slots = 2 if b.s.overlap_step else 1
+        b.dev("optimizer", f"window sums, full shape (fp32, {slots} slot"
+              f"{'s' * (slots > 1)}: the CPU device sums where autograd writes)",
+              b.Pz * 4 * slots, f"Pz*4*{slots}")  # fmt: skip
+        return
+    _zenflow_host_link(b)
+
+
+def _zenflow_device(b: _Buffers) -> None:
+    """ZenFlow's device side: gradients, the selected columns' and dense params' state,
+    the copy buckets."""
+    census, s = b.census, b.s
+    P, Pd, S, K, N, B, dt, dn = b.P, b.Pd, b.S, b.K, b.N, b.B, b.dt, b.dn
+    Lz = census.largest_zenflow_numel
+    if s.whole_grads:
+        b.dev("grads", f"gradients ({dn}, whole)", P * dt, f"P*{dt}")
+    else:
+        b.dev("grads", f"always-important params' gradients ({dn})", Pd * dt, f"Pd*{dt}")
+        b.dev("grads", f"the gradient being streamed (largest, {dn})", Lz * dt, f"L*{dt}")
+    # the step's gradient of the selected columns, compact, until the optimizer step
+    # (a CPU device reads the selected columns from the whole gradient instead)
+    if not s.cpu_device:
+        b.dev("grads", f"selected columns' gradient ({dn})", S * dt, f"S*{dt}")
+    if s.bf16 and not s.cpu_device:  # widened to fp32 batch by batch, in one scratch
+        scratch = max(census.largest_selected(s.topk_ratio), S // 64)
+        b.dev("grads", "fp32 scratch of the selected columns' update", scratch * 4,
+              "4*max(largest rows*k, S/64)")  # fmt: skip
+    # selected columns and dense params update exactly in fp32 on the device
+    sel_what = "master + moments (fp32)" if s.bf16 else "exp_avg + exp_avg_sq (fp32)"
+    fp32_state = b.fp32_state
+    b.dev("optimizer", f"selected columns: {sel_what}", S * fp32_state, f"S*{fp32_state}")
+    b.dev("optimizer", f"dense params: {sel_what}", Pd * fp32_state, f"Pd*{fp32_state}")
+    # an integer step per selected column: bias correction survives hand-overs
+    b.dev("optimizer", "per-column step counts (int64)", K * 8, "8*sum(k)")
+    if not s.cpu_device:
+        # with overlap (one rank) two more: the window end's result goes back in backward
+        nz = bucket_count(s.copy_buckets, b.dp, N, B) + (2 if s.overlap_step and not b.dp else 0)
+        b.dev("staging", f"copy buckets ({nz}, {dn})", nz * B * dt, f"{nz}*B*{dt}")
+
+
+def _zenflow_host_link(b: _Buffers) -> None:
+    """ZenFlow's host buffers beside a separate device: the window sums and the pinned
+    buffers that cross the link."""
+    census, s, N, dt, dn = b.census, b.s, b.N, b.dt, b.dn
+    # one window sum: with overlap the next window's first write to a weight's sum
+    # waits until the host step has read it (the worker goes in backward's order)
+    b.host("accumulators", "window sums of the non-selected columns (fp32)", N * 4, "N*4")
+    if s.host_sums:
+        b.host("accumulators", "micro-batch sums of the non-selected columns (fp32)", N * 4,
+               "N*4")  # fmt: skip
+    # pinned, one buffer per weight: the image of the updated columns (what the
+    # host->device copy reads, written by the host step in the same pass) and the
+    # staging of one step's pieces (device->host)
+    b.host("staging", f"{dn} image of the non-selected columns", N * dt, f"N*{dt}", True)
+    b.host("staging", f"device->host staging, one step's pieces ({dn})", N * dt, f"N*{dt}",
+           True)  # fmt: skip
+    # The first selection and warm-up see whole gradients on the host. They land in the
+    # weight's own window sum / link buffer, which no step uses yet, when those hold
+    # the whole weight (at most half its columns selected); else in buffers of their own
+    # that go back to the allocator after the first selection.
+    land_dt = 4 if s.host_sums else dt
+    big = census.crowded_numel(s.topk_ratio)
+    if big:
+        b.host("accumulators", "whole-gradient landing (first selection and warm-up only)",
+               big * land_dt, f"Pz(k>1/2)*{land_dt}")  # fmt: skip
+        if s.warmup and s.bf16:
+            b.host("staging", "warm-up: bf16 image of the updated weights", big * 2,
+                   "Pz(k>1/2)*2")  # fmt: skip
+
+
+def _with_activations(items: list[Item], census: ParamCensus, s: Settings) -> list[Item]:
+    """``items`` plus the activations' estimate (when the architecture is known), device
+    items first, then host (a stable sort)."""
+    act, formula = activation_bytes(census.arch, s)
+    if act is not None:
+        items.append(Item("device", "activations", "activations (estimate)", act, formula))
+    items.sort(key=lambda i: i.side != "device")
+    return items
