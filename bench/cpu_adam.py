@@ -22,11 +22,23 @@ bandwidth is extrapolated to 28 bytes per parameter: the time a purely memory-bo
 would need.
 
     python bench/cpu_adam.py [--params N] [--repeats R] [--threads T] [--columns K] [--json]
+
+``--host-state``: the compact host state's step instead, side by side in one run, at 1
+thread and at ``--threads``: the exact fp32 kernel, as ``adamw_step_`` over contiguous
+compact tensors and as ``adamw_compact_step_`` on the full-shape state (K columns, 90% of
+them non-selected), both with fp32 moments, a bf16 gradient and a bf16 image, against
+``adamw_q8_step_`` (bf16 gradient, 8-bit block-wise moments, bf16 image). Bytes moved per
+stepped element: exact 28 (param read+write 8, bf16 grad 2, exp_avg and exp_avg_sq read+write
+16, bf16 image 2); q8 16.06 (param 8, grad 2, m and u codes read+write 4, image 2, one fp32
+scale per 256 elements per moment read+write 0.06).
+
+    python bench/cpu_adam.py --host-state [--params N] [--repeats R] [--threads T] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -111,6 +123,126 @@ def make_floor(numel: int) -> Callable[[], None]:
     return lambda: a.add_(b)
 
 
+# Bytes moved per stepped element (see the module docstring).
+HOST_STATE_BYTES = {"exact": 28.0, "q8": 16.0 + 2 * 2 * 4 / 256}
+
+
+def _bf16_grad(gen: torch.Generator, *shape: int) -> torch.Tensor:
+    return (torch.randn(*shape, generator=gen) * 1e-2).bfloat16()
+
+
+def _host_hyper(settings: dict) -> Callable[[], dict]:
+    """The keyword arguments of one host-state step (threads read at call time)."""
+    beta1, beta2 = HYPER["betas"]
+    fixed = dict(lr=HYPER["lr"], beta1=beta1, beta2=beta2, eps=HYPER["eps"])
+    fixed["weight_decay"] = HYPER["weight_decay"]
+    return lambda: dict(fixed, num_threads=settings["threads"])
+
+
+def _exact_contender(numel: int, gen: torch.Generator, hyper) -> Callable[[], None]:
+    from zenflow.ops import adamw_step_
+
+    p, g = torch.randn(numel, generator=gen), _bf16_grad(gen, numel)
+    m, v, image = torch.zeros(numel), torch.zeros(numel), torch.empty(numel, dtype=torch.bfloat16)
+    steps = itertools.count(1)
+    return lambda: adamw_step_(p, g, m, v, step=next(steps), param_bf16=image, **hyper())
+
+
+def _compact_contender(numel: int, columns: int, gen: torch.Generator, hyper) -> tuple:
+    """(stepped elements, step): a [rows, columns] weight, 90% of its columns non-selected."""
+    from zenflow.ops import adamw_compact_step_
+
+    n = max(1, round(columns * 0.9))
+    rows = max(1, numel // n)
+    param = torch.randn(rows, columns, generator=gen)
+    m, v = torch.zeros(rows, columns), torch.zeros(rows, columns)
+    index = torch.randperm(columns, generator=gen)[:n].sort().values
+    g, image = _bf16_grad(gen, rows, n), torch.empty(rows, n, dtype=torch.bfloat16)
+    steps = itertools.count(1)
+
+    def run() -> None:
+        adamw_compact_step_(param, g, m, v, index, 1, step=next(steps), image=image, **hyper())
+
+    return rows * n, run
+
+
+def _q8_contender(numel: int, gen: torch.Generator, hyper) -> Callable[[], None]:
+    from zenflow.ops import adamw_q8_step_, q8_num_blocks
+
+    p, g = torch.randn(numel, generator=gen), _bf16_grad(gen, numel)
+    m_codes, u_codes = (torch.zeros(numel, dtype=torch.uint8) for _ in range(2))
+    m_scales, u_scales = (torch.zeros(q8_num_blocks(numel)) for _ in range(2))
+    image = torch.empty(numel, dtype=torch.bfloat16)
+    steps = itertools.count(1)
+    return lambda: adamw_q8_step_(
+        p, g, m_codes, m_scales, u_codes, u_scales, step=next(steps), image=image, **hyper()
+    )
+
+
+def make_host_state(numel: int, columns: int, settings: dict) -> dict[str, tuple]:
+    """name -> (stepped elements, bytes per element, step function) of the three host-state
+    contenders; ``settings["threads"]`` is read at every call."""
+    from zenflow.ops import load_native
+
+    load_native()
+    gen = torch.Generator().manual_seed(3)
+    hyper = _host_hyper(settings)
+    compact_elements, compact = _compact_contender(numel, columns, gen, hyper)
+    return {
+        "exact adamw_step_": (
+            numel,
+            HOST_STATE_BYTES["exact"],
+            _exact_contender(numel, gen, hyper),
+        ),
+        "exact adamw_compact_step_": (compact_elements, HOST_STATE_BYTES["exact"], compact),
+        "q8 adamw_q8_step_": (numel, HOST_STATE_BYTES["q8"], _q8_contender(numel, gen, hyper)),
+    }
+
+
+def host_state_main(args: argparse.Namespace) -> int:
+    """The ``--host-state`` comparison: 1 thread and ``--threads``, interleaved rounds."""
+    settings = {"threads": 1}
+    contenders = make_host_state(args.params, args.columns, settings)
+    rows = []
+    for threads in sorted({1, args.threads}):
+        settings["threads"] = threads
+        torch.set_num_threads(threads)
+        times: dict[str, list[float]] = {name: [] for name in contenders}
+        for round_ in range(args.repeats + 1):  # round 0 warms up (first touch, JIT build)
+            for name, (_, _, fn) in contenders.items():
+                elapsed = _time_once(fn)
+                if round_:
+                    times[name].append(elapsed)
+        exact = statistics.median(times["exact adamw_step_"])
+        for name, (elements, nbytes, _) in contenders.items():
+            median = statistics.median(times[name])
+            rows.append({
+                "threads": threads, "name": name, "elements": elements, "median_ms": median * 1e3,
+                "min_ms": min(times[name]) * 1e3, "elements_per_s": elements / median,
+                "bytes_per_element": nbytes, "gb_per_s": elements * nbytes / median / 1e9,
+                "speedup_vs_exact": exact / median * elements / contenders["exact adamw_step_"][0],
+            })  # fmt: skip
+    result = {"params": args.params, "repeats": args.repeats, "torch": torch.__version__,
+              "cpu_capability": torch.backends.cpu.get_cpu_capability(), "rows": rows}  # fmt: skip
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(
+        f"\nHost-state step, ~{args.params:,} elements, median of {args.repeats} interleaved rounds"
+    )
+    header = f"{'threads':>7}  {'contender':<27}{'median ms':>10}{'min ms':>9}{'Melem/s':>9}"
+    print(header + f"{'B/elem':>8}{'GB/s':>7}{'vs exact':>10}")
+    print("-" * (len(header) + 25))
+    for row in rows:
+        print(
+            f"{row['threads']:>7}  {row['name']:<27}{row['median_ms']:10.1f}{row['min_ms']:9.1f}"
+            f"{row['elements_per_s'] / 1e6:9.0f}{row['bytes_per_element']:8.2f}"
+            f"{row['gb_per_s']:7.1f}{row['speedup_vs_exact']:9.2f}x"
+        )
+    print("vs exact: elements per second relative to exact adamw_step_ at the same threads")
+    return 0
+
+
 def _time_once(fn: Callable[[], None]) -> float:
     start = time.perf_counter()
     with torch.no_grad():
@@ -132,20 +264,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="K of the per-column rows: K columns of N/K (col_inner=1), N/K of K (col_inner=K)",
     )
     parser.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeedCPUAdam")
+    parser.add_argument(
+        "--host-state",
+        action="store_true",
+        help="the compact host state instead: exact fp32 kernels against adamw_q8_step_",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    torch.set_num_threads(args.threads)
+def _ready_contenders(args, numel: int, log) -> tuple[dict, dict]:
+    """(name -> step function, name -> why unavailable), each contender warmed up once."""
     cols = args.columns
-    numel = args.params // cols * cols
-    log = sys.stderr if args.json else sys.stdout
-    if numel < 1:
-        print(f"--params {args.params} is smaller than --columns {cols}", file=sys.stderr)
-        return 2
-
     contenders: dict[str, Callable[[], None]] = {}
     unavailable: dict[str, str] = {}
     builders: list[tuple[str, Callable[[], Callable[[], None]]]] = [
@@ -172,12 +302,10 @@ def main(argv: list[str] | None = None) -> int:
             continue
         contenders[name] = fn
         print(f"{name}: ready ({time.perf_counter() - start:.1f} s incl. warm-up)", file=log)
+    return contenders, unavailable
 
-    times: dict[str, list[float]] = {name: [] for name in contenders}
-    for _ in range(args.repeats):
-        for name, fn in contenders.items():
-            times[name].append(_time_once(fn))
 
+def _rows(times: dict[str, list[float]], numel: int) -> list[dict]:
     fused = statistics.median(times["torch AdamW fused"]) if "torch AdamW fused" in times else None
     rows = []
     for name, samples in times.items():
@@ -197,19 +325,11 @@ def main(argv: list[str] | None = None) -> int:
                 "vs_fused": fused / median if fused else None,
             }
         )
-    result = {
-        "params": numel,
-        "threads": args.threads,
-        "repeats": args.repeats,
-        "columns": cols,
-        "torch": torch.__version__,
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "rows": rows,
-        "unavailable": unavailable,
-    }
-    if args.json:
-        print(json.dumps(result, indent=2))
-        return 0
+    return rows
+
+
+def _print_table(args, numel: int, rows: list[dict], unavailable: dict[str, str]) -> None:
+    cols = args.columns
     print(
         f"\nCPU Adam step, {numel:,} fp32 params, {args.threads} threads, "
         f"median of {args.repeats} interleaved rounds ({BYTES_PER_PARAM} bytes/param)"
@@ -231,6 +351,39 @@ def main(argv: list[str] | None = None) -> int:
     print("memory floor: in-place a.add_(b) bandwidth (12 B/elem) applied to 28 B/param")
     for name, reason in unavailable.items():
         print(f"{name}: unavailable: {reason}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.host_state:
+        return host_state_main(args)
+    torch.set_num_threads(args.threads)
+    cols = args.columns
+    numel = args.params // cols * cols
+    log = sys.stderr if args.json else sys.stdout
+    if numel < 1:
+        print(f"--params {args.params} is smaller than --columns {cols}", file=sys.stderr)
+        return 2
+    contenders, unavailable = _ready_contenders(args, numel, log)
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(args.repeats):
+        for name, fn in contenders.items():
+            times[name].append(_time_once(fn))
+    rows = _rows(times, numel)
+    if args.json:
+        result = {
+            "params": numel,
+            "threads": args.threads,
+            "repeats": args.repeats,
+            "columns": cols,
+            "torch": torch.__version__,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "rows": rows,
+            "unavailable": unavailable,
+        }
+        print(json.dumps(result, indent=2))
+        return 0
+    _print_table(args, numel, rows, unavailable)
     return 0
 
 

@@ -1,8 +1,13 @@
 // Shared inline kernel bodies of the native host ops (cpu_adam.cpp: adamw_step_;
-// host_ops.cpp: adamw_compact_step_, accumulate_). The arithmetic, the vector bodies and
-// their bit-exactness rules are described at the top of cpu_adam.cpp; every op that
-// updates Adam state goes through step_scalar / step_vector, so all of them compute an
-// element with the same instructions.
+// host_ops.cpp: adamw_compact_step_, accumulate_; q8_ops.cpp: adamw_q8_step_). The
+// arithmetic, the vector bodies and their bit-exactness rules are described at the top of
+// cpu_adam.cpp; every op that updates Adam state goes through step_scalar / step_vector, so
+// all of them compute an element with the same instructions.
+//
+// kSqrtOut (template flag of the step bodies and loops, default false): store
+// sqrt(exp_avg_sq) into v instead of exp_avg_sq. The sqrt is the one the step computes for
+// its denominator anyway, so param, exp_avg and the bf16 image are the same instructions
+// either way; adamw_q8_step_ keeps the second moment as u = sqrt(v) and uses it.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -80,7 +85,7 @@ inline float load_grad_scalar(const c10::BFloat16* g, int64_t i) {
 }
 
 // One element; the operation sequence mirrors the vector bodies below exactly.
-template <typename GradT>
+template <typename GradT, bool kSqrtOut = false>
 inline void step_scalar(int64_t i, float* __restrict p, const GradT* __restrict g,
                         float* __restrict m, float* __restrict v, c10::BFloat16* __restrict pb,
                         const StepConsts& c, float inv_bc2_sqrt, float neg_step_size) {
@@ -90,10 +95,11 @@ inline void step_scalar(int64_t i, float* __restrict p, const GradT* __restrict 
   if (c.coupled) grad = fused_mul_add(c.l2, param, grad);
   const float exp_avg = fused_mul_add(c.beta1, m[i], c.one_minus_beta1 * grad);
   const float exp_avg_sq = fused_mul_add(c.beta2, v[i], (c.one_minus_beta2 * grad) * grad);
-  const float denom = fused_mul_add(std::sqrt(exp_avg_sq), inv_bc2_sqrt, c.eps);
+  const float root = std::sqrt(exp_avg_sq);
+  const float denom = fused_mul_add(root, inv_bc2_sqrt, c.eps);
   param = fused_mul_add(neg_step_size, exp_avg / denom, param);
   m[i] = exp_avg;
-  v[i] = exp_avg_sq;
+  v[i] = kSqrtOut ? root : exp_avg_sq;
   p[i] = param;
   if (pb != nullptr) pb[i] = c10::BFloat16(param);  // round to nearest even, NaN -> 0x7FC0
 }
@@ -126,7 +132,7 @@ inline void store_bf16_vec(c10::BFloat16* dst, int64_t i, __m512 x) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm512_cvtepi32_epi16(rounded));
 }
 
-template <typename GradT>
+template <typename GradT, bool kSqrtOut = false>
 inline void step_vector(int64_t i, float* __restrict p, const GradT* __restrict g,
                         float* __restrict m, float* __restrict v, c10::BFloat16* __restrict pb,
                         const StepConsts& c, Vec inv_bc2_sqrt, Vec neg_step_size) {
@@ -142,9 +148,10 @@ inline void step_vector(int64_t i, float* __restrict p, const GradT* __restrict 
   // Moments are final here: store them before the long sqrt/div chain (frees the
   // registers and lets the stores drain while it runs).
   _mm512_storeu_ps(m + i, exp_avg);
-  _mm512_storeu_ps(v + i, exp_avg_sq);
-  const __m512 denom =
-      _mm512_fmadd_ps(_mm512_sqrt_ps(exp_avg_sq), inv_bc2_sqrt, _mm512_set1_ps(c.eps));
+  if (!kSqrtOut) _mm512_storeu_ps(v + i, exp_avg_sq);
+  const __m512 root = _mm512_sqrt_ps(exp_avg_sq);
+  if (kSqrtOut) _mm512_storeu_ps(v + i, root);
+  const __m512 denom = _mm512_fmadd_ps(root, inv_bc2_sqrt, _mm512_set1_ps(c.eps));
   param = _mm512_fmadd_ps(neg_step_size, _mm512_div_ps(exp_avg, denom), param);
   _mm512_storeu_ps(p + i, param);
   if (pb != nullptr) store_bf16_vec(pb, i, param);
@@ -178,7 +185,7 @@ inline void store_bf16_vec(c10::BFloat16* dst, int64_t i, __m256 x) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm256_castsi256_si128(packed));
 }
 
-template <typename GradT>
+template <typename GradT, bool kSqrtOut = false>
 inline void step_vector(int64_t i, float* __restrict p, const GradT* __restrict g,
                         float* __restrict m, float* __restrict v, c10::BFloat16* __restrict pb,
                         const StepConsts& c, Vec inv_bc2_sqrt, Vec neg_step_size) {
@@ -194,9 +201,10 @@ inline void step_vector(int64_t i, float* __restrict p, const GradT* __restrict 
   // Moments are final here: store them before the long sqrt/div chain (frees the
   // registers and lets the stores drain while it runs).
   _mm256_storeu_ps(m + i, exp_avg);
-  _mm256_storeu_ps(v + i, exp_avg_sq);
-  const __m256 denom =
-      _mm256_fmadd_ps(_mm256_sqrt_ps(exp_avg_sq), inv_bc2_sqrt, _mm256_set1_ps(c.eps));
+  if (!kSqrtOut) _mm256_storeu_ps(v + i, exp_avg_sq);
+  const __m256 root = _mm256_sqrt_ps(exp_avg_sq);
+  if (kSqrtOut) _mm256_storeu_ps(v + i, root);
+  const __m256 denom = _mm256_fmadd_ps(root, inv_bc2_sqrt, _mm256_set1_ps(c.eps));
   param = _mm256_fmadd_ps(neg_step_size, _mm256_div_ps(exp_avg, denom), param);
   _mm256_storeu_ps(p + i, param);
   if (pb != nullptr) store_bf16_vec(pb, i, param);
@@ -210,11 +218,11 @@ using Vec = float;
 inline Vec vec_set1(float x) { return x; }
 inline Vec vec_load(const float* x) { return *x; }
 
-template <typename GradT>
+template <typename GradT, bool kSqrtOut = false>
 inline void step_vector(int64_t i, float* __restrict p, const GradT* __restrict g,
                         float* __restrict m, float* __restrict v, c10::BFloat16* __restrict pb,
                         const StepConsts& c, Vec inv_bc2_sqrt, Vec neg_step_size) {
-  step_scalar(i, p, g, m, v, pb, c, inv_bc2_sqrt, neg_step_size);
+  step_scalar<GradT, kSqrtOut>(i, p, g, m, v, pb, c, inv_bc2_sqrt, neg_step_size);
 }
 #endif
 
@@ -229,63 +237,129 @@ struct ColTables {
   int64_t col_inner;  // elements per run of one column
 };
 
+// The loops below take element indices [begin, end) of the pointers they are given. The
+// column helpers also take flat0, the flat index (in the whole tensor) of pointer element
+// 0: element i belongs to column ((flat0 + i) / col_inner) % C. adamw_step_ passes the
+// whole tensor (flat0 = 0); adamw_q8_step_ passes one quantisation block at a time, with
+// its moments in block-local buffers.
+
 // One step-count for every element: the original loop.
-template <typename GradT>
+template <typename GradT, bool kSqrtOut = false>
 inline void run_range(int64_t begin, int64_t end, float* p, const GradT* g, float* m, float* v,
                       c10::BFloat16* pb, const StepConsts& c, BiasConsts b) {
   const Vec inv_bc2_sqrt = vec_set1(b.inv_bc2_sqrt);
   const Vec neg_step_size = vec_set1(b.neg_step_size);
   int64_t i = begin;
   for (; i + kWidth <= end; i += kWidth)
-    step_vector(i, p, g, m, v, pb, c, inv_bc2_sqrt, neg_step_size);
-  for (; i < end; ++i) step_scalar(i, p, g, m, v, pb, c, b.inv_bc2_sqrt, b.neg_step_size);
+    step_vector<GradT, kSqrtOut>(i, p, g, m, v, pb, c, inv_bc2_sqrt, neg_step_size);
+  for (; i < end; ++i)
+    step_scalar<GradT, kSqrtOut>(i, p, g, m, v, pb, c, b.inv_bc2_sqrt, b.neg_step_size);
 }
 
-// col_inner == 1: element i is column i % C. `col` tracks the column of element i; a
-// vector reads kWidth consecutive table entries from there (the wrap-around tail of the
-// tables makes that valid for any col < C), then moves on by kWidth columns modulo C.
-template <typename GradT>
+// col_inner == 1: element i is column (flat0 + i) % C. `col` tracks the column of element
+// i; a vector reads kWidth consecutive table entries from there (the wrap-around tail of
+// the tables makes that valid for any col < C), then moves on by kWidth columns modulo C.
+template <typename GradT, bool kSqrtOut = false>
 inline void run_range_cols(int64_t begin, int64_t end, float* p, const GradT* g, float* m,
                            float* v, c10::BFloat16* pb, const StepConsts& c,
-                           const ColTables& t) {
+                           const ColTables& t, int64_t flat0 = 0) {
   const float* inv_bc2_sqrt = t.inv_bc2_sqrt.data();
   const float* neg_step_size = t.neg_step_size.data();
   const int64_t num_cols = t.num_cols;
   const int64_t advance = kWidth % num_cols;  // < C, so one conditional subtract wraps
-  int64_t col = begin % num_cols;
+  int64_t col = (flat0 + begin) % num_cols;
   int64_t i = begin;
   for (; i + kWidth <= end; i += kWidth) {
-    step_vector(i, p, g, m, v, pb, c, vec_load(inv_bc2_sqrt + col),
-                vec_load(neg_step_size + col));
+    step_vector<GradT, kSqrtOut>(i, p, g, m, v, pb, c, vec_load(inv_bc2_sqrt + col),
+                                 vec_load(neg_step_size + col));
     col += advance;
     if (col >= num_cols) col -= num_cols;
   }
   for (; i < end; ++i) {
-    step_scalar(i, p, g, m, v, pb, c, inv_bc2_sqrt[col], neg_step_size[col]);
+    step_scalar<GradT, kSqrtOut>(i, p, g, m, v, pb, c, inv_bc2_sqrt[col], neg_step_size[col]);
     if (++col == num_cols) col = 0;
   }
 }
 
-// col_inner > 1: element i is column (i / col_inner) % C, constant over runs of col_inner
-// elements. Each run (clipped to the block) is a uniform range with its column's constants.
-template <typename GradT>
+// col_inner > 1: element i is column ((flat0 + i) / col_inner) % C, constant over runs of
+// col_inner elements. Each run (clipped to [begin, end)) is a uniform range with its
+// column's constants.
+template <typename GradT, bool kSqrtOut = false>
 inline void run_range_runs(int64_t begin, int64_t end, float* p, const GradT* g, float* m,
                            float* v, c10::BFloat16* pb, const StepConsts& c,
-                           const ColTables& t) {
+                           const ColTables& t, int64_t flat0 = 0) {
   const int64_t inner = t.col_inner;
-  int64_t run = begin / inner;
+  int64_t run = (flat0 + begin) / inner;
   int64_t col = run % t.num_cols;
   int64_t i = begin;
   while (i < end) {
-    const int64_t run_end = (run + 1) * inner < end ? (run + 1) * inner : end;
+    const int64_t next = (run + 1) * inner - flat0;  // local index of the next run's start
+    const int64_t run_end = next < end ? next : end;
     const BiasConsts b{t.inv_bc2_sqrt[col], t.neg_step_size[col]};
-    run_range(i, run_end, p, g, m, v, pb, c, b);
+    run_range<GradT, kSqrtOut>(i, run_end, p, g, m, v, pb, c, b);
     i = run_end;
     ++run;
     if (++col == t.num_cols) col = 0;
   }
 }
 
+
+// Checks col_steps against param's numel and builds the per-column tables (see ColTables);
+// error messages start with the calling op's name `op`.
+inline ColTables col_tables(const char* op, const at::Tensor& col_steps, int64_t col_inner,
+                            int64_t numel, double lr, double beta1, double beta2, int team) {
+  TORCH_CHECK(col_steps.device().is_cpu(), op, ": col_steps must be on the CPU, got ",
+              col_steps.device());
+  TORCH_CHECK(col_steps.scalar_type() == at::kLong, op, ": col_steps must be Long (int64), got ",
+              col_steps.scalar_type());
+  TORCH_CHECK(col_steps.dim() == 1, op, ": col_steps must be 1-D (one step per column), got ",
+              col_steps.dim(), " dims");
+  TORCH_CHECK(col_steps.is_contiguous(), op, ": col_steps must be contiguous, got strides ",
+              col_steps.strides());
+  const int64_t num_cols = col_steps.numel();
+  TORCH_CHECK(num_cols >= 1, op, ": col_steps must have at least one column, got 0");
+  // numel % (C * col_inner) == 0, written so that the product cannot overflow.
+  TORCH_CHECK(numel % num_cols == 0 && (numel / num_cols) % col_inner == 0, op,
+              ": param has ", numel, " elements, not a multiple of col_steps.numel() * "
+              "col_inner = ", num_cols, " * ", col_inner);
+  const int64_t* steps = col_steps.data_ptr<int64_t>();
+  for (int64_t j = 0; j < num_cols; ++j) {
+    TORCH_CHECK(steps[j] >= 1, op, ": col_steps must be >= 1 (1-based, for bias correction), "
+                "got ", steps[j], " at column ", j);
+  }
+  ColTables t;
+  t.num_cols = num_cols;
+  t.col_inner = col_inner;
+  t.inv_bc2_sqrt.resize(num_cols + kWidth);
+  t.neg_step_size.resize(num_cols + kWidth);
+  // Two pow calls per column cost ~25 ns: for a Conv1D weight with thousands of columns of
+  // distinct counts that is ~0.1 ms, a few percent of a 4M-element step on one thread and
+  // more on many, so chunks of columns are shared by the team. Within a chunk, a column
+  // whose count equals its left neighbour's reuses its constants (columns moved in one
+  // hand-over share a count). Every entry is a pure function of its count: the tables do
+  // not depend on the team size.
+  const int64_t num_chunks = (num_cols + kTableChunk - 1) / kTableChunk;
+#pragma omp parallel for schedule(static) num_threads(team) if (num_chunks > 1)
+  for (int64_t chunk = 0; chunk < num_chunks; ++chunk) {
+    const int64_t begin = chunk * kTableChunk;
+    const int64_t end = begin + kTableChunk < num_cols ? begin + kTableChunk : num_cols;
+    int64_t last_step = 0;
+    BiasConsts last{};
+    for (int64_t j = begin; j < end; ++j) {
+      if (steps[j] != last_step) {
+        last = bias_consts(steps[j], lr, beta1, beta2);
+        last_step = steps[j];
+      }
+      t.inv_bc2_sqrt[j] = last.inv_bc2_sqrt;
+      t.neg_step_size[j] = last.neg_step_size;
+    }
+  }
+  for (int64_t j = num_cols; j < num_cols + kWidth; ++j) {
+    t.inv_bc2_sqrt[j] = t.inv_bc2_sqrt[j % num_cols];
+    t.neg_step_size[j] = t.neg_step_size[j % num_cols];
+  }
+  return t;
+}
 
 // The per-call constants of one step, derived in double once (shared by every op).
 inline StepConsts make_step_consts(double lr, double beta1, double beta2, double eps,

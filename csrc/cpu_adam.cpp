@@ -94,62 +94,6 @@ void check_cpu_contiguous(const at::Tensor& t, const char* name, at::ScalarType 
               " elements but param has ", numel);
 }
 
-// Checks col_steps against param's numel and builds the per-column tables (see ColTables).
-ColTables col_tables(const at::Tensor& col_steps, int64_t col_inner, int64_t numel, double lr,
-                     double beta1, double beta2, int team) {
-  TORCH_CHECK(col_steps.device().is_cpu(), kOp, ": col_steps must be on the CPU, got ",
-              col_steps.device());
-  TORCH_CHECK(col_steps.scalar_type() == at::kLong, kOp, ": col_steps must be Long (int64), got ",
-              col_steps.scalar_type());
-  TORCH_CHECK(col_steps.dim() == 1, kOp, ": col_steps must be 1-D (one step per column), got ",
-              col_steps.dim(), " dims");
-  TORCH_CHECK(col_steps.is_contiguous(), kOp, ": col_steps must be contiguous, got strides ",
-              col_steps.strides());
-  const int64_t num_cols = col_steps.numel();
-  TORCH_CHECK(num_cols >= 1, kOp, ": col_steps must have at least one column, got 0");
-  // numel % (C * col_inner) == 0, written so that the product cannot overflow.
-  TORCH_CHECK(numel % num_cols == 0 && (numel / num_cols) % col_inner == 0, kOp,
-              ": param has ", numel, " elements, not a multiple of col_steps.numel() * "
-              "col_inner = ", num_cols, " * ", col_inner);
-  const int64_t* steps = col_steps.data_ptr<int64_t>();
-  for (int64_t j = 0; j < num_cols; ++j) {
-    TORCH_CHECK(steps[j] >= 1, kOp, ": col_steps must be >= 1 (1-based, for bias correction), "
-                "got ", steps[j], " at column ", j);
-  }
-  ColTables t;
-  t.num_cols = num_cols;
-  t.col_inner = col_inner;
-  t.inv_bc2_sqrt.resize(num_cols + kWidth);
-  t.neg_step_size.resize(num_cols + kWidth);
-  // Two pow calls per column cost ~25 ns: for a Conv1D weight with thousands of columns of
-  // distinct counts that is ~0.1 ms, a few percent of a 4M-element step on one thread and
-  // more on many, so chunks of columns are shared by the team. Within a chunk, a column
-  // whose count equals its left neighbour's reuses its constants (columns moved in one
-  // hand-over share a count). Every entry is a pure function of its count: the tables do
-  // not depend on the team size.
-  const int64_t num_chunks = (num_cols + kTableChunk - 1) / kTableChunk;
-#pragma omp parallel for schedule(static) num_threads(team) if (num_chunks > 1)
-  for (int64_t chunk = 0; chunk < num_chunks; ++chunk) {
-    const int64_t begin = chunk * kTableChunk;
-    const int64_t end = begin + kTableChunk < num_cols ? begin + kTableChunk : num_cols;
-    int64_t last_step = 0;
-    BiasConsts last{};
-    for (int64_t j = begin; j < end; ++j) {
-      if (steps[j] != last_step) {
-        last = bias_consts(steps[j], lr, beta1, beta2);
-        last_step = steps[j];
-      }
-      t.inv_bc2_sqrt[j] = last.inv_bc2_sqrt;
-      t.neg_step_size[j] = last.neg_step_size;
-    }
-  }
-  for (int64_t j = num_cols; j < num_cols + kWidth; ++j) {
-    t.inv_bc2_sqrt[j] = t.inv_bc2_sqrt[j % num_cols];
-    t.neg_step_size[j] = t.neg_step_size[j % num_cols];
-  }
-  return t;
-}
-
 void adamw_step_(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                  const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& param_bf16,
                  int64_t step, double lr, double beta1, double beta2, double eps,
@@ -173,7 +117,7 @@ void adamw_step_(const at::Tensor& param, const at::Tensor& grad, const at::Tens
   const int team = num_threads > 0 ? static_cast<int>(num_threads) : omp_get_max_threads();
   ColTables tables;
   if (col_steps.has_value()) {
-    tables = col_tables(*col_steps, col_inner, numel, lr, beta1, beta2, team);
+    tables = col_tables(kOp, *col_steps, col_inner, numel, lr, beta1, beta2, team);
   }
   if (numel == 0) return;
 
@@ -221,6 +165,18 @@ TORCH_LIBRARY(zenflow, m) {
   m.def(
       "accumulate_(Tensor(a!) dst, Tensor src, float scale, bool overwrite, bool sumsq, "
       "int num_threads) -> float");
+  // q8_ops.cpp: the compact host state's 8-bit moments.
+  m.def(
+      "adamw_q8_step_(Tensor(a!) param, Tensor grad, Tensor(b!) m_codes, Tensor(c!) m_scales, "
+      "Tensor(d!) u_codes, Tensor(e!) u_scales, Tensor(f!)? image, int step, float lr, "
+      "float beta1, float beta2, float eps, float weight_decay, float grad_scale, "
+      "bool adamw_mode, int num_threads, Tensor? col_steps=None, int col_inner=1) -> ()");
+  m.def(
+      "quantize_q8_(Tensor src, Tensor(a!) codes, Tensor(b!) scales, bool is_signed, "
+      "int num_threads) -> ()");
+  m.def(
+      "dequantize_q8_(Tensor codes, Tensor scales, Tensor(a!) dst, bool is_signed, "
+      "int num_threads) -> ()");
   m.def("simd_path() -> str", &simd_path);
 }
 

@@ -16,13 +16,17 @@
 //   dst = dst + scale * src      (otherwise; the product is rounded to fp32 first, never
 //                                 fused: bit for bit `dst.add_(src.float() * scale)`, what
 //                                 clipping the gradient and then summing it gives)
-// dst fp32, src fp32 or bf16, both contiguous with the same number of elements. The
-// vectorised body and the tail use the same operations, so every element is computed the
-// same way whatever the thread count. With sumsq it returns the sum of squares of
-// dst after the update (double; 0 otherwise): the host's share of the global gradient
-// norm when micro-batches are summed on the host. Blocks of kBlockElems elements; within a
-// block kLanes independent float64 partial sums (so the loop vectorises), combined per block
-// and over blocks in block order: the value does not depend on the thread count.
+// dst fp32 or bf16, src fp32 or bf16, both contiguous with the same number of elements. A
+// bf16 dst (the compact host state's window sum, q8_ops.cpp) is read as fp32, the sum is
+// formed in fp32 as above and stored rounded to nearest even: bf16(float(dst) + fp32(scale *
+// src)), resp. bf16(fp32(scale * src)); the rounding is c10::BFloat16's (bit arithmetic so
+// the loop vectorises). The vectorised body and the tail use the same operations, so every
+// element is computed the same way whatever the thread count. With sumsq it returns the
+// sum of squares of dst after the update, of the stored values (double; 0 otherwise): the
+// host's share of the global gradient norm when micro-batches are summed on the host.
+// Blocks of kBlockElems elements; within a block kLanes independent float64 partial sums (so
+// the loop vectorises), combined per block and over blocks in block order: the value does
+// not depend on the thread count.
 //
 // adamw_compact_step_(param, grad, exp_avg, exp_avg_sq, index, column_dim, image, ...):
 // one Adam(W) step (the arithmetic of cpu_adam.cpp: step_scalar / step_vector) of the
@@ -74,10 +78,33 @@ void check_tensor(const at::Tensor& t, const char* op, const char* name, bool al
 inline float load_float(const float* x, int64_t i) { return x[i]; }
 inline float load_float(const c10::BFloat16* x, int64_t i) { return load_grad_scalar(x, i); }
 
+// Stores x at dst[i]; returns the value stored, as fp32.
+inline float store_float(float* dst, int64_t i, float x) {
+  dst[i] = x;
+  return x;
+}
+
+// bf16: round to nearest even as c10::BFloat16(float) does (add 0x7FFF + lsb, keep the top
+// half; NaN becomes 0x7FC0), written with integer operations only so that the compiler
+// vectorises the loop.
+inline float store_float(c10::BFloat16* dst, int64_t i, float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  uint32_t top = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  top = (bits & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : top;
+  const uint16_t half = static_cast<uint16_t>(top);
+  std::memcpy(dst + i, &half, sizeof(half));
+  const uint32_t wide = top << 16;
+  float stored;
+  std::memcpy(&stored, &wide, sizeof(stored));
+  return stored;
+}
+
 // fp-contract=off: the compiler must not fuse dst + scale * src into one FMA (see above).
-template <typename SrcT>
-__attribute__((optimize("fp-contract=off"))) double accumulate_blocks(float* dst, const SrcT* src, int64_t numel, float scale, bool overwrite,
-                         bool sumsq, int team) {
+template <typename DstT, typename SrcT>
+__attribute__((optimize("fp-contract=off"))) double accumulate_blocks(
+    DstT* dst, const SrcT* src, int64_t numel, float scale, bool overwrite, bool sumsq,
+    int team) {
   const int64_t num_blocks = (numel + kBlockElems - 1) / kBlockElems;
   std::vector<double> partial(sumsq ? num_blocks : 0, 0.0);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(team) if (num_blocks > 1)
@@ -89,15 +116,14 @@ __attribute__((optimize("fp-contract=off"))) double accumulate_blocks(float* dst
     for (; i + kLanes <= end; i += kLanes) {
       for (int64_t k = 0; k < kLanes; ++k) {
         const float prod = scale * load_float(src, i + k);
-        const float out = overwrite ? prod : dst[i + k] + prod;
-        dst[i + k] = out;
+        const float out =
+            store_float(dst, i + k, overwrite ? prod : load_float(dst, i + k) + prod);
         if (sumsq) lanes[k] += static_cast<double>(out) * out;
       }
     }
     for (; i < end; ++i) {
       const float prod = scale * load_float(src, i);
-      const float out = overwrite ? prod : dst[i] + prod;
-      dst[i] = out;
+      const float out = store_float(dst, i, overwrite ? prod : load_float(dst, i) + prod);
       if (sumsq) lanes[0] += static_cast<double>(out) * out;
     }
     if (sumsq) {
@@ -111,21 +137,30 @@ __attribute__((optimize("fp-contract=off"))) double accumulate_blocks(float* dst
   return total;
 }
 
+template <typename DstT>
+double accumulate_into(DstT* dst, const at::Tensor& src, int64_t numel, float scale,
+                       bool overwrite, bool sumsq, int team) {
+  if (src.scalar_type() == at::kFloat) {
+    return accumulate_blocks(dst, src.data_ptr<float>(), numel, scale, overwrite, sumsq, team);
+  }
+  return accumulate_blocks(dst, src.data_ptr<c10::BFloat16>(), numel, scale, overwrite, sumsq,
+                           team);
+}
+
 double accumulate_(const at::Tensor& dst, const at::Tensor& src, double scale, bool overwrite,
                    bool sumsq, int64_t num_threads) {
   const int64_t numel = dst.numel();
-  check_tensor(dst, kAccumOp, "dst", false, numel);
+  check_tensor(dst, kAccumOp, "dst", true, numel);
   check_tensor(src, kAccumOp, "src", true, numel);
   TORCH_CHECK(num_threads >= 0, kAccumOp, ": num_threads must be >= 0 (0 = OpenMP default), got ",
               num_threads);
   if (numel == 0) return 0.0;
   const int team = num_threads > 0 ? static_cast<int>(num_threads) : omp_get_max_threads();
   const float s = static_cast<float>(scale);
-  float* d = dst.data_ptr<float>();
-  if (src.scalar_type() == at::kFloat) {
-    return accumulate_blocks(d, src.data_ptr<float>(), numel, s, overwrite, sumsq, team);
+  if (dst.scalar_type() == at::kFloat) {
+    return accumulate_into(dst.data_ptr<float>(), src, numel, s, overwrite, sumsq, team);
   }
-  return accumulate_blocks(d, src.data_ptr<c10::BFloat16>(), numel, s, overwrite, sumsq, team);
+  return accumulate_into(dst.data_ptr<c10::BFloat16>(), src, numel, s, overwrite, sumsq, team);
 }
 
 // A span whose elements take per-element constants from tables already positioned at the

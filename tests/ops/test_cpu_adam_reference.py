@@ -100,6 +100,36 @@ COLUMN_LAYOUTS = [((5, 7), 1, 1), ((7, 5), 0, 5), ((2, 3, 7), 2, 1)]
 COLUMN_STEPS = [1, 2, 100, 401, 10**6, 3, 7]
 
 
+COLUMN_WEIGHT_DECAY = 0.1
+
+
+def _torch_column(state, grads, col_dim: int, j: int, first_step: int, adamw_mode: bool):
+    """Column j of (param, exp_avg, exp_avg_sq) stepped alone by torch's single-tensor
+    Adam(W) over ``grads``, its first step ``first_step``."""
+    p_col, m_col, v_col = (t.select(col_dim, j).clone() for t in state)
+    # torch increments the step tensor before using it.
+    step_col = torch.tensor(float(first_step - 1))
+    for grad in grads:
+        torch_adam(
+            [p_col],
+            [grad.select(col_dim, j).clone()],
+            [m_col],
+            [v_col],
+            [],
+            [step_col],
+            foreach=False,
+            decoupled_weight_decay=adamw_mode,
+            amsgrad=False,
+            beta1=BETAS[0],
+            beta2=BETAS[1],
+            lr=LR,
+            weight_decay=COLUMN_WEIGHT_DECAY,
+            eps=EPS,
+            maximize=False,
+        )
+    return p_col, m_col, v_col
+
+
 @pytest.mark.parametrize("adamw_mode", [True, False], ids=["adamw", "adam-l2"])
 @pytest.mark.parametrize(("shape", "col_dim", "col_inner"), COLUMN_LAYOUTS)
 def test_reference_per_column_matches_torch_column_by_column(shape, col_dim, col_inner, adamw_mode):
@@ -117,7 +147,7 @@ def test_reference_per_column_matches_torch_column_by_column(shape, col_dim, col
     init_v = 0.01 * torch.rand(shape, generator=gen)
     grads = [torch.randn(shape, generator=gen) for _ in range(3)]
     col_steps = torch.tensor(COLUMN_STEPS)
-    weight_decay = 0.1
+    weight_decay = COLUMN_WEIGHT_DECAY
 
     param, exp_avg, exp_avg_sq = init.clone(), init_m.clone(), init_v.clone()
     single_step = init.clone()  # the same with one scalar step for all: must differ
@@ -145,29 +175,8 @@ def test_reference_per_column_matches_torch_column_by_column(shape, col_dim, col
         adamw_step_reference_(single_step, grad, m_single, v_single, step=int(steps.max()), **kw)
 
     for j, first_step in enumerate(COLUMN_STEPS):
-        p_col = init.select(col_dim, j).clone()
-        m_col = init_m.select(col_dim, j).clone()
-        v_col = init_v.select(col_dim, j).clone()
-        # torch increments the step tensor before using it.
-        step_col = torch.tensor(float(first_step - 1))
-        for grad in grads:
-            torch_adam(
-                [p_col],
-                [grad.select(col_dim, j).clone()],
-                [m_col],
-                [v_col],
-                [],
-                [step_col],
-                foreach=False,
-                decoupled_weight_decay=adamw_mode,
-                amsgrad=False,
-                beta1=BETAS[0],
-                beta2=BETAS[1],
-                lr=LR,
-                weight_decay=weight_decay,
-                eps=EPS,
-                maximize=False,
-            )
+        state = (init, init_m, init_v)
+        p_col, m_col, v_col = _torch_column(state, grads, col_dim, j, first_step, adamw_mode)
         where = f"column {j} (first step {first_step})"
         torch.testing.assert_close(
             exp_avg.select(col_dim, j), m_col, rtol=1e-6, atol=1e-7, msg=where

@@ -10,7 +10,9 @@ thread counts 1..3 must give the same bits.
 
 ``accumulate_`` is ``dst = scale*src`` or ``dst += fp32(scale*src)``; it is checked bit
 for bit against the reference (the product must not be fused into an FMA), bit-identical
-across thread counts, and its sum of squares against float64.
+across thread counts, and its sum of squares against float64. A bf16 ``dst`` (the compact
+host state's window sum) is summed in fp32 and rounded to nearest even: bit for bit the
+reference, ties checked on constructed values, the sum of squares over the stored values.
 """
 
 from __future__ import annotations
@@ -188,10 +190,57 @@ def test_accumulate_threads_bit_identical(native):
         assert sq == outs[0][1]
 
 
+@pytest.mark.parametrize("numel", [1, 7, 15, 16, 17, 65537, 200003])
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_accumulate_bf16_dst_matches_reference(native, numel, src_dtype, overwrite):
+    gen = torch.Generator().manual_seed(numel + 1)
+    start = torch.randn(numel, generator=gen).bfloat16()
+    src = torch.randn(numel, generator=gen).to(src_dtype)
+    got, want = start.clone(), start.clone()
+    sq = accumulate_(got, src, 0.37, overwrite, sumsq=True, num_threads=2)
+    sq_ref = accumulate_reference_(want, src, 0.37, overwrite, sumsq=True)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    prod = src.float() * torch.tensor(0.37, dtype=torch.float32)
+    fp32_sum = prod if overwrite else start.float() + prod
+    assert torch.equal(got, fp32_sum.bfloat16())  # torch's own rounding of the fp32 sum
+    assert (got.float() != fp32_sum).any() or numel < 16  # which did round
+    assert sq == pytest.approx(sq_ref, rel=1e-6)
+    assert sq == pytest.approx(float(got.double().square().sum()), rel=1e-6)
+
+
+def test_accumulate_bf16_dst_rounds_to_nearest_even(native):
+    """1 + 2^-8 lies halfway between the bf16 values 1 and 1 + 2^-7: even, 1. 1 + 3*2^-8
+    lies halfway between 1 + 2^-7 and 1 + 2^-6: even, 1 + 2^-6. Just above a tie: up."""
+    dst = torch.ones(5, dtype=torch.bfloat16)
+    src = torch.tensor([2**-8, 3 * 2**-8, 2**-8 + 2**-20, 2**-9, -(2**-8)])
+    sq = accumulate_(dst, src, 1.0, False, sumsq=True)
+    want = [1.0, 1 + 2**-6, 1 + 2**-7, 1.0, 1.0 - 2**-8]
+    assert dst.float().tolist() == want
+    assert sq == sum(x * x for x in want)  # over the stored values
+    accumulate_(dst, torch.full((5,), 3.0), 0.5, True)
+    assert dst.float().tolist() == [1.5] * 5
+
+
+def test_accumulate_bf16_dst_threads_bit_identical(native):
+    gen = torch.Generator().manual_seed(2)
+    start = torch.randn(300007, generator=gen).bfloat16()
+    src = torch.randn(300007, generator=gen)
+    outs = []
+    for threads in THREADS:
+        dst = start.clone()
+        outs.append((dst, accumulate_(dst, src, 0.5, False, sumsq=True, num_threads=threads)))
+    for dst, sq in outs[1:]:
+        assert torch.equal(dst.view(torch.int16), outs[0][0].view(torch.int16))
+        assert sq == outs[0][1]
+
+
 def test_accumulate_rejects_bad_arguments(native):
     with pytest.raises(RuntimeError, match="zenflow::accumulate_: src has 3 elements"):
         accumulate_(torch.zeros(4), torch.zeros(3), 1.0, False)
-    with pytest.raises(RuntimeError, match="dst must be Float"):
-        accumulate_(torch.zeros(4, dtype=torch.bfloat16), torch.zeros(4), 1.0, False)
+    with pytest.raises(RuntimeError, match="dst must be Float or BFloat16"):
+        accumulate_(torch.zeros(4, dtype=torch.float16), torch.zeros(4), 1.0, False)
     with pytest.raises(RuntimeError, match="contiguous"):
         accumulate_(torch.zeros(4, 2).t(), torch.zeros(8), 1.0, False)
+    with pytest.raises(RuntimeError, match="dst must be contiguous"):
+        accumulate_(torch.zeros(4, 2, dtype=torch.bfloat16).t(), torch.zeros(8), 1.0, False)

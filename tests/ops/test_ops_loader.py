@@ -1,4 +1,5 @@
-"""The native-op loader: cache key, build guard and killed builds, failures, ZENFLOW_OPS routing."""
+"""The native-op loader: cache key, build guard and killed builds, failures, ZENFLOW_OPS
+routing. (One build folder per checkout and Ctrl-C during a build: test_native_build.py.)"""
 
 from __future__ import annotations
 
@@ -18,14 +19,16 @@ FLAGS = ("-O3", "-march=native", "-fopenmp")
 
 
 def test_cache_key_depends_on_every_input():
-    base = loader.cache_key("src", "2.13.0", FLAGS, "x86_64|AVX2|avx avx2 fma")
-    assert base == loader.cache_key("src", "2.13.0", FLAGS, "x86_64|AVX2|avx avx2 fma")
+    cpu = "x86_64|AVX2|avx avx2 fma"
+    base = loader.cache_key("src", "2.13.0", FLAGS, cpu, "/a/csrc")
+    assert base == loader.cache_key("src", "2.13.0", FLAGS, cpu, "/a/csrc")
     variants = [
-        loader.cache_key("src", "2.13.0", FLAGS, "x86_64|AVX512|avx avx2 avx512f fma"),
-        loader.cache_key("src", "2.13.0", FLAGS, "x86_64|DEFAULT|"),
-        loader.cache_key("src2", "2.13.0", FLAGS, "x86_64|AVX2|avx avx2 fma"),
-        loader.cache_key("src", "2.14.0", FLAGS, "x86_64|AVX2|avx avx2 fma"),
-        loader.cache_key("src", "2.13.0", ("-O2",), "x86_64|AVX2|avx avx2 fma"),
+        loader.cache_key("src", "2.13.0", FLAGS, "x86_64|AVX512|avx avx2 avx512f fma", "/a/csrc"),
+        loader.cache_key("src", "2.13.0", FLAGS, "x86_64|DEFAULT|", "/a/csrc"),
+        loader.cache_key("src2", "2.13.0", FLAGS, cpu, "/a/csrc"),
+        loader.cache_key("src", "2.14.0", FLAGS, cpu, "/a/csrc"),
+        loader.cache_key("src", "2.13.0", ("-O2",), cpu, "/a/csrc"),
+        loader.cache_key("src", "2.13.0", FLAGS, cpu, "/b/csrc"),  # another checkout
     ]
     assert len({base, *variants}) == len(variants) + 1
 
@@ -84,9 +87,9 @@ def test_guard_waits_for_a_live_build_then_takes_over_from_a_killed_one(tmp_path
         assert not entered.wait(0.5), "entered while another process was building"
         assert (tmp_path / "lock").exists()
         holder.kill()  # SIGKILL: no clean-up runs, the lock file stays behind
-        holder.wait(timeout=10)
-        assert entered.wait(10), "a killed build's lock blocked the next build"
-        waiter.join(10)
+        holder.wait(timeout=300)  # a guard only (as below): a wait this long is a hang
+        assert entered.wait(300), "a killed build's lock blocked the next build (hung 300 s)"
+        waiter.join(300)
         assert lock_seen_inside == [False]
         assert not loader.build_running(tmp_path)
     finally:

@@ -3,10 +3,10 @@
 The kernel has three bodies (AVX-512, AVX2+FMA, scalar) chosen by compiler macros. A build
 with ``-march=native`` exercises one of them; this test builds the others with
 ``ZENFLOW_NATIVE_MARCH`` (an older x86-64 level) into a scratch cache and reruns the
-element-wise comparison files against the reference on each (the scalar-step file and the
-per-column file), in a fresh process (one process can load only one library that
-registers the zenflow op namespace). A level the CPU cannot run is skipped, with the
-reason.
+element-wise comparison files against the reference on each (the scalar-step file, the
+per-column file, the compact host ops, the 8-bit moment codes and the 8-bit step), in a
+fresh process (one process can load only one library that registers the zenflow op
+namespace). A level the CPU cannot run is skipped, with the reason.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ NATIVE_TESTS = [
     HERE / "test_cpu_adam_native.py",
     HERE / "test_cpu_adam_columns.py",
     HERE / "test_host_ops.py",
+    HERE / "test_q8_codec.py",
+    HERE / "test_q8_step.py",
 ]
 # x86-64 micro-architecture levels (GCC >= 11): v3 has AVX2+FMA and no AVX-512; the
 # baseline has only SSE2, so neither vector body compiles.

@@ -8,6 +8,13 @@ Public API (other modules and external checks build on these names):
   one in-place AdamW step with the native SIMD kernel (built on first use; routed to the
   reference when ``ZENFLOW_OPS=reference``).
 - ``adamw_step_reference_(...)``: the same step in plain PyTorch, same signature.
+- ``adamw_compact_step_`` / ``accumulate_``: the host side of the non-selected columns in
+  the compact layout (fp32 state; ``accumulate_`` also sums into a bf16 ``dst``).
+- ``adamw_q8_step_``, ``quantize_q8_``, ``dequantize_q8_``: the compact host state with
+  8-bit block-wise moments (formats in ``zenflow.ops.q8_reference``; ``Q8_BLOCK`` elements
+  per scale, ``q8_num_blocks(numel)`` scales per tensor).
+- ``*_reference_``: each op in plain PyTorch, same signature; ``ZENFLOW_OPS=reference``
+  routes every op to it.
 - ``load_native()``, ``native_status()``, ``simd_path()``, ``NativeBuildError``: see
   ``zenflow.ops.loader``.
 
@@ -31,6 +38,14 @@ from __future__ import annotations
 import torch
 
 from zenflow.ops.loader import NativeBuildError, load_native, native_status, ops_mode, simd_path
+from zenflow.ops.q8_reference import (
+    Q8_BLOCK,
+    adamw_q8_step_reference_,
+    dequantize_q8_reference_,
+    q8_num_blocks,
+    q8_values,
+    quantize_q8_reference_,
+)
 from zenflow.ops.reference import (
     accumulate_reference_,
     adamw_compact_step_reference_,
@@ -39,14 +54,23 @@ from zenflow.ops.reference import (
 
 __all__ = [
     "NativeBuildError",
+    "Q8_BLOCK",
     "accumulate_",
     "accumulate_reference_",
     "adamw_compact_step_",
     "adamw_compact_step_reference_",
+    "adamw_q8_step_",
+    "adamw_q8_step_reference_",
     "adamw_step_",
     "adamw_step_reference_",
+    "dequantize_q8_",
+    "dequantize_q8_reference_",
     "load_native",
     "native_status",
+    "q8_num_blocks",
+    "q8_values",
+    "quantize_q8_",
+    "quantize_q8_reference_",
     "simd_path",
 ]
 
@@ -188,10 +212,12 @@ def accumulate_(
 ) -> float:
     """``dst = scale * src`` (``overwrite``) or ``dst += scale * src`` (the product rounded
     to fp32 first, as clipping a gradient and then summing it), in place on
-    contiguous CPU tensors (``dst`` fp32, ``src`` fp32 or bf16, same numel), on
-    ``num_threads`` threads (0 = OpenMP default; the result does not depend on it). Returns
-    the sum of squares of ``dst`` afterwards (float64) when ``sumsq``, else 0.0. Releases the
-    GIL while it runs."""
+    contiguous CPU tensors (``dst`` fp32 or bf16, ``src`` fp32 or bf16, same numel), on
+    ``num_threads`` threads (0 = OpenMP default; the result does not depend on it). A bf16
+    ``dst`` is summed in fp32 and stored rounded to nearest even:
+    ``bf16(float(dst) + fp32(scale * src))``. Returns the sum of squares of ``dst``
+    afterwards (float64, of the stored values) when ``sumsq``, else 0.0. Releases the GIL
+    while it runs."""
     if ops_mode() == "reference":
         return accumulate_reference_(dst, src, scale, overwrite, sumsq)
     load_native()
@@ -200,3 +226,98 @@ def accumulate_(
             dst, src, float(scale), bool(overwrite), bool(sumsq), int(num_threads)
         )
     )
+
+
+def adamw_q8_step_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    m_codes: torch.Tensor,
+    m_scales: torch.Tensor,
+    u_codes: torch.Tensor,
+    u_scales: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    image: torch.Tensor | None = None,
+    grad_scale: float = 1.0,
+    adamw_mode: bool = True,
+    num_threads: int = 0,
+    col_steps: torch.Tensor | None = None,
+    col_inner: int = 1,
+) -> None:
+    """One in-place Adam(W) step with 8-bit block-wise moments, on contiguous CPU tensors.
+
+    ``param`` fp32 ``[N]`` (updated); ``grad`` fp32 or bf16 ``[N]`` (read, times
+    ``grad_scale``); ``m_codes`` uint8 ``[N]`` + ``m_scales`` fp32 ``[ceil(N/256)]``: exp_avg
+    in the ``"m"`` format; ``u_codes`` + ``u_scales``: ``u = sqrt(exp_avg_sq)`` in the
+    ``"u"`` format (all four updated); ``image`` (optional, bf16 ``[N]``) receives the
+    updated param rounded to bf16. Per 256-element block: dequantise ``m`` and ``v = u*u``,
+    run ``adamw_step_``'s exact fp32 element arithmetic, requantise ``m`` and
+    ``u = sqrt(v)`` with the block's new scales. ``step``, the hyper-parameters,
+    ``col_steps`` and ``col_inner`` mean what they mean for ``adamw_step_``; results do not
+    depend on ``num_threads``. Non-finite values are not supported (the engine skips such
+    steps). Releases the GIL; raises ``RuntimeError`` starting with
+    ``zenflow::adamw_q8_step_`` naming a bad argument.
+    """
+    if ops_mode() == "reference":
+        adamw_q8_step_reference_(
+            param, grad, m_codes, m_scales, u_codes, u_scales, step=step, lr=lr, beta1=beta1,
+            beta2=beta2, eps=eps, weight_decay=weight_decay, image=image, grad_scale=grad_scale,
+            adamw_mode=adamw_mode, col_steps=col_steps, col_inner=col_inner,
+        )  # fmt: skip
+        return
+    load_native()
+    torch.ops.zenflow.adamw_q8_step_.default(
+        param, grad, m_codes, m_scales, u_codes, u_scales, image, int(step), float(lr),
+        float(beta1), float(beta2), float(eps), float(weight_decay), float(grad_scale),
+        bool(adamw_mode), int(num_threads), col_steps, int(col_inner),
+    )  # fmt: skip
+
+
+def _is_signed(fmt: str) -> bool:
+    if fmt not in ("m", "u"):
+        raise ValueError(f"q8 format must be 'm' (exp_avg) or 'u' (sqrt(exp_avg_sq)), got {fmt!r}")
+    return fmt == "m"
+
+
+def quantize_q8_(
+    src: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    *,
+    fmt: str,
+    num_threads: int = 0,
+) -> None:
+    """Quantise the fp32 ``src`` (contiguous, ``N`` elements) into ``codes`` (uint8 ``[N]``)
+    and ``scales`` (fp32 ``[ceil(N/256)]``), in place, in format ``fmt``: ``"m"`` (exp_avg,
+    signed) or ``"u"`` (sqrt(exp_avg_sq), unsigned; encodes ``|x|``). Bit for bit
+    ``quantize_q8_reference_``; results do not depend on ``num_threads``."""
+    is_signed = _is_signed(fmt)
+    if ops_mode() == "reference":
+        quantize_q8_reference_(src, codes, scales, fmt=fmt)
+        return
+    load_native()
+    torch.ops.zenflow.quantize_q8_.default(src, codes, scales, is_signed, int(num_threads))
+
+
+def dequantize_q8_(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    dst: torch.Tensor,
+    *,
+    fmt: str,
+    num_threads: int = 0,
+) -> None:
+    """Write ``value(code) * scale`` of each element (signed for ``fmt="m"``) into the fp32
+    ``dst`` (contiguous, ``N`` elements) from ``codes`` (uint8 ``[N]``) and ``scales`` (fp32
+    ``[ceil(N/256)]``). Bit for bit ``dequantize_q8_reference_``."""
+    is_signed = _is_signed(fmt)
+    if ops_mode() == "reference":
+        dequantize_q8_reference_(codes, scales, dst, fmt=fmt)
+        return
+    load_native()
+    torch.ops.zenflow.dequantize_q8_.default(codes, scales, dst, is_signed, int(num_threads))

@@ -1,25 +1,38 @@
-"""Builds and loads the native CPU Adam op (csrc/cpu_adam.cpp) on first use.
+"""Builds and loads the native CPU Adam ops (csrc/*.cpp) on first use.
 
 This is the one place that reads environment variables for native-build settings:
 
-- ``ZENFLOW_OPS=reference`` routes every ``zenflow.ops.adamw_step_`` call to the plain
+- ``ZENFLOW_OPS=reference`` routes every ``zenflow.ops`` op call to the plain
   PyTorch reference (for debugging, or where no compiler is available).
 - ``ZENFLOW_BUILD_DIR`` overrides the build cache root (default ``~/.cache/zenflow/build``).
 - ``ZENFLOW_NATIVE_MARCH`` overrides ``-march=native`` (``x86-64-v3`` builds the AVX2 path
   on an AVX-512 machine, ``x86-64`` the scalar one), so every SIMD path can be checked here.
 
-The build lives in ``<root>/<key>``, where the key hashes the source text, the torch
-version, the compiler flags and the CPU's SIMD capability, so a cache copied to another
-machine (or a home directory shared between machines) never loads a kernel built for
-instructions the CPU lacks. Nothing is built at import time.
+The build lives in ``<root>/<key>``, where the key hashes the source text, the absolute
+source folder, the torch version, the compiler flags and the CPU's SIMD capability: a cache
+copied to another machine (or a home directory shared between machines) never loads a
+kernel built for instructions the CPU lacks, and two checkouts of one version get two
+folders (torch's ``build.ninja`` names the sources' absolute paths, so a shared folder made
+each checkout rebuild over the other's). Nothing is built at import time.
+
+The compiler runs in a child process in its own session: a Ctrl-C at the terminal reaches
+zfctl only, never the compiler mid-write. The build is then stopped in order (ninja stops
+its compilers and removes their partial outputs), the folder's outputs are removed, and the
+``KeyboardInterrupt`` propagates: an interrupted build is an interruption, not a build
+failure, and the next build starts afresh. A folder counts as built only once the build
+finished and wrote ``build.done`` (the library's size and time); a later load of the same
+checkout then loads the library directly, without running the build again.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import platform
+import signal
+import subprocess
 import sys
 import threading
 import time
@@ -37,9 +50,9 @@ except ImportError:  # pragma: no cover - not POSIX: builds run unguarded
     fcntl = None
 
 EXTENSION_NAME = "zenflow_cpu_adam"
-SOURCE_FILES = ("cpu_adam.cpp", "host_ops.cpp")
+SOURCE_FILES = ("cpu_adam.cpp", "host_ops.cpp", "q8_ops.cpp")
 # Included by the sources: part of the cache key, not compiled on their own.
-HEADER_FILES = ("adam_kernel.h",)
+HEADER_FILES = ("adam_kernel.h", "q8_codec.h")
 LDFLAGS = ("-fopenmp",)
 # torch.utils.cpp_extension holds this file while ninja runs; a killed build leaves it, and
 # torch then waits on it forever.
@@ -47,6 +60,11 @@ LOCK_FILE_NAME = "lock"
 # Every zenflow build holds an flock on this file; the kernel drops it when the holder dies.
 GUARD_FILE_NAME = "build.flock"
 BUILD_LOG_NAME = "build.log"
+# Written when a build finished: "<size> <mtime_ns>" of the library it left. A folder
+# without it (or whose library is not that file) holds no finished build.
+BUILT_MARKER_NAME = "build.done"
+# How long an interrupted build may take to stop in order before it is killed.
+STOP_TIMEOUT_S = 60.0
 # /proc/cpuinfo flags that change what -march=native emits for this kernel.
 _SIMD_FLAG_PREFIXES = ("sse", "ssse", "avx", "fma", "f16c", "amx", "bmi")
 
@@ -109,10 +127,19 @@ def cpu_capability() -> str:
     return "|".join(parts)
 
 
-def cache_key(source_text: str, torch_version: str, flags: tuple[str, ...], capability: str) -> str:
-    """A short hex digest of everything that makes one build differ from another."""
+def cache_key(
+    source_text: str,
+    torch_version: str,
+    flags: tuple[str, ...],
+    capability: str,
+    source_dir: str,
+) -> str:
+    """A short hex digest of everything that makes one build differ from another.
+
+    ``source_dir`` is the absolute ``csrc`` folder: every checkout builds in its own folder.
+    """
     digest = hashlib.sha256()
-    for part in (source_text, torch_version, " ".join(flags), capability):
+    for part in (source_text, torch_version, " ".join(flags), capability, source_dir):
         digest.update(part.encode())
         digest.update(b"\0")
     return digest.hexdigest()[:16]
@@ -127,7 +154,8 @@ def current_key() -> str:
     """The cache key of this checkout's sources on this CPU with this torch."""
     root = csrc_dir()
     text = "".join((root / name).read_text() for name in SOURCE_FILES + HEADER_FILES)
-    return cache_key(text, torch.__version__, compile_flags() + LDFLAGS, cpu_capability())
+    flags = compile_flags() + LDFLAGS
+    return cache_key(text, torch.__version__, flags, cpu_capability(), str(root))
 
 
 def build_dir() -> Path:
@@ -147,9 +175,18 @@ def exclusive_build(directory: Path) -> Iterator[bool]:
     context value says so (True) for the caller to report. A live build in another process
     is waited for. POSIX only; elsewhere the guard does nothing.
     """
+    with _guard(directory) as (cleared, _fd):
+        yield cleared
+
+
+@contextlib.contextmanager
+def _guard(directory: Path) -> Iterator[tuple[bool, int | None]]:
+    """``exclusive_build`` that also yields the guard's file descriptor (None when not
+    POSIX): a build process that inherits it keeps the flock held while it lives, even if
+    this process is killed first."""
     directory.mkdir(parents=True, exist_ok=True)
     if fcntl is None:  # pragma: no cover - not POSIX
-        yield False
+        yield False, None
         return
     with open(directory / GUARD_FILE_NAME, "a+") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)
@@ -157,7 +194,7 @@ def exclusive_build(directory: Path) -> Iterator[bool]:
             lock = directory / LOCK_FILE_NAME
             cleared = lock.exists()
             lock.unlink(missing_ok=True)
-            yield cleared
+            yield cleared, guard.fileno()
         finally:
             fcntl.flock(guard, fcntl.LOCK_UN)
 
@@ -209,45 +246,155 @@ def load_deepspeed_op(builder_name: str) -> Any:
         return builder.load(verbose=False)
 
 
-def _build(directory: Path) -> None:
+def _build(directory: Path) -> str:
+    """Build in ``directory`` unless a finished build is there, then load the library.
+
+    Returns ``"built"`` or ``"cached"``. Raises ``NativeBuildError`` (compiler log named)
+    when the build or the load fails; a ``KeyboardInterrupt`` during the build stops it,
+    removes its outputs and propagates.
+    """
     log_path = directory / BUILD_LOG_NAME
     started = time.perf_counter()
-    with exclusive_build(directory) as cleared:
+    with _guard(directory) as (cleared, guard_fd):
         if cleared:
             _state["cleared_lock"] = str(directory / LOCK_FILE_NAME)
-        cached = (directory / f"{EXTENSION_NAME}.so").is_file()
-        _compile(directory, log_path)
+        cached = build_complete(directory)
         if not cached:
+            (directory / BUILT_MARKER_NAME).unlink(missing_ok=True)
+            _run_build_process(directory, log_path, guard_fd)
+            _write_marker(directory)
             log_path.write_text(
                 f"zenflow native build ok in {time.perf_counter() - started:.1f} s\n"
                 f"flags: {' '.join(compile_flags() + LDFLAGS)}\ncapability: {cpu_capability()}\n"
                 + (f"cleared {_state['cleared_lock']}, left by a killed build\n" if cleared else "")
             )
-    _state["state"] = "cached" if cached else "built"
+        _load_library(directory)
+    return "cached" if cached else "built"
 
 
-def _compile(directory: Path, log_path: Path) -> None:
-    from torch.utils import cpp_extension
+def _library(directory: Path) -> Path:
+    return directory / f"{EXTENSION_NAME}.so"
 
+
+def _library_stamp(directory: Path) -> str:
+    info = _library(directory).stat()
+    return f"{info.st_size} {info.st_mtime_ns}\n"
+
+
+def build_complete(directory: Path) -> bool:
+    """True when ``directory`` holds a finished build: its ``build.done`` names the library
+    that is there (an interrupted or failed build leaves none)."""
     try:
-        # verbose=False: on failure cpp_extension puts ninja's full output (the compiler's
-        # messages) into the exception text, which goes to the log below.
-        cpp_extension.load(
-            name=EXTENSION_NAME,
-            sources=[str(path) for path in _sources()],
-            extra_cflags=list(compile_flags()),
-            extra_ldflags=list(LDFLAGS),
-            build_directory=str(directory),
-            is_python_module=False,
-            verbose=False,
-        )
-    except Exception as exc:
-        log_path.write_text(f"zenflow native build failed\n{exc}\n")
+        return (directory / BUILT_MARKER_NAME).read_text() == _library_stamp(directory)
+    except OSError:
+        return False
+
+
+def _write_marker(directory: Path) -> None:
+    partial = directory / (BUILT_MARKER_NAME + ".partial")
+    partial.write_text(_library_stamp(directory))
+    partial.replace(directory / BUILT_MARKER_NAME)
+
+
+def _load_library(directory: Path) -> None:
+    library = _library(directory)
+    try:
+        torch.ops.load_library(str(library))
+    except (OSError, RuntimeError) as exc:
+        (directory / BUILT_MARKER_NAME).unlink(missing_ok=True)  # rebuild next time
         raise NativeBuildError(
-            f"Building the native CPU Adam op failed ({type(exc).__name__}); the compiler "
-            f"output is in {log_path}. Set ZENFLOW_OPS=reference to run with the PyTorch "
-            "reference instead."
+            f"Loading the native CPU Adam op {library} failed ({exc}); the next run rebuilds "
+            "it. Set ZENFLOW_OPS=reference to run with the PyTorch reference instead."
         ) from exc
+
+
+# Runs torch's JIT build in a child process that leads its own session, so the terminal's
+# SIGINT (sent to zfctl's process group) never reaches ninja or the compiler. The parent
+# stops an interrupted build with SIGTERM to this session: ninja (in it) passes the signal
+# on to its compilers, waits for them and removes their partial outputs, while this
+# process only notes the signal and waits for ninja, so torch's lock file is released.
+_BUILD_SCRIPT = """
+import json, signal, sys
+stop = []
+signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+spec = json.loads(sys.argv[1])
+from torch.utils import cpp_extension
+if stop:
+    sys.exit(143)
+try:
+    cpp_extension.load(**spec)
+except Exception as exc:
+    print(f"{type(exc).__name__}: {exc}", flush=True)
+    sys.exit(143 if stop else 1)
+sys.exit(143 if stop else 0)
+"""
+
+
+def _run_build_process(directory: Path, log_path: Path, guard_fd: int | None) -> None:
+    spec = dict(
+        name=EXTENSION_NAME,
+        sources=[str(path) for path in _sources()],
+        extra_cflags=list(compile_flags()),
+        extra_ldflags=list(LDFLAGS),
+        build_directory=str(directory),
+        is_python_module=False,
+        # verbose=False: on failure cpp_extension puts ninja's full output (the compiler's
+        # messages) into the exception text, which the child prints into the log.
+        verbose=False,
+    )
+    child = None
+    with open(log_path, "w") as log:
+        try:
+            child = subprocess.Popen(
+                [sys.executable, "-c", _BUILD_SCRIPT, json.dumps(spec)],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                # The build inherits the guard: if this process is killed, the flock stays
+                # held until the build ends, so no other build starts over it.
+                pass_fds=() if guard_fd is None else (guard_fd,),
+            )
+            returncode = child.wait()
+        except BaseException:  # KeyboardInterrupt (or anything else): stop, clean, re-raise
+            if child is not None:
+                _stop_build(child)
+            _remove_outputs(directory, log_path)
+            raise
+    if returncode != 0:
+        output = log_path.read_text(errors="replace")
+        log_path.write_text(f"zenflow native build failed (exit {returncode})\n{output}")
+        raise NativeBuildError(
+            f"Building the native CPU Adam op failed; the compiler output is in {log_path}. "
+            "Set ZENFLOW_OPS=reference to run with the PyTorch reference instead."
+        )
+
+
+def _stop_build(child: subprocess.Popen) -> None:
+    """SIGTERM the build's session until its leader exits (it waits for ninja, which waits
+    for its compilers); SIGKILL after ``STOP_TIMEOUT_S``. A second Ctrl-C does not cut the
+    wait short: leaving the compilers running would leave outputs behind."""
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    while True:
+        sig = signal.SIGTERM if time.monotonic() < deadline else signal.SIGKILL
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, sig)
+        try:
+            child.wait(timeout=0.5)
+            return
+        except (subprocess.TimeoutExpired, KeyboardInterrupt):
+            continue
+
+
+def _remove_outputs(directory: Path, log_path: Path) -> None:
+    """Remove what an interrupted build may have left: objects, the library, ninja's files,
+    torch's lock, the marker. The next build in ``directory`` starts afresh."""
+    for path in directory.iterdir():
+        ninja_file = path.name in ("build.ninja", ".ninja_log", ".ninja_deps")
+        marker = path.name.startswith(BUILT_MARKER_NAME)
+        if path.suffix in (".o", ".so") or ninja_file or marker or path.name == LOCK_FILE_NAME:
+            path.unlink(missing_ok=True)
+    log_path.write_text("zenflow native build interrupted; the next build starts afresh\n")
 
 
 def load_native() -> None:
@@ -255,7 +402,8 @@ def load_native() -> None:
 
     Thread-safe and idempotent. Raises ``NativeBuildError`` naming the compiler log and the
     ``ZENFLOW_OPS=reference`` fallback when the build fails; a failure is remembered so later
-    calls fail fast with the same error.
+    calls fail fast with the same error. A ``KeyboardInterrupt`` during the build propagates
+    (nothing is remembered: the next call builds again).
     """
     if _state["state"] in ("built", "cached"):
         return
@@ -267,7 +415,7 @@ def load_native() -> None:
         try:
             directory = build_dir()
             _state["build_dir"] = str(directory)
-            _build(directory)
+            _state["state"] = _build(directory)
         except NativeBuildError as exc:
             _state["state"] = "failed"
             _state["error"] = str(exc)
@@ -308,7 +456,7 @@ def native_status() -> dict[str, Any]:
     except NativeBuildError as exc:
         status["error"] = status["error"] or str(exc)
     if status["state"] == "not-built" and status["build_dir"]:
-        status["cached_library"] = (Path(status["build_dir"]) / f"{EXTENSION_NAME}.so").is_file()
+        status["cached_library"] = build_complete(Path(status["build_dir"]))
     return status
 
 

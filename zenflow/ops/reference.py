@@ -167,13 +167,17 @@ def accumulate_reference_(
 ) -> float:
     """The native ``accumulate_`` in plain PyTorch: ``dst = scale * src`` (overwrite) or
     ``dst += scale * src`` with the product rounded to fp32 first; returns the sum of
-    squares of ``dst`` afterwards (float64) when ``sumsq``, else 0. Bit for bit the native
+    squares of ``dst`` afterwards (float64) when ``sumsq``, else 0. A bf16 ``dst`` gets the
+    fp32 result ``float(dst) + fp32(scale * src)`` (resp. the product) rounded to nearest
+    even, and the sum of squares is over the stored bf16 values. Bit for bit the native
     op's ``dst``."""
     del num_threads
     x = src.reshape(dst.shape).float()
     if scale != 1.0:
         x = x * torch.tensor(scale, dtype=torch.float32)
-    if overwrite:
+    if dst.dtype == torch.bfloat16:
+        dst.copy_(x if overwrite else dst.float() + x)
+    elif overwrite:
         dst.copy_(x)
     else:
         dst.add_(x)
