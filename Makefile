@@ -34,9 +34,12 @@ bench-cpu-adam: setup
 bench-engine: setup
 	.venv/bin/python bench/engine.py
 
-# The CUDA tier (tests/cuda) and the engine benchmark on a GPU box without network: no
-# `setup` (it downloads); .venv-gpu on the box's own torch, wheelhouse/ from `make gpu-wheels`.
-# One JSON summary and one log in ${GPU_CHECK_OUT:-gpu-check}/. docs/GPU.md.
+# The first thing to run on a GPU box (no network): host and link bandwidth, a 1B-class
+# Llama under zenflow / device AdamW / offload at 16k and 4k tokens per step, the CUDA tier,
+# within GPU_CHECK_BUDGET seconds (default 480; sections skipped with a note when it runs
+# out). No `setup` (it downloads); .venv-gpu on the box's own torch, wheelhouse/ from
+# `make gpu-wheels`. Without CUDA: a rehearsal on the simulated device, labelled so. One
+# JSON and one log in ${GPU_CHECK_OUT:-gpu-check}/. docs/GPU.md.
 gpu-check:
 	bash scripts/gpu_check.sh
 

