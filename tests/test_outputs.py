@@ -62,7 +62,8 @@ def test_a_fifo_is_written_into(tmp_path):
     reader = threading.Thread(target=read, daemon=True)  # the old code never opened it
     reader.start()
     write_json_atomic(fifo, DOC)
-    reader.join(timeout=30)
+    reader.join(timeout=300)  # a guard only: a reader still waiting this long hung
+    assert not reader.is_alive(), "the FIFO's reader hung: nothing was written into it"
     assert json.loads(got["text"]) == DOC
     assert _kind(fifo) == stat.S_IFIFO  # still the FIFO, not a file put in its place
     assert output_target(fifo).direct

@@ -80,3 +80,47 @@ def test_walkthrough_init_runs(argv, cli, tmp_path, monkeypatch):
     assert r.exit_code == 0, r.output
     out = argv[argv.index("--output") + 1]
     assert load_config(tmp_path / out).raw == json.loads((tmp_path / out).read_text())
+
+
+# ---- "What fits where": the host table is the estimate's own figures (zenflow.hardware)
+
+HOST_TABLE_HEAD = "| model (params) | ZeRO-Offload | ZenFlow exact | ZenFlow compact |"
+HOSTS_GIB = (64, 128, 256)
+
+
+def host_fit_table() -> list[str]:
+    """The README's host table, computed: each model's whole-run host peak (`zfctl estimate
+    MODEL --device-mem 80GiB --gradient-checkpointing --micro-batch 4 --seq-len 512
+    --topk-ratio 0.05 --json`'s host_peak_bytes) for ZeRO-Offload and ZenFlow in both host
+    states, and what each host size holds (ZenFlow: exact when it fits, else compact)."""
+    from zenflow.hardware import estimate as est
+
+    settings = est.Settings(topk_ratio=0.05, micro_batch=4, seq_len=512,
+                            gradient_checkpointing=True)  # fmt: skip
+    lines = [
+        HOST_TABLE_HEAD + "".join(f" {h} GB host |" for h in HOSTS_GIB),
+        "|---|---|---|---|" + "---|" * len(HOSTS_GIB),
+    ]
+    for name in ("llama-1b", "llama-7b", "llama-13b"):
+        c = est.resolve_census(name)
+        r = est.estimate(c, settings, est.Budget(80 * 2**30, 2**60, False, "d", "h"))
+        peaks = {row: r.engines[row].host_peak_bytes
+                 for row in ("offload", "zenflow", "zenflow (compact)")}  # fmt: skip
+        cells = []
+        for h in HOSTS_GIB:
+            fit = [label for row, label in (("offload", "offload"), ("zenflow", "ZenFlow exact"),
+                                            ("zenflow (compact)", "ZenFlow compact"))
+                   if peaks[row] <= h * 2**30]  # fmt: skip
+            if "ZenFlow exact" in fit:  # exact is chosen where it fits
+                fit.remove("ZenFlow compact")
+            cells.append(", ".join(fit) or "none")
+        figures = " | ".join(est.human_bytes(p) for p in peaks.values())
+        lines.append(f"| {name} ({c.params / 1e9:.3g}B) | {figures} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def test_readme_host_table_is_what_the_estimate_computes():
+    section = README[README.index("### What fits where") :]
+    start = section.index(HOST_TABLE_HEAD)
+    shown = section[start:].split("\n\n")[0].splitlines()
+    assert shown == host_fit_table()

@@ -8,7 +8,9 @@ logs). ``output_target`` says what the path is and so how it is written:
 
 - nothing there yet, or a regular file: atomically (a temporary ``.<name>.<random>.tmp``
   beside it, fsync, ``os.replace``), so a reader never sees half a file and an existing
-  file keeps its permissions; missing parent folders are created;
+  file keeps its permissions; a new file gets the permissions of any new file (0666 less
+  the umask: a teammate can read it where the umask allows), never a temp file's private
+  0600; missing parent folders are created;
 - a symbolic link to a regular file (or a dangling one): the link stays, and the file it
   points to is replaced atomically as above;
 - a FIFO or a character device (/dev/null, /dev/stdout on a terminal or a pipe), or a
@@ -29,8 +31,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import secrets
 import stat
-import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -154,7 +156,7 @@ def write_file(
             return
         real = target.real
         real.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{real.name}.", suffix=".tmp", dir=real.parent)
+        fd, tmp = _new_temp_file(real)
         try:
             with os.fdopen(fd, mode, **text) as f:
                 fill(f)
@@ -171,6 +173,20 @@ def write_file(
         raise
     except OSError as exc:
         raise storage_error(exc, path, what) from exc
+
+
+def _new_temp_file(real: Path) -> tuple[int, str]:
+    """A new ``.<name>.<random>.tmp`` beside ``real``, open for writing. Created with mode
+    0666, so the kernel applies the umask (and a folder's default ACL) as for any new file;
+    ``tempfile.mkstemp``'s 0600 would make every file zfctl writes private to its owner."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    for _ in range(100):
+        tmp = real.parent / f".{real.name}.{secrets.token_hex(4)}.tmp"
+        try:
+            return os.open(tmp, flags, 0o666), str(tmp)
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no unused temporary file name", str(real.parent))
 
 
 def write_text(path: str | os.PathLike, text: str, what: str = "cannot write") -> None:

@@ -19,7 +19,7 @@ from zfctl.bench_render import progress_line, render_result
 from zfctl.errors import check_config_file
 
 ENGINE_HELP = (
-    "Comma-separated engines: floor, device, offload, zenflow-sync, zenflow-overlap, "
+    "Comma-separated engines: floor, device, lora, offload, zenflow-sync, zenflow-overlap, "
     "deepspeed-offload, deepspeed-zenflow (default: all)."
 )
 
@@ -80,12 +80,12 @@ def bench(
         zenflow=lib.zenflow_block(config),
         deadline_s=deadline,
     )
-    err = Console(stderr=True, highlight=False)
+    err = Console(stderr=True, highlight=False, emoji=False)
     with _Progress(err, rounds) as progress:
         result = lib.run_bench(spec, on_progress=progress)
-    out = Console(highlight=False)
+    out = Console(highlight=False, emoji=False)
     if not out.is_terminal:  # a file or pipe: wide enough for the whole table
-        out = Console(highlight=False, width=130)
+        out = Console(highlight=False, width=130, emoji=False)
     out.print(render_result(result))
     if json_file is not None:
         lib.write_json(result, json_file)

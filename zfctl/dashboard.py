@@ -138,7 +138,7 @@ def _metric_text(metrics: dict, names: list[str]) -> str:
 
 
 # zfctl-block options that change ZenFlow's arithmetic (opt-in), shown beside the zenflow block
-ALGORITHM_OPTIONS = ("window_lr", "select_schedule")
+ALGORITHM_OPTIONS = ("window_lr", "select_schedule", "host_state")
 
 
 def algorithm_options(header: dict) -> dict:
@@ -380,7 +380,8 @@ def render_summary(summary: dict) -> Table:
         t.add_row("skipped steps", f"[yellow]{summary['skipped_steps']}[/] (non-finite loss or "
                   "gradient: no update)")  # fmt: skip
     validation = summary.get("validation") or {}
-    t.add_row("validation", ", ".join(f"{k} {v:.4f}" for k, v in validation.items()) or "-")
+    shown = ", ".join(f"{k} {fmt_num(v, '.4f')}" for k, v in validation.items())  # None: "-"
+    t.add_row("validation", shown or "-")
     t.add_row("mean step ms", fmt_num(timing.get("wall_ms"), ".1f"))
     t.add_row("stall", f"{fmt_num(100 * (summary.get('stall_fraction') or 0), '.1f')} %")
     t.add_row(
@@ -435,6 +436,7 @@ def event_to_json(event: Any) -> str:
             "last_good_step": event.last_good_step,
             "skipped_steps": event.skipped_steps,
             "checkpoint": event.checkpoint,
+            "resume_command": getattr(event, "resume_command", None),
             "message": str(event),
         }
     elif dataclasses.is_dataclass(event):

@@ -286,7 +286,7 @@ def env(
     ] = False,
 ) -> None:
     """Print versions, device, CPU, native-op status and offline settings for a bug report."""
-    attempt = build_native(Console(stderr=True, highlight=False)) if build else None
+    attempt = build_native(Console(stderr=True, highlight=False, emoji=False)) if build else None
     info = collect_env(hw)
     if attempt is not None:
         info["native"]["build_attempt"] = attempt
@@ -296,7 +296,7 @@ def env(
         typer.echo(jsonout.dumps(info, indent=2))
         return
 
-    render(Console(highlight=False), info)
+    render(Console(highlight=False, emoji=False), info)
 
 
 def build_native(err: Console) -> dict[str, Any]:

@@ -46,7 +46,7 @@ _PASS_THROUGH = (
 
 
 def err_console() -> Console:
-    return Console(stderr=True, highlight=False, soft_wrap=True)
+    return Console(stderr=True, highlight=False, soft_wrap=True, emoji=False)
 
 
 def print_user_error(exc: BaseException | str) -> None:

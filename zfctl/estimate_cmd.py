@@ -100,6 +100,13 @@ def estimate(
         int | None,
         typer.Option(min=2, help="Gradient buffers for the link.", rich_help_panel=panels.ENGINE),
     ] = None,
+    host_state: Annotated[
+        str | None,
+        typer.Option(
+            help="exact or compact: zfctl.host_state (config, else exact).",
+            rich_help_panel=panels.ENGINE,
+        ),
+    ] = None,
     device_mem: Annotated[
         str | None,
         typer.Option(
@@ -110,7 +117,27 @@ def estimate(
     host_mem: Annotated[
         str | None,
         typer.Option(
-            help="Host memory, like --device-mem (default: MemAvailable).",
+            help="Host memory, like --device-mem (default: this machine's MemAvailable).",
+            rich_help_panel=panels.DEVICES,
+        ),
+    ] = None,
+    gpu: Annotated[
+        str,
+        typer.Option(
+            help="GPU profile for the step time: h100-sxm, a100-80g, rtx4090, l40s, ...",
+            rich_help_panel=panels.DEVICES,
+        ),
+    ] = "h100-sxm",
+    mfu: Annotated[
+        float,
+        typer.Option(
+            help="Share of the GPU's bf16 peak a step gets.", rich_help_panel=panels.DEVICES
+        ),
+    ] = 0.45,
+    host_bw: Annotated[
+        float | None,
+        typer.Option(
+            help="Host memory bandwidth, GB/s (default 50; zfctl tune-hw measures it).",
             rich_help_panel=panels.DEVICES,
         ),
     ] = None,
@@ -133,6 +160,7 @@ def estimate(
 
     Every option: README.md, "Option reference"."""
     from zenflow.hardware import estimate as est
+    from zenflow.hardware import predict
 
     cfg = None
     check_config_file(config)
@@ -142,6 +170,10 @@ def estimate(
         cfg = load_config(config)
     if grad_accumulation is not None and grad_accumulation not in ("host", "device"):
         raise user_error(f"--grad-accumulation {grad_accumulation!r}: use host or device.")
+    if host_bw is not None and not 0 < host_bw < 1e6:
+        raise user_error(f"--host-bw {host_bw:g}: give the host's memory bandwidth in GB/s, "
+                         "e.g. 50 (zfctl tune-hw measures it).")  # fmt: skip
+    box = predict.box_of(gpu, mfu)  # refused here, before the model is read
     dev = est.parse_size(device_mem, "--device-mem") if device_mem is not None else None
     hst = est.parse_size(host_mem, "--host-mem") if host_mem is not None else None
     settings = est.settings_from_config(
@@ -150,13 +182,19 @@ def estimate(
         gradient_checkpointing=gradient_checkpointing,
         gradient_accumulation_steps=gradient_accumulation_steps,
         grad_accumulation=grad_accumulation, stream_grads=stream_grads,
-        copy_buckets=copy_buckets,
+        copy_buckets=copy_buckets, host_state=host_state,
     )  # fmt: skip
     census = est.resolve_census(model, head=head, num_labels=num_labels)
     data = est.estimate(census, settings, est.detect_budget(dev, hst), head=head).to_json()
+    bw = predict.DEFAULT_HOST_BW if host_bw is None else host_bw * 1e9
+    data["step_time"] = predict.predict(census, settings, box, bw)
+    data["step_time"]["host_bw_source"] = "--host-bw" if host_bw is not None else "default"
     if json_output:
         typer.echo(jsonout.dumps(data, indent=2))
         return
     from zfctl.estimate_render import render
+    from zfctl.predict_render import render_host_and_time
 
-    render(Console(highlight=False), data, items=not summary)
+    console = Console(highlight=False, emoji=False)
+    render(console, data, items=not summary)
+    render_host_and_time(console, data)  # the whole run's host, the state, the step time

@@ -71,13 +71,13 @@ def verdict(data: dict, eng: dict) -> str:
     """What must fit where, and whether it does."""
     if data["device_is_host"]:
         need = (
-            f"device + host {fmt_bytes(eng['device_bytes'] + eng['host_bytes'])} of "
+            f"device + host peak {fmt_bytes(eng['device_bytes'] + eng['host_peak_bytes'])} of "
             f"{fmt_bytes(data['host_mem'])} RAM"
         )
     else:
         need = (
             f"device {fmt_bytes(eng['device_bytes'])} of {fmt_bytes(data['device_mem'])}, "
-            f"host {fmt_bytes(eng['host_bytes'])} of {fmt_bytes(data['host_mem'])}"
+            f"host peak {fmt_bytes(eng['host_peak_bytes'])} of {fmt_bytes(data['host_mem'])}"
         )
     if eng["fits"]:
         where = {"device": "device", "host": "host", "memory": "RAM"}
@@ -113,11 +113,19 @@ def engine_table(data: dict, mode: str) -> Table:
             note = f"total; state {fmt_bytes(eng['device_state_bytes'])} (B/param: state)"
         else:
             total, per_param = eng["host_bytes"], f"{eng['host_bytes'] / params:.2f}"
-            note = f"total; pinned {fmt_bytes(eng['pinned_bytes'])}"
+            note = f"steady total; pinned {fmt_bytes(eng['pinned_bytes'])}"
         table.add_row(
             "" if items else side, f"[bold]{note}[/bold]", f"[bold]{fmt_bytes(total)}[/bold]",
             f"[bold]{per_param}[/bold]", "",
         )  # fmt: skip
+        if side == "host" and "host_peak_bytes" in eng:
+            peak = eng["host_peak_bytes"]
+            what = (f"whole-run peak ({eng['host_peak_phase']}; runtime "
+                    f"{fmt_bytes(eng['host_runtime_bytes'])})")  # fmt: skip
+            table.add_row(
+                "", f"[bold]{escape(what)}[/bold]", f"[bold]{fmt_bytes(peak)}[/bold]",
+                f"[bold]{peak / params:.2f}[/bold]", "see below",
+            )  # fmt: skip
         table.add_section()
     table.caption = f"{verdict(data, eng)}."
     table.caption_justify = "left"
@@ -125,32 +133,45 @@ def engine_table(data: dict, mode: str) -> Table:
 
 
 def summary_table(data: dict) -> Table:
-    """One row per engine: device, host, pinned, B/param, fits, the three largest holders."""
+    """One row per engine: device, whole-run host peak, pinned, B/param, fits (the three
+    largest holders follow the table: ``holder_lines``)."""
     table = Table(title="Will it fit?", title_justify="left")
     table.add_column("engine", no_wrap=True)
     table.add_column("device", justify="right", no_wrap=True)
-    table.add_column("host", justify="right", no_wrap=True)
+    table.add_column("host peak", justify="right", no_wrap=True)
     table.add_column("pinned", justify="right", no_wrap=True)
     table.add_column("B/param", justify="right", no_wrap=True)
     table.add_column("fits", no_wrap=True)
-    table.add_column("largest holders")
     side = "memory" if data["device_is_host"] else "device"
     for mode, eng in data["engines"].items():
         if eng["fits"]:
-            left = eng.get("spare_bytes", {}).get(side)
-            fits = "[green]yes[/green]" + (f", {fmt_bytes(left)} spare" if left is not None else "")
+            spare = eng.get("spare_bytes", {})
+            tight = min(spare, key=spare.get) if spare else None  # the side with the least
+            fits = "[green]yes[/green]" + (
+                f", {'' if tight == side else tight + ' '}{fmt_bytes(spare[tight])} spare"
+                if tight is not None else ""
+            )  # fmt: skip
         else:
             fits = "[bold red]NO[/bold red]"
-            missing = eng["short_bytes"].get(side)
-            if missing is not None:
-                fits += f", short {fmt_bytes(missing)}"
+            for where, missing in eng["short_bytes"].items():
+                fits += f", {'' if where == side else 'host '}short {fmt_bytes(missing)}"
         table.add_row(
-            mode, fmt_bytes(eng["device_bytes"]), fmt_bytes(eng["host_bytes"]),
+            mode, fmt_bytes(eng["device_bytes"]),
+            fmt_bytes(eng.get("host_peak_bytes", eng["host_bytes"])),
             fmt_bytes(eng["pinned_bytes"]), f"{eng['bytes_per_param']:.2f}", fits,
-            escape(", ".join(f"{h['side']} {h['category']} {fmt_bytes(h['bytes'])}"
-                             for h in eng["largest_holders"])),
         )  # fmt: skip
     return table
+
+
+def holder_lines(data: dict) -> list[str]:
+    """Each engine's three largest holders, one line each."""
+    return [
+        f"{mode}: "
+        + ", ".join(
+            f"{h['side']} {h['category']} {fmt_bytes(h['bytes'])}" for h in eng["largest_holders"]
+        )  # fmt: skip
+        for mode, eng in data["engines"].items()
+    ]
 
 
 def activation_note(data: dict) -> str:
@@ -182,4 +203,7 @@ def render(console: Console, data: dict, *, items: bool = True) -> None:
         for mode in data["engines"]:
             console.print(engine_table(data, mode))
     console.print(summary_table(data))
+    console.print("Largest holders (steady state):")
+    for line in holder_lines(data):
+        console.print(escape("  " + line))
     console.print(escape(activation_note(data)))

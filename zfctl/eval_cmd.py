@@ -70,6 +70,14 @@ def eval_(
         Path | None,
         typer.Option("--predictions", help="Write one JSON line per row to this file."),
     ] = None,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force",
+            help="Overwrite an existing --predictions file (never one this command reads, "
+            "nor a run's own files).",
+        ),
+    ] = False,
     json_output: Annotated[
         bool, typer.Option("--json", help="Print one JSON document instead of a table.")
     ] = False,
@@ -77,7 +85,7 @@ def eval_(
     """Evaluate a fine-tuned model: a classifier's accuracy, F1 and MCC (or Pearson/Spearman
     for a regression) and eval loss; a causal LM's eval loss and perplexity per predicted
     token (and choice accuracy when the completions come from a small set)."""
-    from zenflow.outputs import check_writable
+    from zenflow.train.eval_inputs import check_predictions
     from zenflow.train.evaluate import run_eval, setup_eval
 
     if tsv_quoting is not None and tsv_quoting not in ("csv", "none"):
@@ -86,8 +94,8 @@ def eval_(
         raise user_error("--data and --task both name rows to evaluate; pass one of them.")
     if text_field is not None and not 1 <= len(text_field) <= 2:
         raise user_error(f"--text-field was given {len(text_field)} times; give one or two.")
-    if predictions is not None:
-        check_writable(predictions, "--predictions: cannot write")
+    if predictions is not None:  # before the slow work; again once every input is known
+        check_predictions(predictions, [data] if data else [], target, force)
     if task is not None and data_dir is None and os.environ.get("GLUE_DIR"):
         data_dir = Path(os.environ["GLUE_DIR"])
     setup = setup_eval(
@@ -96,6 +104,8 @@ def eval_(
         text_fields=tuple(text_field) if text_field else None, label_field=label_field,
         tsv_quoting=tsv_quoting, seq_len=seq_len, batch_size=batch_size, max_samples=max_samples,
     )  # fmt: skip
+    if predictions is not None:
+        check_predictions(predictions, setup.inputs, setup.model_dir, force)
     from zfctl.progress import quiet_hugging_face
 
     quiet_hugging_face(errors_only=json_output)
@@ -112,20 +122,29 @@ def eval_(
         "batch_size": setup.batch_size,
         "metrics": metrics,
         "predictions": None if predictions is None else str(predictions),
+        "notes": list(setup.notes),
     }
     if json_output:
         typer.echo(jsonout.dumps(doc, indent=2))
         return
-    console = Console(highlight=False)
-    t = Table(title=f"eval of {escape(str(setup.model_dir))}", title_justify="left")
+    _print_table(doc)
+
+
+def _print_table(doc: dict) -> None:
+    """The evaluation as a table, with its rows' source, notes and predictions file."""
+    console = Console(highlight=False, emoji=False)
+    t = Table(title=f"eval of {escape(doc['model_dir'])}", title_justify="left")
     t.add_column("", style="bold")
     t.add_column("", justify="right")
-    for key, value in metrics.items():
-        t.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
-    console.print(f"rows: {escape(setup.source)}")
+    for key, value in doc["metrics"].items():
+        shown = f"{value:.4f}" if isinstance(value, float) else "-" if value is None else value
+        t.add_row(key, str(shown))
+    console.print(f"rows: {escape(doc['source'])}")
+    for note in doc["notes"]:
+        console.print(f"[yellow]note:[/] {escape(note)}")
     console.print(t)
-    if predictions is not None:
-        console.print(f"predictions: {escape(str(predictions))}")
+    if doc["predictions"] is not None:
+        console.print(f"predictions: {escape(doc['predictions'])}")
 
 
 def _write_predictions(path: Path, setup, preds: list, logits: list) -> None:

@@ -22,8 +22,21 @@ from rich.markup import escape
 from zenflow.config.architectures import architecture_names
 from zfctl import panels
 from zfctl.dashboard import render_summary
-from zfctl.errors import EXIT_DIVERGED, check_config_file, err_console, print_user_error, user_error
-from zfctl.finetune_flags import check_flags, check_positive, check_sim_profile, data_location
+from zfctl.errors import (
+    EXIT_DIVERGED,
+    EXIT_USER_ERROR,
+    check_config_file,
+    err_console,
+    print_user_error,
+    user_error,
+)
+from zfctl.finetune_flags import (
+    check_flags,
+    check_positive,
+    check_sim_profile,
+    data_location,
+    lora_flags,
+)
 from zfctl.progress import LiveRenderer, choose_renderer, quiet_hugging_face
 
 # Generated from the registry `zfctl estimate` reads too (zenflow.config.architectures).
@@ -163,8 +176,25 @@ def finetune(
     # -- Engine: the optimizer engine and its config
     engine: Annotated[
         str,
-        typer.Option(help="zenflow, offload, device or deepspeed.", rich_help_panel=panels.ENGINE),
+        typer.Option(
+            help="zenflow, offload, device, deepspeed or lora.", rich_help_panel=panels.ENGINE
+        ),
     ] = "zenflow",
+    lora_rank: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            max=65536,
+            help="--engine lora: adapter rank (default 8).",
+            rich_help_panel=panels.ENGINE,
+        ),
+    ] = None,
+    lora_alpha: Annotated[
+        float | None,
+        typer.Option(
+            help="--engine lora: adapter alpha (default 8).", rich_help_panel=panels.ENGINE
+        ),
+    ] = None,
     config: Annotated[
         Path | None,
         typer.Option(
@@ -211,6 +241,14 @@ def finetune(
         typer.Option(
             envvar="ZFCTL_DEVICE_MEM",
             help="Device memory for the preflight check.",
+            rich_help_panel=panels.DEVICES,
+        ),
+    ] = None,
+    host_mem: Annotated[
+        str | None,
+        typer.Option(
+            envvar="ZFCTL_HOST_MEM",
+            help="Host memory for the preflight check (default: MemAvailable).",
             rich_help_panel=panels.DEVICES,
         ),
     ] = None,
@@ -277,10 +315,10 @@ def finetune(
     rank = int(os.environ.get("RANK", "0") or 0)
     check_positive("--epochs", epochs)
     check_positive("--lr", lr)
-    cfg = _load_run_config(config, set_)
+    cfg = _load_run_config(config, [*(set_ or []), *lora_flags(engine, lora_rank, lora_alpha)])
     check_sim_profile(sim_profile, device)
     device_mem_bytes = _device_mem_bytes(device_mem)
-    out = Console(highlight=False)
+    out = Console(highlight=False, emoji=False)
     if sample_data:
         data_dir = _sample_data_dir(task, runs_root, json_output, out)
     if cfg.ignored and not json_output:
@@ -362,7 +400,8 @@ def _run_spec(flags: SimpleNamespace, cfg, task: str | None, data_dir, device_me
         lr=f.lr, seed=f.seed, run_dir=f.run_dir, runs_root=f.runs_root, resume=f.resume,
         eval_every=f.eval_every, max_eval_samples=f.max_eval_samples, hw_json=f.hw_json,
         checkpoint_every=f.checkpoint_every, overwrite=f.overwrite, device=f.device,
-        config_given=f.config is not None or bool(f.set_),
+        config_given=f.config is not None or bool(f.set_) or f.lora_rank is not None
+        or f.lora_alpha is not None,
         gradient_checkpointing=f.gradient_checkpointing, sim_profile=f.sim_profile,
         device_mem=device_mem_bytes,
         # absolute: a resumed run (from any folder) reads the same files
@@ -375,10 +414,13 @@ def _run_spec(flags: SimpleNamespace, cfg, task: str | None, data_dir, device_me
 
 
 def _preflight(flags: SimpleNamespace, spec, cfg, task: str | None) -> None:
-    """A new run's memory check (zfctl estimate's numbers) before anything is loaded:
-    exit 2 when it cannot fit (--force skips it)."""
+    """A new run's memory check (zfctl estimate's numbers): the device at a step's peak, the
+    host at the whole run's peak (default: this machine's MemAvailable). It runs here, after
+    the flags, the config and the data table's labels are read and before the model loads
+    or anything model-sized is allocated (the model's config only, on the meta device):
+    exit 2 when it cannot fit, naming the fixes (--force skips it)."""
     from zenflow.engine.accelerator import default_kind
-    from zenflow.hardware.estimate import preflight
+    from zenflow.hardware.preflight import preflight
     from zenflow.train.data import get_task
 
     f = flags
@@ -390,15 +432,17 @@ def _preflight(flags: SimpleNamespace, spec, cfg, task: str | None) -> None:
         num_labels = load_spec_table(spec)[0].task.num_labels
     else:
         num_labels = get_task(task).num_labels
+    kind = f.device or default_kind()
     preflight(f.model, mode=f.engine, config=cfg, micro_batch=f.micro_batch, seq_len=f.seq_len,
               num_labels=num_labels, head=f.objective, device_mem=f.device_mem,
-              gradient_checkpointing=f.gradient_checkpointing,
-              separate_device=(f.device or default_kind()) != "cpu")  # fmt: skip
+              host_mem=f.host_mem, gradient_checkpointing=f.gradient_checkpointing,
+              separate_device=kind != "cpu", device_kind=kind)  # fmt: skip
 
 
 def _run(run_finetune, spec, renderer, rank: int) -> dict:
     """Run the fine-tuning with ``renderer`` showing its events; an interrupted run says
     where its checkpoint is and how to resume (exit 130/143), a diverged one why (exit 3)."""
+    from zenflow.train.parallel import RankLost
     from zenflow.train.trainer import RunDiverged, RunInterrupted
 
     try:
@@ -418,6 +462,10 @@ def _run(run_finetune, spec, renderer, rank: int) -> dict:
         if rank == 0:
             print_user_error(exc)
         raise typer.Exit(EXIT_DIVERGED) from None
+    except RankLost as exc:  # another rank ended the job: rank 0 says so, once
+        if rank == 0:
+            print_user_error(exc)
+        raise typer.Exit(EXIT_USER_ERROR) from None
 
 
 def _print_end(out: Console, renderer, summary: dict) -> None:

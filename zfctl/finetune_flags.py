@@ -7,13 +7,12 @@ the run. The command itself (options, the run's steps) lives in ``zfctl.finetune
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from types import SimpleNamespace
 
 from zfctl.errors import user_error
 
-ENGINES = ("zenflow", "offload", "device", "deepspeed")
+ENGINES = ("zenflow", "offload", "device", "deepspeed", "lora")
 DEVICES = ("cpu", "cuda", "sim")
 INITS = ("pretrained", "random")
 
@@ -33,6 +32,7 @@ def check_flags(flags: SimpleNamespace) -> str | None:
     """The checks that come before anything starts (the ranks of --nproc included), in
     the order their messages are given; returns the run's task name (``data_flags``)."""
     check_choice("--engine", flags.engine, ENGINES)
+    lora_flags(flags.engine, flags.lora_rank, flags.lora_alpha)
     check_choice("--init", flags.init, INITS)
     objective_flags(flags.objective, flags.data, flags.resume, flags.text_field,
                     flags.label_field, flags.tsv_quoting, flags.pack, flags.prompt_field,
@@ -43,6 +43,18 @@ def check_flags(flags: SimpleNamespace) -> str | None:
     if flags.device is not None:
         check_choice("--device", flags.device, DEVICES)
     return task
+
+
+def lora_flags(engine: str, rank: int | None, alpha: float | None) -> list[str]:
+    """--lora-rank / --lora-alpha: checked, and as the config overrides they stand for
+    (``zfctl.lora.rank`` / ``zfctl.lora.alpha``); they set --engine lora's adapters only."""
+    given = [flag for flag, v in (("--lora-rank", rank), ("--lora-alpha", alpha)) if v is not None]
+    if given and engine != "lora":
+        raise user_error(f"{' and '.join(given)} set(s) the adapters of --engine lora, not of "
+                         f"--engine {engine}; add --engine lora, or drop them.")  # fmt: skip
+    check_positive("--lora-alpha", alpha)
+    sets = [f"zfctl.lora.rank={rank}"] if rank is not None else []
+    return sets + ([f"zfctl.lora.alpha={alpha}"] if alpha is not None else [])
 
 
 def check_sim_profile(sim_profile: str | None, device: str | None) -> None:
@@ -79,9 +91,9 @@ def data_flags(task, data, eval_data, text_field, label_field, tsv_quoting, resu
     if tsv_quoting is not None:
         check_choice("--tsv-quoting", tsv_quoting, ("csv", "none"))
     if task is None:  # the run's name: the file's, or the dataset id's, made path-safe
-        from zenflow.train.data import is_hub_id
+        from zenflow.train.run_match import data_run_name  # what a resume recognises too
 
-        task = re.sub(r"[^\w.-]+", "-", str(data)).strip("-") if is_hub_id(data) else data.stem
+        task = data_run_name(data)
     return task
 
 
@@ -92,7 +104,14 @@ def data_location(path: Path | None) -> str | None:
 
     if path is None:
         return None
-    return str(path) if is_hub_id(path) else str(path.expanduser().resolve())
+    if is_hub_id(path):
+        return str(path)
+    try:
+        return str(path.expanduser().resolve())
+    except (RuntimeError, OSError):  # a symlink loop: RuntimeError before Python 3.13
+        raise user_error(f"{path} is a symbolic link loop (following its links comes back to "
+                         "itself); point the link at the data file, or pass the file "
+                         "itself.") from None  # fmt: skip
 
 
 def objective_flags(objective, data, resume, text_field, label_field, tsv_quoting, pack,

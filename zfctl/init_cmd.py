@@ -149,6 +149,13 @@ def init(
         str | None,
         typer.Option(help="Re-selection: fixed or doubling.", rich_help_panel=panels.ENGINE),
     ] = None,
+    host_state: Annotated[
+        str | None,
+        typer.Option(
+            help="Host state: exact (fp32) or compact (8-bit moments).",
+            rich_help_panel=panels.ENGINE,
+        ),  # fmt: skip
+    ] = None,
     set_: Annotated[
         list[str] | None,
         typer.Option(
@@ -229,7 +236,8 @@ def init(
         "auto_ratio": auto_ratio,
         "pt_reserved_cores_perc": pt_reserved_cores_perc,
     }
-    engine_flags = {"window_lr": window_lr, "select_schedule": select_schedule}
+    engine_flags = {"window_lr": window_lr, "select_schedule": select_schedule,
+                    "host_state": host_state}  # fmt: skip
     overrides: dict[str, Any] = _zenflow_overrides(template, zenflow_flags, engine_flags)
     set_args = parse_set_args(set_ or [])
     warmup_steps, total_steps = _scheduler_steps(
@@ -252,7 +260,7 @@ def init(
         overrides = _set_scheduler(raw, overrides, scheduler)
     overrides.update(_monitor_overrides(tensorboard, csv_monitor, job_name))
     overrides.update(set_args)
-    config = _validated(raw, overrides, template)
+    config = _validated(raw, overrides, template, set_args)
     data = config.raw
     err = err_console()
     for line in warnings:
@@ -262,7 +270,7 @@ def init(
         describe(err, config, None, template)
         return
     _write_file(output, data, force)
-    describe(Console(highlight=False), config, output, template)
+    describe(Console(highlight=False, emoji=False), config, output, template)
 
 
 DEFAULT_OUTPUT = "ds_config.json"
@@ -331,14 +339,51 @@ def _monitor_overrides(tensorboard, csv_monitor, job_name) -> dict[str, Any]:
     return overrides
 
 
-def _validated(raw: dict, overrides: dict[str, Any], template: str):
-    """Validate exactly what will be written; raises ConfigError listing every problem."""
+def _validated(raw: dict, overrides: dict[str, Any], template: str, set_args=()):
+    """Validate exactly what will be written; raises ConfigError listing every problem,
+    each one from a flag named by that flag (``--window-lr bogus``), from ``--set`` by the
+    item (keys in ``set_args``)."""
+    import dataclasses
+
     from zenflow.config import ConfigError, load_config
 
     try:
         return load_config(raw, overrides=overrides)
     except ConfigError as exc:  # name what the user gave, not an anonymous dict
-        raise ConfigError(exc.problems, f"zfctl init (template {template} + flags)") from None
+        problems = [dataclasses.replace(p, origin=_flag_origin(p.origin, set_args))
+                    for p in exc.problems]  # fmt: skip
+        raise ConfigError(problems, f"zfctl init (template {template} + flags)") from None
+
+
+# The flags of `zfctl init` that write a key outside the zenflow and zfctl blocks (whose
+# flags are named by their key: zfctl.window_lr <- --window-lr).
+_FLAG_OF_KEY = {
+    "optimizer.params.lr": "--lr", SCHED + "warmup_max_lr": "--lr",
+    "optimizer.params.weight_decay": "--weight-decay",
+    "train_micro_batch_size_per_gpu": "--micro-batch",
+    "gradient_accumulation_steps": "--grad-accum", "gradient_clipping": "--gradient-clipping",
+    SCHED + "warmup_num_steps": "--warmup-steps", SCHED + "total_num_steps": "--total-steps",
+    "scheduler.type": "--scheduler", "tensorboard.enabled": "--tensorboard",
+    "tensorboard.output_path": "--tensorboard", "csv_monitor.enabled": "--csv-monitor",
+    "csv_monitor.output_path": "--csv-monitor", "tensorboard.job_name": "--job-name",
+    "csv_monitor.job_name": "--job-name",
+}  # fmt: skip
+
+
+def _flag_origin(origin: str, set_args) -> str:
+    """``origin`` (the loader's "--set key=value") as the flag the user typed when the key
+    came from a flag of this command rather than from --set."""
+    if not origin.startswith("--set "):
+        return origin
+    key, _, value = origin[len("--set ") :].partition("=")
+    if key in set_args:
+        return origin
+    if key == "bf16.enabled":
+        return "--bf16" if value == "true" else "--no-bf16"
+    flag = _FLAG_OF_KEY.get(key)
+    if flag is None and key.startswith((ZF, "zfctl.")):
+        flag = "--" + key.rpartition(".")[2].replace("_", "-")
+    return f"{flag} {value}" if flag is not None else origin
 
 
 def _writes_stdout(output: Path | None, print_only: bool) -> bool:

@@ -52,12 +52,20 @@ def quiet_hugging_face(errors_only: bool) -> None:
     """No Hugging Face progress bars on stderr ("Loading weights", "Writing model shards"
     of transformers, huggingface_hub's downloads, datasets' maps) where they are noise:
     plain lines, a log file, ``--json``. ``errors_only`` (``--json``, ranks > 0): their
-    warnings too, so stderr holds zfctl's own messages alone."""
+    warnings too (transformers' logger, DeepSpeed's, and the libraries' FutureWarnings about
+    their own APIs), so stderr holds zfctl's own messages alone."""
+    import logging
+    import warnings
+
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # transformers' bars, and huggingface_hub's
     if errors_only:
         hf_logging.set_verbosity_error()
+        # DeepSpeed's warnings ("Setting accelerator to CPU") go to stdout, into the JSON
+        # stream; a filter, because importing deepspeed later resets its logger's level
+        logging.getLogger("DeepSpeed").addFilter(lambda record: record.levelno >= logging.ERROR)
+        warnings.filterwarnings("ignore", category=FutureWarning)
     if "datasets" in sys.modules:
         sys.modules["datasets"].disable_progress_bars()
     else:  # read once, when datasets is imported (only some tasks' data need it)

@@ -428,7 +428,7 @@ def report(
     if as_json:
         typer.echo(jsonout.dumps(report_document(reports, curve), indent=2))
     else:
-        console = Console(highlight=False)
+        console = Console(highlight=False, emoji=False)
         for r in reports:
             console.print(render_run(r))
         if len(reports) > 1:
@@ -436,5 +436,5 @@ def report(
             if curve is not None:
                 console.print(render_learning_curve(curve))
     if plot is not None:
-        note = err_console() if as_json else Console(highlight=False)
+        note = err_console() if as_json else Console(highlight=False, emoji=False)
         note.print(f"wrote plot to {escape(str(plot))}")

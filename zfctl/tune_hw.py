@@ -104,6 +104,22 @@ def tune_hw(
             rich_help_panel=panels.DEVICES,
         ),
     ] = None,
+    gpu: Annotated[
+        str,
+        typer.Option(
+            "--gpu",
+            help="GPU profile to predict the step time for (h100-sxm, rtx4090, ...).",
+            rich_help_panel=panels.DEVICES,
+        ),
+    ] = "h100-sxm",
+    mfu: Annotated[
+        float,
+        typer.Option(
+            "--mfu",
+            help="Share of the GPU's bf16 peak a step gets.",
+            rich_help_panel=panels.DEVICES,
+        ),
+    ] = 0.45,
     quick: Annotated[
         bool,
         typer.Option(
@@ -142,10 +158,11 @@ def tune_hw(
             f"{device!r} is not one of {', '.join(DEVICES)}.", param_hint="--device"
         )
 
-    from zenflow.hardware import measure, tune_run, tuning
+    from zenflow.hardware import measure, predict, tune_run, tuning
     from zenflow.hardware.estimate import parse_size
     from zenflow.outputs import check_writable, write_json_atomic
 
+    predict.box_of(gpu, mfu)  # refused here, before measuring
     dev_mem = parse_size(device_mem, "--device-mem") if device_mem is not None else None
     device = tune_run.resolve_device(device, dev_mem)  # refused here, before measuring
     config_doc = tuning.read_config_document(config) if config is not None else None
@@ -156,7 +173,7 @@ def tune_hw(
         check_writable(config, "--config ... --write: cannot write")
     if bf16 is None:
         bf16 = config_bf16(config_doc, device) if config_doc is not None else device != "cpu"
-    err = Console(stderr=True)
+    err = Console(stderr=True, emoji=False)
     settings = tune_run.TuneSettings(
         model=model or (measure.BUILTIN_SMALL if quick else "gpt2"),
         micro_batch=micro_batch or (4 if quick else 8),
@@ -168,6 +185,8 @@ def tune_hw(
         device_mem=dev_mem,
         gradient_checkpointing=gradient_checkpointing,
         layout=config_layout(config_doc) if config_doc is not None else {},
+        gpu=gpu,
+        mfu=mfu,
         progress=lambda msg: err.print(f"[dim]tune-hw: {msg}…[/dim]", highlight=False),
     )
     result = tune_run.run_tune(settings)
@@ -175,11 +194,12 @@ def tune_hw(
 
     update = None
     if config is not None:
-        update = tuning.update_config(config, config_doc, result["choices"], write=write)
+        update = tuning.update_config(config, config_doc, result["choices"], write=write,
+                                      zfctl=result.get("zfctl_choices"))  # fmt: skip
     if json_output:
         typer.echo(jsonout.dumps(result, indent=2))
         return
-    out = Console()
+    out = Console(emoji=False)
     render(out, result)
     out.print(f"wrote {escape(str(output))}", highlight=False)
     if update is not None:
@@ -232,6 +252,10 @@ def render(console: Console, result: dict) -> None:
     for key, value in choices.items():
         reason = reasons.get(key, "") if key not in reason_key else "with select_interval"
         table.add_row(key, escape(json.dumps(value)), escape(reason))
+    if "host_state" in reasons:  # the zfctl block's key: which host state fits this host
+        state = (result.get("zfctl_choices") or {}).get("host_state")
+        shown = json.dumps(state) if state else "(none fits)"
+        table.add_row("zfctl.host_state", escape(shown), escape(reasons["host_state"]))
     console.print(table)
 
     probes = Table(title="Probes", title_justify="left")
@@ -245,6 +269,12 @@ def render(console: Console, result: dict) -> None:
     colour = "green" if mem["ok"] and mem["pinned_ok"] is not False else "red"
     console.print(f"[{colour}]{escape(mem['verdict'])}[/{colour}]", highlight=False)
     console.print(f"method: {escape(result['method'])}", highlight=False)
+    if result.get("step_time"):
+        from zfctl.predict_render import step_note, step_table, step_title
+
+        console.print(escape(step_title(result["step_time"])), highlight=False)
+        console.print(step_table(result["step_time"]))
+        console.print(escape(step_note(result["step_time"])), highlight=False)
     for note in notes:
         if not note.startswith("CPU-only"):
             console.print(f"[yellow]note:[/yellow] {escape(note)}", highlight=False)
@@ -361,10 +391,9 @@ def render_config_update(console: Console, path: Path, update: dict, written: bo
         if before == new[key]:
             continue
         changed = True
+        path_of = key if key.startswith("zfctl.") else f"zero_optimization.zenflow.{key}"
         console.print(
-            escape(
-                f"  zero_optimization.zenflow.{key}: {json.dumps(before)} -> {json.dumps(new[key])}"
-            ),
+            escape(f"  {path_of}: {json.dumps(before)} -> {json.dumps(new[key])}"),
             highlight=False,
         )
     if not changed:

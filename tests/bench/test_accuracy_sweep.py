@@ -5,8 +5,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,14 @@ def test_arms_and_seeds_parse():
                        ("zf=zenflow:topk", "not key=value"), ("zf=zenflow:speed=2", "unknown key"),
                        ("../x=device", "NAME=ENGINE")]:  # fmt: skip
         with pytest.raises(acc.SweepError, match=words):
+            acc.parse_arm(bad)
+    # a LoRA arm: its adapters' keys, and its own peak lr instead of the sweep's
+    assert acc.parse_arm("lo=lora:lr=5e-4,rank=16,alpha=32") == (
+        "lo",
+        {"engine": "lora", "set": ["zfctl.lora.rank=16", "zfctl.lora.alpha=32"], "lr": 5e-4},
+    )
+    for bad in ("lo=lora:lr=fast", "lo=lora:lr=-1", "lo=lora:lr=0"):
+        with pytest.raises(acc.SweepError, match="not a positive number"):
             acc.parse_arm(bad)
     assert acc.parse_seeds("1-3,7,2") == [1, 2, 3, 7]
     with pytest.raises(acc.SweepError):
@@ -61,18 +71,36 @@ def _sweep(tmp_path, model_dir, *args):
 
 
 def test_sweep_runs_resumes_and_tabulates(tiny_gpt2_dir, tmp_path):
-    arms = ["--arm", "adamw=device", "--arm", "zs=zenflow:interval=2,window_lr=sum"]
+    arms = ["--arm", "adamw=device", "--arm", "zs=zenflow:interval=2,window_lr=sum",
+            "--arm", "lo=lora:lr=1e-3,rank=4"]  # fmt: skip
     r = _sweep(tmp_path, tiny_gpt2_dir, *arms, "--keep-files", "--json", "t.json")
     assert r.returncode == 0, r.stdout + r.stderr
     root = tmp_path / "sweep"
-    for arm in ("adamw", "zs"):
+    for arm in ("adamw", "zs", "lo"):
         assert acc.run_state(root / arm / "s1") == "finished"
     cfg = runs.run_config(root / "zs" / "s1")
     assert cfg["zfctl"]["window_lr"] == "sum"
     assert cfg["zero_optimization"]["zenflow"]["update_interval"] == 2
+    lora_cfg = runs.run_config(root / "lo" / "s1")  # the LoRA arm, at its own lr
+    assert lora_cfg["run"]["engine_mode"] == "lora" and lora_cfg["run"]["lr"] == 1e-3
+    assert lora_cfg["zfctl"]["lora"]["rank"] == 4
+    assert runs.run_config(root / "adamw" / "s1")["run"]["lr"] == 5e-5  # the sweep's
     doc = json.loads((tmp_path / "t.json").read_text())
     assert doc["reference"] == "adamw" and doc["steps"] == [2, 4]
     rows = {row["arm"]: row for row in doc["rows"]}
+    # the three-way table: accuracy (above), device bytes per parameter from each run's
+    # summary (its device peak over the base's parameters) and time per step, side by side
+    for arm in ("adamw", "zs", "lo"):
+        summary = runs.read_run(root / arm / "s1")["summary"]
+        assert rows[arm]["device_bytes_per_param"]["mean"] == summary[
+            "device_peak_bytes_per_param"]  # fmt: skip
+        wall = rows[arm]["wall_ms"]["mean"]
+        assert wall == summary["timing_ms_mean"]["wall_ms"]
+        assert rows[arm]["wall_vs_reference"] == pytest.approx(
+            wall / rows["adamw"]["wall_ms"]["mean"])  # fmt: skip
+    assert rows["adamw"]["device_bytes_per_param"]["mean"] == pytest.approx(16.0, abs=0.01)
+    assert 4.0 < rows["lo"]["device_bytes_per_param"]["mean"] < 5.0  # the frozen fp32 base
+    assert "| lo | lora zfctl.lora.rank=4 lr=0.001 |" in r.stdout
     evals = runs.read_run(root / "zs" / "s1")["evals"]
     want = {e["step"]: e["accuracy"] for e in evals}
     ref = {e["step"]: e["accuracy"] for e in runs.read_run(root / "adamw" / "s1")["evals"]}
@@ -124,3 +152,85 @@ def test_a_refused_input_stops_the_sweep(tiny_gpt2_dir, tmp_path):
     assert r.returncode != 0
     assert r.stdout.count("  start ") == 1, r.stdout
     assert "stopping: exit 2" in r.stdout and "5 runs not started" in r.stdout
+
+
+# ------------------------------------------------------------------ issue 31's weak spots
+
+
+def _run_cli(tmp_path, *args):
+    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True,
+                          text=True, env=_ENV, cwd=tmp_path, timeout=600)  # fmt: skip
+
+
+def test_ctrl_c_stops_each_run_at_a_checkpoint_and_says_how_to_resume(tiny_gpt2_dir, tmp_path):
+    """Ctrl-C to the sweep: no KeyboardInterrupt traceback; the running zfctl finetune gets
+    the signal once (it runs in a session of its own, as a terminal's Ctrl-C would not
+    reach it twice), writes its checkpoint and stops before the sweep exits 130 with the
+    command that resumes it. Before the fix: a traceback, and the run went on orphaned."""
+    root = tmp_path / "sweep"
+    argv = [sys.executable, str(SCRIPT), "run", str(root), "--model", str(tiny_gpt2_dir),
+            "--seeds", "1", "--steps", "2000", "--eval-every", "1000", "--micro-batch", "2",
+            "--seq-len", "8", "--arm", "adamw=device", "--", "--sample-data",
+            "--max-eval-samples", "4"]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_ENV, cwd=tmp_path)  # fmt: skip
+    log = root / "adamw" / "s1.log"
+    try:
+        # the run is training (its first progress line is in its log): the stop comes mid-run
+        while not (log.is_file() and "step 1/2000" in log.read_text()):
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, (out, err)
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert "interrupted" in err
+    assert f"resume the sweep with: .venv/bin/python bench/accuracy.py run {root}" in err
+    # the run itself stopped at a step boundary with its checkpoint, before the sweep ended
+    text = log.read_text()
+    assert "interrupted after step" in text and "resume with:" in text, text
+    assert acc.run_state(root / "adamw" / "s1") == "resume"
+    assert "adamw seed 1: stopped (checkpoint step-" in out, out
+
+
+def test_a_folder_of_other_files_or_a_file_is_not_a_sweep(tmp_path):
+    """A non-empty folder without sweep.json is someone else's: refused (exit 2), nothing
+    written there. A file as ROOT: exit 2 with a sentence, not an internal error."""
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "notes.txt").write_text("mine\n")
+    r = _run_cli(tmp_path, "run", theirs, "--arm", "adamw=device")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "is not empty (notes.txt)" in r.stderr and "new or empty folder" in r.stderr
+    assert sorted(p.name for p in theirs.iterdir()) == ["notes.txt"]
+    a_file = tmp_path / "results.txt"
+    a_file.write_text("x\n")
+    for cmd in ("run", "table"):
+        r = _run_cli(tmp_path, cmd, a_file, *(["--arm", "adamw=device"] if cmd == "run" else []))
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert f"{a_file} is a file, not a sweep folder" in r.stderr
+    assert a_file.read_text() == "x\n"
+    r = _run_cli(tmp_path, "table", tmp_path / "nowhere")
+    assert r.returncode == 2 and "no such sweep folder" in r.stderr
+    (theirs / acc.SWEEP_FILE).write_text("{not json")
+    r = _run_cli(tmp_path, "table", theirs)
+    assert r.returncode == 2 and "cannot be read" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_table_without_a_device_arm_says_so(tmp_path):
+    """No device arm, no --reference: the title says there is nothing to take gaps to (it
+    used to print "gap = arm - None")."""
+    root = tmp_path / "sweep"
+    root.mkdir()
+    sweep = {"common": {**acc.DEFAULTS}, "arms": {"zf": {"engine": "zenflow", "set": []}},
+             "seeds": [1]}  # fmt: skip
+    (root / acc.SWEEP_FILE).write_text(json.dumps(sweep))
+    r = _run_cli(tmp_path, "table", root)
+    assert r.returncode == 0, r.stderr
+    assert "None" not in r.stdout
+    assert "no gaps: this sweep has no device arm to compare with" in r.stdout
+    r = _run_cli(tmp_path, "table", root, "--at", "1x")
+    assert r.returncode == 2 and "--at '1x'" in r.stderr

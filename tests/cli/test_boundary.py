@@ -225,3 +225,39 @@ def test_hw_json_must_exist_and_be_json(cli, tmp_path, tiny_gpt2_dir, sample, mo
     assert_user_error(cli(*args), "hw.json (read by default from the current folder)",
                       "JSON list")  # fmt: skip
     assert not (tmp_path / "runs").exists()
+
+
+# ------------------------------------------------------- Rich emoji codes (issue 31)
+
+
+def test_every_rich_console_of_zfctl_has_emoji_off():
+    """A Console with emoji on turns ":smile:" in any printed path into an emoji; every
+    Console zfctl makes passes emoji=False (a new one without it fails here)."""
+    import ast
+    from pathlib import Path
+
+    import zfctl
+
+    found = []
+    for path in sorted(Path(zfctl.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            func = getattr(node, "func", None)
+            name = getattr(func, "id", None) or getattr(func, "attr", None)
+            if isinstance(node, ast.Call) and name == "Console":
+                emoji = [k.value for k in node.keywords if k.arg == "emoji"]
+                ok = len(emoji) == 1 and getattr(emoji[0], "value", None) is False
+                found.append((f"{path.name}:{node.lineno}", ok))
+    assert len(found) >= 10  # errors, finetune, report, init, eval, env, estimate, ...
+    assert [where for where, ok in found if not ok] == []
+
+
+def test_a_path_with_emoji_codes_is_printed_as_it_is(cli, tmp_path):
+    """Old: `a:smile:b` came out as "a😄b" in the error (and in every table)."""
+    odd = tmp_path / "run:smile:s:thumbs_up:"
+    odd.mkdir()
+    r = cli("report", odd)
+    assert_user_error(r, f"{odd} is not a zfctl run directory")
+    assert "\N{SMILING FACE WITH OPEN MOUTH AND SMILING EYES}" not in r.output
+    r = cli("init", "--output", odd / "ds.json")
+    assert r.exit_code == 0, r.output
+    assert f"wrote {odd / 'ds.json'}" in " ".join(r.output.split())

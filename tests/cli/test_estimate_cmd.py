@@ -33,9 +33,13 @@ def test_json_for_a_7b_architecture(cli):
     assert (data["device_mem"], data["host_mem"]) == (24 * 2**30, 256 * 2**30)
     assert data["dtype"] == "bf16" and data["topk_ratio"] == 0.1
     assert (data["micro_batch"], data["seq_len"]) == (1, 512)
-    for mode in ("device", "offload", "zenflow"):
+    for mode in ("device", "offload", "zenflow", "zenflow (compact)"):
         eng = data["engines"][mode]
-        expect = eng["device_bytes"] <= data["device_mem"] and eng["host_bytes"] <= data["host_mem"]
+        # the host is checked at the whole run's peak, not the steady state
+        assert eng["host_peak_bytes"] > eng["host_bytes"]
+        expect = (
+            eng["device_bytes"] <= data["device_mem"] and eng["host_peak_bytes"] <= data["host_mem"]
+        )
         assert eng["fits"] is expect
         # a separate device: only the buffers that cross the link are pinned
         pinned = sum(i["bytes"] for i in eng["items"] if i["side"] == "host" and i["pinned"])
@@ -63,10 +67,40 @@ def test_flags_change_the_estimate(cli):
     acc = base["engines"]["zenflow"]["holders"]["host"]["accumulators"]
     # one window sum with or without overlap (the next window's first write waits)
     assert overlap["engines"]["zenflow"]["holders"]["host"]["accumulators"] == acc
-    # micro-batches summed on the host: a second fp32 sum; on the device: a whole gradient
-    assert host_gas["engines"]["zenflow"]["holders"]["host"]["accumulators"] == 2 * acc
+    # micro-batches summed on the host: their fp32 sum in place of the bf16 step store; on
+    # the device: a whole gradient
+    n = base["zenflow_params"] - base["selected_elements"]
+    assert host_gas["engines"]["zenflow"]["holders"]["host"]["accumulators"] == acc + 2 * n
     zg, zd = host_gas["engines"]["zenflow"], device_gas["engines"]["zenflow"]
     assert zd["holders"]["device"]["grads"] > zg["holders"]["device"]["grads"] + p
+
+
+def test_host_state_and_the_step_time_flags(cli):
+    """--host-state picks the configured row ("zenflow"), the other state sits beside it;
+    --gpu, --mfu and --host-bw feed the predicted step, which says where each came from."""
+    exact = estimate_json(cli, "gpt2", *BOX, "--micro-batch", "4", "--seq-len", "256")
+    compact = estimate_json(cli, "gpt2", *BOX, "--micro-batch", "4", "--seq-len", "256",
+                            "--host-state", "compact", "--gpu", "rtx4090", "--mfu", "0.3",
+                            "--host-bw", "80")  # fmt: skip
+    assert "zenflow (exact)" in compact["engines"]
+    assert "zenflow (compact)" not in compact["engines"]
+    assert compact["host_state"] == "compact" == compact["engines"]["zenflow"]["host_state"]
+    assert (
+        compact["engines"]["zenflow"]["host_peak_bytes"]
+        == (exact["engines"]["zenflow (compact)"]["host_peak_bytes"])
+    )
+    st, st0 = compact["step_time"], exact["step_time"]
+    assert (st["gpu"], st["mfu"], st["host_bw_gbs"], st["host_bw_source"]) == (
+        "rtx4090", 0.3, 80, "--host-bw",
+    )  # fmt: skip
+    assert (st0["gpu"], st0["mfu"], st0["host_bw_gbs"], st0["host_bw_source"]) == (
+        "h100-sxm", 0.45, 50, "default",
+    )  # fmt: skip
+    assert st["tokens_per_step"] == 4 * 256
+    for eng in st["engines"].values():  # the step is at least its compute, at most the sum
+        t = eng["terms_s"]
+        assert t["compute"] <= eng["step_s"] <= sum(t.values()) * (1 + 1e-9)
+        assert eng["bound"] in ("device compute", "link", "host")
 
 
 def test_config_supplies_the_settings(cli, tmp_path):
@@ -87,16 +121,23 @@ def test_table_shows_the_json_numbers(cli):
     assert r.exit_code == 0, r.output
     out = r.stdout
     assert "Will it fit?" in out and "12,852,034,560" in out and "estimate" in out
-    rows = {ln.split("│")[1].strip(): ln for ln in out.splitlines() if ln.startswith("│ ")}
+    summary = out[out.index("Will it fit?") : out.index("Largest holders")]
+    rows = {ln.split("│")[1].strip(): ln for ln in summary.splitlines() if ln.startswith("│ ")}
     for mode, eng in data["engines"].items():
         row = rows[mode]  # the summary table's row (the first cell is the engine's name)
-        assert fmt_bytes(eng["device_bytes"]) in row and fmt_bytes(eng["host_bytes"]) in row
+        assert fmt_bytes(eng["device_bytes"]) in row and fmt_bytes(eng["host_peak_bytes"]) in row
         assert f"{eng['bytes_per_param']:.2f}" in row
         assert ("yes" if eng["fits"] else "NO") in row
         assert f"{mode}: {eng['title']}" in out  # its itemised table
-    assert [data["engines"][m]["fits"] for m in ("device", "offload", "zenflow")] == [
-        False, True, True,
+        assert fmt_bytes(eng["host_bytes"]) in out  # its steady host total
+    fits = {m: data["engines"][m]["fits"] for m in data["engines"]}
+    assert [fits[m] for m in ("device", "offload", "zenflow", "zenflow (compact)")] == [
+        False, True, True, True,
     ]  # fmt: skip
+    # the predicted step: one row per engine, in the table after the summary
+    timed = out[out.index("Predicted step") :]
+    for row, pred in data["step_time"]["engines"].items():
+        assert pred["bound"] in timed and row in timed
     summary = cli("estimate", "llama-13b", "--device-mem", "80GiB", "--summary")
     assert summary.exit_code == 0 and "Will it fit?" in summary.stdout
     assert "formula" not in summary.stdout  # no itemised tables
@@ -122,6 +163,10 @@ def test_without_cuda_the_device_is_the_cpu(cli):
         (["gpt2", "--topk-ratio", "0"], ["--topk-ratio", "(0, 1]"]),
         (["gpt2", "--head", "vision"], ["--head", "'vision'", "causal-lm"]),
         (["gpt2", "--config", "missing.json"], ["missing.json", "zfctl init"]),
+        (["gpt2", "--gpu", "tpu-v5"], ["--gpu", "'tpu-v5'", "h100-sxm", "rtx4090"]),
+        (["gpt2", "--mfu", "2"], ["--mfu", "(0, 1]"]),
+        (["gpt2", "--host-bw", "0"], ["--host-bw", "GB/s", "tune-hw"]),
+        (["gpt2", "--host-state", "tiny"], ["--host-state", "'tiny'", "exact or compact"]),
     ],
 )
 def test_bad_input_exits_2(cli, args, fragments):
@@ -171,10 +216,43 @@ def test_finetune_force_skips_the_check(cli, tmp_path, tiny_gpt2_dir, glue_dir):
     assert summary["steps"] == 2 and summary["status"] == "finished"
 
 
+def test_finetune_refuses_a_run_whose_whole_run_host_peak_does_not_fit(
+    cli, tmp_path, tiny_gpt2_dir, glue_dir
+):
+    """Issue 27: the host is checked at the whole run's peak (here --host-mem, tiny), before
+    the model loads (no run folder made), exit 2, and the message names the levers it tried:
+    the compact host state, the offload engine. (Which fix fits where, by hand:
+    tests/hardware/test_estimate.py.)"""
+    root = tmp_path / "runs"
+    r = cli("finetune", tiny_gpt2_dir, "--task", "sst2", "--data-dir", glue_dir,
+            "--runs-root", root, "--device", "sim", "--device-mem", "1GiB",
+            "--host-mem", "1MiB", *SHORT)  # fmt: skip
+    assert_user_error(r, "will not fit", "zfctl.host_state exact", "on the host over the whole",
+                      "--host-mem)", "short by", 'zfctl.host_state "compact"',
+                      "--engine offload", "--force")  # fmt: skip
+    assert not root.exists()  # refused before anything was made
+    # just under the whole-run peak (the steady state would fit): the fix that fits, named
+    from zenflow.config import load_config
+    from zenflow.hardware.preflight import preflight
+    from zfctl.init_cmd import template_path
+
+    cfg = load_config(template_path("zenflow"))  # what finetune runs without --config
+    est = preflight(str(tiny_gpt2_dir), mode="zenflow", config=cfg, seq_len=16, micro_batch=4,
+                    device_mem="1GiB", host_mem="1TiB", device_kind="sim")  # fmt: skip
+    zf, off = est.engines["zenflow"], est.engines["offload"]
+    host = zf.host_peak_bytes - 1
+    assert zf.host_bytes + zf.runtime_bytes < host and off.host_peak_bytes <= host
+    r = cli("finetune", tiny_gpt2_dir, "--task", "sst2", "--data-dir", glue_dir,
+            "--runs-root", root, "--device", "sim", "--device-mem", "1GiB",
+            "--host-mem", str(host), *SHORT)  # fmt: skip
+    assert_user_error(r, "will not fit", "short by 1 B", "Fix:", "--engine offload")
+    assert not root.exists()
+
+
 def test_a_causal_lm_preflight_counts_the_lm_heads_logits(cli, tmp_path, tiny_gpt2_dir):
     """--objective causal-lm checks the fit with the LM head's fp32 logits and their
     gradient (b*s*vocab*8 bytes): a device that holds the classifier run refuses the LM."""
-    from zenflow.hardware.estimate import preflight
+    from zenflow.hardware.preflight import preflight
 
     def need(head: str) -> int:
         est = preflight(str(tiny_gpt2_dir), mode="zenflow", micro_batch=4, seq_len=16,

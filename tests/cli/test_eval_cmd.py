@@ -118,3 +118,102 @@ def test_bad_targets_and_flags(cli, tmp_path, table_run):
                       "not one of the classes")  # fmt: skip
     assert_user_error(cli("eval", table_run / "run", "--data", bad, "--task", "sst2"),
                       "pass one of them")  # fmt: skip
+
+
+# ----------------------------------------------------------------- issue 31
+
+
+def test_predictions_never_write_over_an_input_or_a_runs_files(cli, table_run, tmp_path):
+    """Old: --predictions overwrote the --data file it read and the run's metrics.jsonl,
+    exit 0. Now an input or a run's file is refused even with --force, any other existing
+    file needs --force, and each refused file keeps its bytes."""
+    data = tmp_path / "more.jsonl"
+    data.write_text('{"body": "a joy", "verdict": "pos"}\n{"body": "so dull", "verdict": "neg"}\n')
+    metrics = table_run / "run" / runs.METRICS_FILE
+    kept = {p: p.read_bytes() for p in (data, metrics)}
+    run = table_run / "run"
+    for force in ((), ("--force",)):
+        r = cli("eval", run, "--data", data, "--predictions", data, *force)
+        assert_user_error(r, f"--predictions {data} is {data}, which this command reads",
+                          "--force does not change that")  # fmt: skip
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(data)  # the same file by another name
+    assert_user_error(cli("eval", run, "--data", data, "--predictions", link, "--force"),
+                      "which this command reads")  # fmt: skip
+    assert_user_error(cli("eval", run, "--predictions", metrics, "--force"),
+                      f"is inside the run {run.resolve()} (metrics.jsonl")  # fmt: skip
+    model_file = run / runs.MODEL_DIR / "config.json"
+    assert_user_error(cli("eval", run / runs.MODEL_DIR, "--data", data, "--predictions",
+                          model_file, "--force"), "(model, which zfctl keeps")  # fmt: skip
+    assert {p: p.read_bytes() for p in kept} == kept
+    out = tmp_path / "pred.jsonl"
+    out.write_text("an older file\n")
+    assert_user_error(cli("eval", run, "--data", data, "--predictions", out),
+                      f"--predictions {out} already exists; pass --force")  # fmt: skip
+    assert out.read_text() == "an older file\n"
+    r = cli("eval", run, "--data", data, "--predictions", out, "--force", "--json")
+    assert r.exit_code == 0, r.output
+    assert [json.loads(line)["label_name"] for line in out.read_text().splitlines()] == [
+        "pos", "neg"]  # fmt: skip
+
+
+def test_a_folder_without_tokenizer_files_is_scored_with_finetunes_tokenizer(cli, table_run,
+                                                                            tmp_path):  # fmt: skip
+    """Old: transformers 5 gave a one-token tokenizer that encoded every row to [], so every
+    row had the same logits and an accuracy was printed. Now the folder takes the tokenizer
+    finetune takes (the packaged GPT-2 BPE for a GPT-2 folder) and says so: the same logits
+    as the run's own folder, which holds the tokenizer files."""
+    import shutil
+
+    model = table_run / "run" / runs.MODEL_DIR
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(model / name, bare / name)
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"body": t, "verdict": v}) + "\n" for t, v in (
+        ("a fine, moving film", "pos"), ("dull and far too long", "neg"),
+        ("a joy to watch", "pos"), ("nothing works here", "neg"))))  # fmt: skip
+    logits = {}
+    for name, folder in (("own", model), ("bare", bare)):
+        out = tmp_path / f"{name}.jsonl"
+        r = cli("eval", folder, "--data", data, "--text-field", "body", "--label-field",
+                "verdict", "--seq-len", "16", "--predictions", out)  # fmt: skip
+        assert r.exit_code == 0, r.output
+        logits[name] = [json.loads(line)["logits"] for line in out.read_text().splitlines()]
+    assert len({tuple(lg) for lg in logits["bare"]}) == 4  # each row scored on its own text
+    assert logits["bare"] == logits["own"]
+    assert "note: tokenizer: packaged GPT-2 tokenizer files" in r.output
+    assert f"(no tokenizer files in {bare})" in " ".join(r.output.split())
+
+
+def test_a_runs_own_rows_need_its_data_files_unchanged(cli, table_run):
+    """Old: after the training file changed, eval of the run scored its seeded split of the
+    new file (other rows, or rows the model trained on) as the run's own, exit 0."""
+    data = table_run / "reviews.jsonl"
+    original = data.read_bytes()
+    try:
+        data.write_bytes(original + b'{"body": "one more", "verdict": "pos"}\n')
+        assert_user_error(cli("eval", table_run / "run"), f"{data}, the run's --data (training) "
+                          "file, changed since the run", "zfctl eval")  # fmt: skip
+        data.unlink()
+        assert_user_error(cli("eval", table_run / "run"), "is not there any more")
+    finally:
+        data.write_bytes(original)
+    assert cli("eval", table_run / "run", "--json").exit_code == 0
+
+
+def test_eval_of_a_diverged_run_says_it_diverged(cli, table_run, tmp_path):
+    """Old: "holds no saved model yet ... the run has not finished. Resume it to the end"."""
+    run = tmp_path / "diverged"
+    (run / runs.CHECKPOINT_DIR).mkdir(parents=True)
+    (run / runs.CONFIG_FILE).write_bytes((table_run / "run" / runs.CONFIG_FILE).read_bytes())
+    ckpt = run / runs.CHECKPOINT_DIR / "step-0000006.pt"
+    ckpt.write_bytes(b"")
+    (run / runs.SUMMARY_FILE).write_text(json.dumps({
+        "status": "diverged", "last_good_step": 6,
+        "divergence": {"step": 9, "reason": "non-finite loss for 3 steps"}}))  # fmt: skip
+    r = cli("eval", run)
+    said = f"{run} diverged at step 9 (non-finite loss for 3 steps; last good step 6)"
+    assert_user_error(r, said, f"last good checkpoint is {ckpt}", f"--resume {run} --lr")
+    assert "not finished" not in r.output

@@ -324,3 +324,61 @@ def test_zenflow_settings_longer_than_the_run_are_said():
     assert "full_warm_up_rounds 50 covers all 40 steps" in notes[1]
     assert "select_interval 100 steps is longer than the run's 40" in notes[2]
     assert run_length_notes(ZenFlowConfig(update_interval=4), 40) == []
+
+
+# ----------------------------------------------------------------- issue 31: data and models
+
+
+def test_data_paths_that_are_not_files_say_what_they_are(cli, tmp_path, tiny_gpt2_dir):
+    """Old: a symlink loop was "internal error (a bug in zfctl): RuntimeError: Symlink loop"
+    (exit 1); /dev/null and a folder without a suffix were an "unknown table format"."""
+    loop = tmp_path / "loop.jsonl"
+    loop.symlink_to(tmp_path / "back.jsonl")
+    (tmp_path / "back.jsonl").symlink_to(loop)
+    folder = tmp_path / "mydata"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text('{"text": "a", "label": 1}\n')
+    runs_root = tmp_path / "runs"
+    for data, said in ((loop, f"{loop} is a symbolic link loop"),
+                       ("/dev/null", "/dev/null is a character device, not a data file"),
+                       (folder, f"{folder} is a directory, not a data file; it holds "
+                        "train.jsonl")):  # fmt: skip
+        for objective in ("classification", "causal-lm"):
+            r = cli("finetune", tiny_gpt2_dir, "--data", data, "--objective", objective,
+                    "--runs-root", runs_root, "--device", "cpu", *SHORT)  # fmt: skip
+            assert_clean_user_error(r, said)
+            assert "unknown" not in r.output
+    assert not runs_root.exists() or not any(runs_root.iterdir())
+
+
+@pytest.fixture
+def eval_rows(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"text": "a joy", "label": 1}\n{"text": "so dull", "label": 0}\n')
+    return path
+
+
+def test_eval_of_a_truncated_model_file(cli, tmp_path, tiny_gpt2_dir, eval_rows):
+    """Old: internal error (a bug in zfctl): SafetensorError, exit 1."""
+    import shutil
+
+    cut = shutil.copytree(tiny_gpt2_dir, tmp_path / "cut")
+    data = (cut / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(data[: len(data) // 2])
+    r = cli("eval", cut, "--data", eval_rows, "--seq-len", "16")
+    assert_clean_user_error(r, f"Could not load the weights in {cut}", "save the model again")
+
+
+def test_eval_of_a_corrupt_tokenizer(cli, tmp_path, tiny_gpt2_dir, eval_rows):
+    """Old: internal error (a bug in zfctl): JSONDecodeError, exit 1 (finetune replaced the
+    tokenizer with the packaged GPT-2 one without a word)."""
+    import shutil
+
+    broken = shutil.copytree(tiny_gpt2_dir, tmp_path / "broken")
+    text = (broken / "tokenizer.json").read_text()
+    (broken / "tokenizer.json").write_text(text[: len(text) // 2])
+    for args in (("eval", broken, "--data", eval_rows, "--seq-len", "16"),
+                 ("finetune", broken, "--data", eval_rows, "--runs-root", tmp_path / "runs",
+                  "--device", "cpu", *SHORT)):  # fmt: skip
+        assert_clean_user_error(cli(*args), f"The tokenizer file {broken / 'tokenizer.json'} "
+                                "is not valid JSON")  # fmt: skip

@@ -213,7 +213,8 @@ def test_a_fifo_output_is_written_into(cli, tmp_path):
         reader = threading.Thread(target=read, daemon=True)
         reader.start()
         r = cli("init", "--output", fifo, *force)
-        reader.join(timeout=30)
+        reader.join(timeout=300)  # a guard only: a reader still waiting this long hung
+        assert not reader.is_alive(), "the FIFO's reader hung: nothing was written into it"
         assert r.exit_code == 0, r.output
         assert json.loads(got.pop())["zero_optimization"]["stage"] == 2
         assert stat.S_ISFIFO(os.lstat(fifo).st_mode)

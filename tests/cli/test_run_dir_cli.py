@@ -112,3 +112,69 @@ def test_config_without_zenflow_block_is_announced(cli, args, tmp_path):
     r = cli(*args, "--max-steps", "1", "--config", offload, "--engine", "offload",
             "--runs-root", tmp_path / "runs")  # fmt: skip
     assert r.exit_code == 0 and "no zenflow block" not in r.stdout
+
+
+def test_resume_auto_never_takes_a_data_run_named_like_the_task(cli, args, tmp_path):
+    """Issue 31 item 10: a --data run the user had named sst2 was found by --task sst2
+    --resume auto, which said "already finished" and exited 0 without training."""
+    root = tmp_path / "runs"
+    table = tmp_path / "mine.csv"
+    table.write_text("text,label\n" + "".join(f"good {i},1\nbad {i},0\n" for i in range(12)))
+    data_run = [*args[:2], "--data", table, "--task", "sst2", *SHORT, "--runs-root", root]
+    assert cli(*data_run, "--max-steps", "1").exit_code == 0
+    r = cli(*args, "--max-steps", "1", "--runs-root", root, "--resume", "auto")
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.stdout.split())
+    assert "already finished" not in text
+    assert f"note: no earlier run of {args[1]} on sst2 under {root} to resume" in text
+    assert len(runs.list_runs(root)) == 2  # a new run beside the --data one
+    # The --data run itself is found by its file, with its name or without (--task).
+    for named in (["--task", "sst2"], []):
+        r = cli(*args[:2], "--data", table, *named, *SHORT, "--runs-root", root, "--resume",
+                "auto")  # fmt: skip
+        assert r.exit_code == 0, r.output
+        assert "already finished (1 steps)" in " ".join(r.stdout.split())
+
+
+READ_ONLY_DRIVER = """
+import json, os, subprocess, sys
+mnt, out, args = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+run_dir = os.path.join(mnt, "r1")
+
+def zfctl(*a):
+    r = subprocess.run([sys.executable, "-m", "zfctl", *a], capture_output=True, text=True)
+    return {"rc": r.returncode, "out": r.stdout, "err": r.stderr}
+
+res = {"first": zfctl(*args, "--run-dir", run_dir)}
+subprocess.run(["mount", "-o", "remount,ro", mnt], check=True)
+res["finished"] = zfctl(*args, "--resume", run_dir)
+res["longer"] = zfctl(*args[:-2], "--max-steps", "3", "--resume", run_dir)
+json.dump(res, open(os.path.join(out, "result.json"), "w"))
+"""
+
+
+def test_resume_of_a_finished_run_on_a_read_only_file_system(args, tmp_path):
+    """Issue 31: the resume failed on creating the lock file instead of saying the run had
+    finished. A resume with work left still exits 2 naming the read-only file system."""
+    from fshelp import run_on_tmpfs
+
+    script = tmp_path / "driver.py"
+    script.write_text(READ_ONLY_DRIVER)
+    out = tmp_path / "out"
+    out.mkdir()
+    mnt = tmp_path / "mnt"
+    run_args = [*args, "--engine", "device", "--max-steps", "2"]
+    r = run_on_tmpfs(mnt, "size=128m", script, str(out), json.dumps([str(a) for a in run_args]))
+    assert r.returncode == 0, r.stderr
+    res = json.loads((out / "result.json").read_text())
+    assert res["first"]["rc"] == 0, res["first"]["err"]
+    done = res["finished"]
+    assert done["rc"] == 0, done["err"]
+    assert f"run {mnt / 'r1'} already finished (2 steps); nothing to do." in " ".join(
+        done["out"].split()
+    )
+    longer = res["longer"]
+    assert longer["rc"] == 2 and "Traceback" not in longer["err"], longer["err"]
+    err = " ".join(longer["err"].split())
+    assert f"cannot create the run lock {mnt / 'r1' / runs.LOCK_FILE}" in err
+    assert "Read-only file system" in err

@@ -101,6 +101,17 @@ def test_quick_writes_hw_json(quick_run):
     if probes["accelerator"]["kind"] == "cpu":
         assert any("device is the CPU" in note for note in data["notes"])
     assert data["memory_check"]["ok"] is True
+    # the host state: exact fits this machine for a 38M model (its whole-run peak, checked)
+    assert data["zfctl_choices"] == {"host_state": "exact"}
+    need = data["memory_check"]["needed"]
+    assert need["compact"] <= need["exact"] <= data["memory_check"]["available"]
+    assert data["reasons"]["host_state"].startswith("exact:")
+    # the predicted step of each engine, from this host's measured memory bandwidth
+    st = data["step_time"]
+    assert st["host_bw_source"] == "measured"
+    assert st["host_bw_gbs"] == pytest.approx(probes["memory"]["copy_gbs"])
+    assert set(st["engines"]) == {"device", "offload", "zenflow", "zenflow (compact)"}
+    assert st["break_even_tokens"]["compact"] <= st["break_even_tokens"]["exact"]
     check_topk(data)
     # The engine cross-check ran both ways, or a note says why not.
     engine = probes["engine"]
@@ -115,6 +126,7 @@ def test_quick_prints_table_and_note(quick_run):
     for key in ("topk_ratio", "update_interval", "overlap_step", "pt_reserved_cores_perc"):
         assert key in text
     assert "host memory OK" in text
+    assert "zfctl.host_state" in text and "Predicted step" in text and "Break-even" in text
     assert f"wrote {out}" in text.replace("\n", "")
     data = json.loads(out.read_text())
     if data["probes"]["accelerator"]["kind"] == "cpu":
@@ -183,6 +195,7 @@ def test_config_write_updates_zenflow_block(tmp_path):
     assert shown.exit_code == 0, shown.output
     assert json.loads(cfg.read_text()) == original  # a diff only, without --write
     assert "zero_optimization.zenflow.update_interval: 99 ->" in shown.stdout
+    assert 'zfctl.host_state: "<unset>" -> "exact"' in shown.stdout  # this host holds it
     assert "add --write" in shown.stdout
 
     written = invoke("--quick", *TOY, "--output", str(out), "--config", str(cfg), "--write")
@@ -196,8 +209,12 @@ def test_config_write_updates_zenflow_block(tmp_path):
         **original["zero_optimization"]["zenflow"],
         **choices,
     }
+    # the host state chosen goes to the zfctl block, beside its other keys
+    assert hw["zfctl_choices"] == {"host_state": "exact"}
+    assert after["zfctl"] == {**original["zfctl"], "host_state": "exact"}
+    assert load_config(cfg).engine.host_state == "exact"
     for key in original:  # every other key kept as it was
-        if key != "zero_optimization":
+        if key not in ("zero_optimization", "zfctl"):
             assert after[key] == original[key]
     assert after["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
     zf = load_config(cfg).zenflow

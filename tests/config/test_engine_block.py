@@ -27,6 +27,8 @@ def test_values_read_and_written_back():
         "copy_buckets": "auto",
         "window_lr": "last",
         "select_schedule": "fixed",
+        "host_state": "exact",
+        "lora": {"rank": 8, "alpha": 8.0, "dropout": 0.0},
     }
 
 

@@ -1,6 +1,7 @@
 """The CUDA accelerator's own contract (zenflow/engine/accelerator/cuda.py CudaAccelerator),
 checked where a missing wait would show: copies ordered against long-running kernels,
-device blocks reused while a copy still reads them, pinned buffers really page-locked.
+device blocks reused while a copy still reads them, pinned buffers really page-locked and
+locked at the size asked.
 
 ``torch.cuda._sleep(cycles)`` keeps a stream busy without touching memory: a copy issued
 behind it that did not wait for its event would read or be read too early.
@@ -44,6 +45,39 @@ def test_pinned_host_buffers_and_counted_copies(accel):
     accel.copy_d2h(back, d).synchronize()
     assert torch.equal(back, h)
     assert accel.traffic.h2d_bytes == accel.traffic.d2h_bytes == 4 * N
+
+
+def test_pinned_memory_is_what_was_asked(accel):
+    """Issue 27: a pinned buffer is pageable memory registered with the driver: what is
+    locked is what was asked (to the page), not torch's power-of-two caching block; it is
+    really pinned (an asynchronous copy from a view of it), and it is unlocked (and
+    uncounted) once its last view is gone; reads go through the one reused read buffer."""
+    import gc
+
+    asked = 3 * N + 5  # far from a power of two: the caching allocator would lock 16 MiB
+    before = accel.pinned_bytes()
+    h = accel.host_empty((asked,), torch.float32, pin=True, tag="link")
+    page = 4096
+    assert accel.pinned_bytes() - before == -(-4 * asked // page) * page
+    assert accel.caching_pinned_bytes() == 0
+    view = h[N:]
+    assert view.is_pinned()
+    view.copy_(torch.arange(view.numel(), dtype=torch.float32))
+    d = accel.empty(view.shape, torch.float32, "staging")
+    accel.compute_wait(accel.copy_h2d(d, view))
+    assert torch.equal(d.cpu(), view)
+    del h
+    gc.collect()
+    assert accel.pinned_bytes() - before > 0  # the view keeps the pages locked
+    del view
+    gc.collect()
+    assert accel.pinned_bytes() == before
+    x = torch.arange(5 * N, device=accel.device, dtype=torch.float32)
+    accel.read_buffer_bytes = 4 * N  # smaller than x: the read goes in several fills
+    assert torch.equal(accel.to_host(x), x.cpu())
+    assert accel.pinned_held()["read_buffer"] >= 4 * N
+    assert torch.equal(accel.to_host(x[:7]), x[:7].cpu())  # the same buffer, reused
+    assert accel.pinned_held()["read_buffer"] < 2 * 4 * N
 
 
 def test_device_to_host_copy_waits_for_the_compute_stream(accel):

@@ -1,5 +1,5 @@
 """With overlap, the window-end step's backward brings the previous host step's result back
-(``ZenFlowMode._apply_in_backward``): the same values at the same point of the schedule as
+(``ImageReturn.apply_in_backward``): the same values at the same point of the schedule as
 the end-of-step apply, with the host->device copies moved under backward."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def _run(kind: str, accelerator: str, in_backward: bool, clip: float = 0.0, gas:
     engine = ZenFlowEngine(model, make_config(ZF, clip=clip, **extra), min_numel=1000,
                            host_kernel="reference", **engine_kw(accelerator))  # fmt: skip
     if not in_backward:
-        engine.impl.image_return.h2d = None  # every host result goes back at the end of its step
+        engine.impl.image_return.in_backward = False  # every result goes back at its step's end
     if gas == 1:
         stats = train_engine(engine, model, batches)
     else:  # MLP batches of 8, as two micro-batches of 4

@@ -60,9 +60,10 @@ def test_weights_become_bf16_and_the_master_keeps_fp32(accelerator):
     cfg = make_config({"topk_ratio": 0.1, "update_interval": 2}, bf16=BF16)
     with ZenFlowEngine(model, cfg, min_numel=1000, **engine_kw(accelerator)) as e:
         assert all(p.dtype == torch.bfloat16 for p in model.parameters())
-        for w in e.zweights:  # the master is the fp32 model, not its bf16 rounding
-            assert w.host.master.dtype == torch.float32
-            assert torch.equal(w.host.master, init[w.spec.name])
+        for w in e.zweights:  # the master is the fp32 model, not its bf16 rounding (held
+            # until the first selection makes the host state of the non-selected columns)
+            assert w.init_master.dtype == torch.float32
+            assert torch.equal(w.init_master, init[w.spec.name])
         stats = train_engine(e, model, mlp_batches(4))
         assert all(p.grad is None for p in model.parameters())
     assert seen["dtype"] == torch.bfloat16

@@ -66,6 +66,21 @@ def test_equals_adamw(kind, kernel, zf, accelerator):
 
 
 @pytest.mark.parametrize("accelerator", ACCELERATORS)
+def test_topk1_with_the_compact_host_state_equals_adamw(accelerator):
+    """zfctl.host_state "compact" changes only the host's state of the non-selected
+    columns: with every column selected there is none, and the run is AdamW (the compact
+    arithmetic itself is checked against the reference schedule's)."""
+    model, batches = _models("mlp")
+    ref = copy.deepcopy(model)
+    cfg = make_config({"topk_ratio": 1.0, "update_interval": 3}, zfctl={"host_state": "compact"})
+    with ZenFlowEngine(model, cfg, host_kernel="reference", **engine_kw(accelerator)) as e:
+        assert e.resolved["host_state"] == "compact"
+        train_engine(e, model, batches)
+    train_adamw(ref, batches, threads=e.training_threads)
+    assert_params_close(model, ref, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("accelerator", ACCELERATORS)
 @pytest.mark.parametrize("kind", ["mlp", "gpt2"])
 @pytest.mark.parametrize("topk", [0.1, 0.5])
 def test_one_step_windows_without_overlap_equal_adamw(kind, topk, accelerator):

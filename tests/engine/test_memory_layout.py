@@ -15,6 +15,7 @@ import torch
 from conftest import BETAS, EPS, LR, WD, make_config
 
 from zenflow import ZenFlowEngine
+from zenflow.engine.zenflow.host_layout import host_columns
 
 
 def gpt2_small_shape(seed=0, tie=True):
@@ -60,13 +61,16 @@ def test_bf16_zenflow_streams_its_gradients():
     # selected columns' fp32 master slice + moments (12 bytes x ~0.1) + the always-important
     # params' fp32 state + int64 counts per selected column
     assert 1.15 < held["optimizer"] / params < 1.4, held
-    assert held["staging"] <= 2 * 2 * params / 64, held  # two buckets of <= 1/64, in bf16
+    # two copy buckets of <= 1/64, in bf16, and two fp32 buckets the host's fp32 master
+    # comes back through (the device casts as it scatters)
+    assert held["staging"] <= (2 * 2 + 2 * 4) * params / 64, held
     assert st.device_peak_bytes == sum(peak.values())
     # 2 + 1.25 + 1.16 + 0.06 here (the tied embedding in flight); the whole-gradient layout
     # held 5.3 between steps and more during them
     assert st.device_peak_bytes / params < 4.6
-    # pinned: only what crosses the link (image + staging of the non-selected columns)
-    assert 0 < pinned / params <= 4.0 and st.pinned_host_bytes == pinned
+    # pinned: what the device reads or writes directly: the compact fp32 master of the
+    # non-selected columns (4 x ~0.9), the staging ring and the read buffer (a few buckets)
+    assert 0 < pinned / params <= 4.5 and st.pinned_host_bytes == pinned
 
 
 def test_whole_gradients_without_streaming():
@@ -126,8 +130,9 @@ def test_counts_cross_the_hand_over_with_the_moments(accelerator):
             e.step(1.0)
         assert w.sel_host.tolist() == [5]  # column 5 came to the device
         # it carries the host's 3 windows, column 0 carried its 12 device steps to the host
+        # (the host holds the non-selected columns only: read by column id)
         assert w.steps_dev.counts.tolist() == [3]
-        assert w.host.steps.counts[0].item() == 12 and w.host.steps.counts[1].item() == 3
+        assert host_columns(w, "counts", [0, 1]).tolist() == [12, 3]
         before = model.w.detach()[:, 5].clone()
         m, v = w.exp_avg_dev[:, 0].clone(), w.exp_avg_sq_dev[:, 0].clone()
         g = _grad(13)
@@ -141,15 +146,17 @@ def test_counts_cross_the_hand_over_with_the_moments(accelerator):
         step_right = (expected - before.double()).abs().max()
         assert (wrong - expected).abs().max() > 0.1 * step_right
         # column 0 on the host: its next host step (window 13..16) uses its own count 13
-        master0 = w.host.master[:, 0].clone()
-        hm, hv = w.host.exp_avg[:, 0].clone(), w.host.exp_avg_sq[:, 0].clone()
+        master0 = host_columns(w, "master", [0])[:, 0].clone()
+        hm = host_columns(w, "exp_avg", [0])[:, 0].clone()
+        hv = host_columns(w, "exp_avg_sq", [0])[:, 0].clone()
         gsum = g[:, 0].clone()
         for t in range(14, 17):
             model.w.grad = _grad(t)
             gsum += _grad(t)[:, 0]
             e.step(1.0)
         expected0 = _adamw_column(master0, hm, hv, gsum / 4, count=13)
-        torch.testing.assert_close(w.host.master[:, 0].double(), expected0, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(host_columns(w, "master", [0])[:, 0].double(), expected0,
+                                   rtol=1e-6, atol=1e-7)  # fmt: skip
         torch.testing.assert_close(model.w.detach()[:, 0].double(), expected0, rtol=1e-6,
                                    atol=1e-7)  # fmt: skip
 

@@ -3,6 +3,7 @@ on the CPU device and on the simulated separate device (strict), also across the
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -29,6 +30,8 @@ SCRIPT = textwrap.dedent(
         zfctl["window_lr"] = "sum"
     if "doubling" in flags:
         zfctl["select_schedule"] = "doubling"
+    if "compact" in flags:
+        zfctl["host_state"] = "compact"
     torch.manual_seed(0)
     model = MLP()
     batches = mlp_batches(2 * n)
@@ -99,9 +102,14 @@ DOUBLING = {"topk_ratio": 0.1, "update_interval": 2, "select_interval": 100, "ov
         # zfctl.select_schedule "doubling" (S = 2: selections at 1, 4, 8, 16): saved after
         # two, the next is due 4 steps after step 4; a lost count would re-select at step 6
         (DOUBLING, "sim", "sim", "fp32-doubling"),
+        # zfctl.host_state "compact": 8-bit moments and a bf16 window sum, saved as they are
+        (FIXED, "sim", "sim", "fp32-compact"),
+        (FIXED, "sim", "sim", "bf16-compact"),
+        (AUTO, "cpu", "cpu", "fp32-compact"),
     ],
     ids=["sim-overlap", "sim-overlap-bf16", "cpu-overlap", "cpu-auto-warmup",
-         "sim-auto-warmup", "sim-to-cpu", "sim-window-lr-sum", "sim-doubling"],
+         "sim-auto-warmup", "sim-to-cpu", "sim-window-lr-sum", "sim-doubling",
+         "sim-compact", "sim-compact-bf16", "cpu-auto-warmup-compact"],
 )  # fmt: skip
 def test_resume_in_fresh_process(tmp_path, zf, first, second, dtype):
     n = 7
@@ -117,3 +125,85 @@ def test_resume_in_fresh_process(tmp_path, zf, first, second, dtype):
     _assert_equal_tree(resumed, straight)
     # the second half really trained
     assert any(not torch.equal(mid["model"][k], resumed["model"][k]) for k in mid["model"])
+
+
+# ---------------------------------------------------------------------------- in-process
+
+
+def _engine(accel: str = "sim", state: str = "exact", n: int = 7):
+    from conftest import MLP, make_config
+
+    from zenflow import ZenFlowEngine
+
+    torch.manual_seed(0)
+    model = MLP()
+    cfg = make_config(FIXED, clip=1.0, zfctl={"host_state": state})
+    return model, ZenFlowEngine(model, cfg, host_kernel="reference", accelerator=accel,
+                                sim_strict=True, min_numel=1000)  # fmt: skip
+
+
+def _format4(sd: dict, engine) -> dict:
+    """``sd`` (format 5) as format 4 wrote it: every host array full shape, the window sum
+    full shape with the selected columns zero. The selected columns' host values (never
+    read) are NaN and their counts -1 here, so a loader that read them would show it."""
+    out = copy.deepcopy(sd)
+    out["format"] = "zenflow-engine/4"
+    z = out["zenflow"]
+    del z["host_state"]
+    for w in engine.zweights:
+        h = z["weights"][w.spec.name]["host"]
+        cd, ns, shape = w.cd, h.pop("nonsel"), w.spec.param.shape
+        assert h.pop("layout") == "compact"
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            full = torch.full(shape, float("nan"))
+            full.index_copy_(cd, ns, h[key].view(w.compact_shape()))
+            h[key] = full
+        steps = torch.full((w.n_cols,), -1, dtype=torch.int64)
+        steps[ns] = h["steps"]
+        h["steps"] = steps
+        acc = torch.zeros(shape)
+        if h["grad_accum_sum"] is not None:
+            acc.index_copy_(cd, ns, h["grad_accum_sum"].view(w.compact_shape()))
+        h["grad_accum_sum"] = acc
+    return out
+
+
+def test_a_format4_checkpoint_resumes_exactly():
+    """A checkpoint of format 4 (full-shape host state) loads into the compact layout and
+    continues bit for bit like the straight run."""
+    from conftest import mlp_batches, train_engine
+
+    n = 7
+    batches = mlp_batches(2 * n)
+    model, e = _engine()
+    with e:
+        train_engine(e, model, batches[:n])
+        assert e.impl.inflight is not None and e.impl.window_len > 0  # mid-window, in flight
+        old = _format4(e.state_dict(), e)
+        weights = copy.deepcopy(model.state_dict())
+        train_engine(e, model, batches[n:])
+        straight = copy.deepcopy(model.state_dict())
+    model, e = _engine()
+    with e:
+        model.load_state_dict(weights)
+        e.load_state_dict(old)
+        train_engine(e, model, batches[n:])
+    _assert_equal_tree(model.state_dict(), straight)
+
+
+@pytest.mark.parametrize("saved,loading", [("exact", "compact"), ("compact", "exact")])
+def test_a_checkpoint_resumes_only_with_its_host_state(saved, loading):
+    from conftest import mlp_batches, train_engine
+
+    from zenflow.errors import EngineError
+
+    model, e = _engine(state=saved)
+    with e:
+        train_engine(e, model, mlp_batches(3))
+        sd = e.state_dict()
+    model, e = _engine(state=loading)
+    with e, pytest.raises(EngineError) as err:
+        e.load_state_dict(sd)
+    msg = str(err.value)
+    assert f"zfctl.host_state {saved!r}" in msg and repr(loading) in msg
+    assert f"resume with zfctl.host_state {saved!r}" in msg and "start a new run" in msg

@@ -190,10 +190,12 @@ class ImagesBehind(SimAccelerator):
     def __init__(self, behind_s: float, **kw) -> None:
         super().__init__(strict=True, **kw)
         self.behind_s = behind_s
-        self.images: set[int] = set()  # storages of the weights' images
+        # the storages a host step's result goes back from (the weights' compact masters),
+        # looked up at each copy: the host state is made at the first selection
+        self.images = lambda: set()
 
     def copy_h2d(self, dst, src, after=None):
-        if after is not None or src.untyped_storage().data_ptr() not in self.images:
+        if after is not None or src.untyped_storage().data_ptr() not in self.images():
             return super().copy_h2d(dst, src, after)
         dst.copy_(src)
         late = _Deadline(time.perf_counter() + self.behind_s)
@@ -231,7 +233,8 @@ def _race_run(accel, bf16: bool, steps: int = 5):
     extra = {"bf16": {"enabled": True}} if bf16 else {}
     model, engine = _mlp_engine(accel, ZF_RACE, **extra)
     if isinstance(accel, ImagesBehind):
-        accel.images = {w.image.untyped_storage().data_ptr() for w in engine.zweights}
+        accel.images = lambda: {w.host.master.untyped_storage().data_ptr()
+                                for w in engine.zweights if w.host is not None}  # fmt: skip
     with engine:
         train_engine(engine, model, mlp_batches(steps))
     return model

@@ -1,6 +1,7 @@
-"""Counted traffic: ZenFlow ~ (S+1)(1-k)/S of the model per step on a separate device (sim),
-less on a CPU device (no copy of the gradient); offload ~2x; device 0. Bytes are counted at
-each copy, at the dtype that crosses (bf16 halves them)."""
+"""Counted traffic: ZenFlow ~ (S+1)(1-k)/S of the model per step on a separate device (sim;
+a bf16 model's result comes back as fp32, so (1 + 2/S)(1-k) of its bytes), less on a CPU
+device (no copy of the gradient); offload ~2x; device 0. Bytes are counted at each copy, at
+the dtype that crosses (bf16 halves them)."""
 
 from __future__ import annotations
 
@@ -46,9 +47,12 @@ def test_zenflow_traffic_separate_device(bf16):
     assert mb == (2 if bf16 else 4) * sum(n for n in (128 * 256 + 128, 128 * 256 + 256))
     steady = stats[4:]  # after the first window (the first selection moves columns in)
     per_step = sum(s.d2h_bytes + s.h2d_bytes for s in steady) / len(steady) / mb
-    # non-selected share: 1 - ceil(0.1*256)/256 and 1 - ceil(0.1*128)/128 ~ 0.9;
-    # (S+1)/S * 0.9 = 1.125
-    assert 1.0 < per_step <= 1.15, per_step
+    # non-selected share: 1 - ceil(0.1*256)/256 and 1 - ceil(0.1*128)/128 ~ 0.9; the
+    # pieces leave in the training dtype every step, the result comes back as fp32 (read
+    # from the host's fp32 master, no image) once per window: fp32 (S+1)/S * 0.9 = 1.125,
+    # bf16 (1 + 2/S) * 0.9 = 1.35
+    lo, hi = (1.3, 1.36) if bf16 else (1.0, 1.15)
+    assert lo < per_step <= hi, per_step
     assert all(s.d2h_bytes > 0 for s in steady)
     assert [s.h2d_bytes > 0 for s in steady] == [s.window_len == 4 for s in steady]
 

@@ -1,10 +1,13 @@
-"""zenflow.hardware.estimate: the layout formulas on a model checked by hand, the meta device,
-the JSON shape, DeepSpeed's and accelerate's estimates where they overlap, and the preflight."""
+"""zenflow.hardware.estimate: the layout formulas on a model checked by hand (both
+zfctl.host_state layouts, the whole run's host phases), the meta device, the JSON shape,
+DeepSpeed's and accelerate's estimates where they overlap, and the preflight."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -12,9 +15,13 @@ import torch
 from torch import nn
 
 from zenflow.config import load_config
+from zenflow.engine.accelerator.base import READ_BUFFER_BYTES
 from zenflow.hardware import estimate as est
+from zenflow.hardware import preflight as pf
 from zenflow.hardware.census import ArchShape, EstimateError, census_of, resolve_census
-from zenflow.hardware.estimate import Budget, Settings, WillNotFitError
+from zenflow.hardware.estimate import Budget, Settings
+from zenflow.hardware.host_peak import RUNTIME_BYTES
+from zenflow.hardware.preflight import WillNotFitError
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "templates" / "zenflow.json"
 GIB = 2**30
@@ -32,8 +39,18 @@ GIB = 2**30
 # largest) = 192, at least the longest row or column (128): 192.
 # L = the largest gradient the stream routes (W1): 8192. The offload engine's buckets carry
 # flat chunks: BO = min(4Mi, P/64, largest) = 194.
+# The host keeps the non-selected columns: W1 128 x 57 = 7296, W2 32 x 115 = 3680 (N), 172
+# columns (a step count each, 8 bytes: 1376), and a step's pieces until its clipping (a
+# store of N in the link's dtype). The link: 2 device copy buckets ("auto": N / (32 B) < 2),
+# a pinned ring of max(4, 2) = 4 slots of B and the accelerator's pinned read buffer (RB).
 P, PZ, PD, S, K, N, B = 12448, 12288, 160, 1312, 20, 10976, 192
 L, BO = 8192, 194
+COUNTS = 172 * 8
+RB = READ_BUFFER_BYTES
+LINK_BF16 = 4 * B * 2 + RB  # ring (bf16) + read buffer
+STEADY = N * 16 + COUNTS + N * 2 + LINK_BF16  # exact, bf16: 200480 + RB
+# compact: two fp32 scales per 256 elements of each weight's q8 moments: 8 * (29 + 15)
+SCALES = 8 * (-(-7296 // 256)) + 8 * (-(-3680 // 256))
 # The bf16 device update widens the selected gradients to fp32 in a scratch buffer of
 # max(the largest weight's rows*k, S/64) elements: W1's 128*7 = 896.
 SCR = 896
@@ -87,12 +104,22 @@ def test_census_uses_the_conv1d_column_axis():
                 # host: 12P + 2P landing + 2P bf16 image
                 "offload": (P * 2 + L * 2 + 2 * BO * 2, P * 16),
                 # device: 2P weights + grads (dense 2Pd, in flight 2L, selected 2S, fp32
-                #   scratch 4*SCR) + S*12 + Pd*12 + 8*sum k + (2 + 2 with overlap)*B*2
-                # host: Pz*12 + N*4 window sum (one, overlap or not) + N*2 image + N*2
-                #   staging; whole gradients land in the window sum (k <= 1/2: no landing)
+                #   scratch 4*SCR) + S*12 + Pd*12 + 8*sum k + 2 bf16 copy buckets + 2 fp32
+                #   return buckets (overlap: the host's fp32 master comes back in backward)
+                # host (exact): compact fp32 master 4N, moments 8N, counts, fp32 window sum
+                #   4N (one, overlap or not), the bf16 step store 2N, ring and read buffer
                 "zenflow": (
-                    P * 2 + PD * 2 + L * 2 + S * 2 + 4 * SCR + S * 12 + PD * 12 + 8 * K + 4 * B * 2,
-                    PZ * 12 + N * 4 + N * 2 + N * 2,
+                    P * 2
+                    + PD * 2
+                    + L * 2
+                    + S * 2
+                    + 4 * SCR
+                    + S * 12
+                    + PD * 12
+                    + 8 * K
+                    + 2 * B * 2
+                    + 2 * B * 4,
+                    N * 16 + COUNTS + N * 2 + LINK_BF16,
                 ),
             },
         ),
@@ -104,7 +131,7 @@ def test_census_uses_the_conv1d_column_axis():
                 "offload": (P * 4 + L * 4 + 2 * BO * 4, P * 12 + P * 4),
                 "zenflow": (
                     P * 4 + PD * 4 + L * 4 + S * 4 + S * 8 + PD * 8 + 8 * K + 2 * B * 4,
-                    PZ * 12 + N * 4 + N * 4 + N * 4,
+                    N * 16 + COUNTS + N * 4 + 4 * B * 4 + RB,  # an fp32 step store
                 ),
             },
         ),
@@ -116,38 +143,106 @@ def test_layout_matches_the_hand_computation(settings, expected):
         assert sides(c, mode, settings) == (dev, host), mode
     # the numbers themselves, once, for the bf16 + overlap case
     if settings.bf16:
-        assert sides(c, "zenflow", settings) == (67168, 235264)
+        assert sides(c, "zenflow", settings) == (67936, 200480 + RB) == (67936, STEADY)
         assert sides(c, "offload", settings) == (42056, 199168)
 
 
-def test_whole_gradients_land_in_their_own_buffers_only_when_k_is_over_half():
-    """The first selection and warm-up put whole gradients on the host. They land in the
-    weight's window sum / link buffer (2 x N elements) when that holds the whole weight;
-    with more than half the columns selected the weight needs a landing buffer (and, bf16
-    warm-up, an image) of its own."""
+@pytest.mark.parametrize("bf16", [True, False])
+def test_the_compact_host_state_by_hand(bf16):
+    """zfctl.host_state "compact": fp32 master 4N, 8-bit moments 2N + two fp32 scales per
+    256 elements, bf16 window sum 2N; the pieces cross the link in bf16 even for an fp32
+    model (a bf16 ring). The device's bytes are the exact state's."""
     c = mlp_census()
-    # topk 0.6: W1 keeps ceil(38.4) = 39 of 64 columns (2*25 < 64: crowded), W2 77 of 128
-    # (2*51 < 128: crowded): every ZenFlow weight lands in buffers of its own
-    assert c.crowded_numel(0.6) == PZ and c.crowded_numel(0.5) == 0
-    s = Settings(bf16=True, topk_ratio=0.6, warmup=True)
+    s = Settings(bf16=bf16, host_state="compact")
+    dev, host = sides(c, "zenflow", s)
+    assert host == N * 4 + N * 2 + SCALES + COUNTS + N * 2 + N * 2 + LINK_BF16
+    exact_dev, _ = sides(c, "zenflow", Settings(bf16=bf16))
+    assert dev == exact_dev
     items = est.layout(c, "zenflow", s)
-    landing = [i for i in items if "landing" in i.what]
-    assert [i.bytes for i in landing] == [PZ * 2]
-    assert sum(i.bytes for i in items if "warm-up: bf16 image" in i.what) == PZ * 2
-    half = est.layout(c, "zenflow", Settings(bf16=True, topk_ratio=0.5, warmup=True))
-    assert not [i for i in half if "landing" in i.what or "warm-up" in i.what]
+    assert sum(i.bytes for i in items if i.pinned) == N * 4 + LINK_BF16  # master + link
+
+
+def test_the_whole_run_host_phases_by_hand():
+    """bf16, exact, overlap (steady STEADY): set-up 6P; the first selection turns the fp32
+    masters (4Pz) into the compact state weight by weight (the larger of the two plus one
+    weight's master); a re-selection re-lays the largest weight, its new master and moments
+    beside the old with one gathered field in flight ((12 + 4) x 7296); a checkpoint on cuda
+    the largest device tensor (W1 in bf16); the final save the whole bf16 model (safetensors
+    moves a shard to the host)."""
+    c = mlp_census()
+    s = Settings(bf16=True, overlap_step=True)
+    e = est.estimate(c, s, Budget(GIB, GIB, False, "d", "h")).engines["zenflow"]
+    phases = {p.name: p.bytes for p in e.phases}
+    assert phases == {
+        "set-up": 6 * P,
+        "first selection": LINK_BF16 + (STEADY - LINK_BF16) + 4 * 8192,
+        "steps": STEADY,
+        "checkpoint": STEADY + 2 * 8192,
+        "re-selection": STEADY + 16 * 7296,
+        "evaluation": STEADY,
+        "final save": STEADY + 2 * P,
+    }
+    assert e.host_bytes == STEADY
+    assert (e.host_peak_bytes, e.host_peak_phase) == (STEADY + 16 * 7296 + RUNTIME_BYTES,
+                                                      "re-selection")  # fmt: skip
+    # sim: its tensors are host memory already, saving copies nothing
+    sim = est.check(c, "zenflow", Settings(bf16=True, copies_on_save=False), Budget(GIB, GIB,
+                    False, "d", "h"))  # fmt: skip
+    assert {p.name: p.bytes for p in sim.phases}["final save"] == STEADY
+    # fp32 on a separate device: no host master before the first selection (read from the
+    # device), set-up is the fp32 model alone
+    e32 = est.check(c, "zenflow", Settings(bf16=False), Budget(GIB, GIB, False, "d", "h"))
+    f32 = {p.name: p.bytes for p in e32.phases}
+    steady32 = N * 16 + COUNTS + N * 4 + 4 * B * 4 + RB
+    assert f32["set-up"] == 4 * P and f32["first selection"] == steady32
+    # compact: the re-layout goes through fp32 moments (new 6 + 8 fp32 + 8 old dequantised
+    # + 4 in flight per element, and the new scales); the first selection fills the fp32
+    # moments of one weight before quantising them
+    cs = est.check(c, "zenflow", Settings(bf16=True, host_state="compact"),
+                   Budget(GIB, GIB, False, "d", "h"))  # fmt: skip
+    cph = {p.name: p.bytes for p in cs.phases}
+    assert cph["re-selection"] == cs.host_bytes + 26 * 7296 + 8 * 29
+    assert cph["first selection"] == cs.host_bytes + 4 * 8192 + 8 * 7296
+
+
+def test_whole_gradients_land_on_the_host_only_at_the_first_selection():
+    """Micro-batches summed on the host, warm-up rounds or no streaming: the first
+    selection (and warm-up) see whole gradients on the host, Pz x dt (fp32 when summed on
+    the host), freed after it: a phase, not the steady state. Warm-up holds the full 12 Pz
+    state until then."""
+    c = mlp_census()
+    budget = Budget(GIB, GIB, False, "d", "h")
+
+    def phases(**kw):
+        e = est.check(c, "zenflow", Settings(bf16=True, **kw), budget)
+        return {p.name: p.bytes for p in e.phases}, e.host_bytes
+
+    plain, steady = phases()
+    assert plain["first selection"] == steady + 4 * 8192  # no landing
+    gas, steady_gas = phases(gradient_accumulation_steps=2)
+    # the micro-batch sum (fp32) is steady, in place of the step store (bf16)
+    assert steady_gas == steady - N * 2 + N * 4
+    assert gas["first selection"] == steady_gas + PZ * 4 + 4 * 8192  # fp32 landing
+    nostream, _ = phases(stream_grads=False)
+    assert nostream["first selection"] == steady + PZ * 2 + 4 * 8192  # bf16 landing
+    warm, _ = phases(warmup=True)
+    link = LINK_BF16
+    assert warm["warm-up"] == link + 12 * PZ + PZ * 2
+    # exact at k 0.1 holds 16 x 0.9 > 12 bytes per param: the compact state is the larger
+    assert warm["first selection"] == link + PZ * 2 + max(steady - link, 12 * PZ) + 12 * 8192
 
 
 def test_a_cpu_device_sums_full_shape_where_autograd_writes():
     """The CPU device (preflight of --device cpu): ZenFlow's zero-copy path holds full-shape
     fp32 window sums (2 with overlap) beside the whole gradient, and nothing crosses a link:
-    no selected-gradient buffer, buckets, image or staging."""
+    no selected-gradient buffer, buckets, ring or read buffer. The host state is compact;
+    the host step gathers one weight's sum at a time."""
     c = mlp_census()
     s = Settings(bf16=False, overlap_step=True, stream_grads=False, cpu_device=True)
     items = est.layout(c, "zenflow", s)
     assert sides(c, "zenflow", s) == (
         P * 4 + P * 4 + S * 8 + PD * 8 + 8 * K + PZ * 4 * 2,  # weights, grads, state, sums
-        PZ * 12,
+        N * 12 + COUNTS + 7296 * 4,
     )
     assert not [i for i in items if i.category == "staging" or i.pinned]
 
@@ -161,15 +256,17 @@ def test_holders_group_items_by_engine_category():
         "weights": P * 2,
         "grads": PD * 2 + L * 2 + S * 2 + 4 * SCR,
         "optimizer": S * 12 + PD * 12 + 8 * K,
-        "staging": 4 * B * 2,  # 2 + 2 with overlap
+        "staging": 2 * B * 2 + 2 * B * 4,  # 2 copy buckets + 2 fp32 return (overlap)
         "activations": 0,
     }
     assert h["host"] == {
-        "master_moments": PZ * 12,
-        "accumulators": N * 4,
-        "staging": N * 2 + N * 2,
+        "master_moments": N * 12 + COUNTS,
+        "accumulators": N * 4 + N * 2,  # the window sum and the step store
+        "staging": LINK_BF16,
     }
-    assert e.largest_holders(1) == [("host", "master_moments", PZ * 12)]
+    # the fixed 16 MiB read buffer outweighs this small model's state
+    assert e.largest_holders(2) == [("host", "staging", LINK_BF16),
+                                    ("host", "master_moments", N * 12 + COUNTS)]  # fmt: skip
 
 
 def test_activation_formula():
@@ -298,15 +395,21 @@ def test_settings_from_the_config():
 # --------------------------------------------------------------------------- the verdict
 
 
-def test_fits_on_a_separate_device_and_pins_the_host_side():
+def test_fits_on_a_separate_device_the_host_at_its_whole_run_peak():
+    """The device is checked at a step's peak, the host at the whole run's (here the
+    re-selection, STEADY + 16 x 7296, + the runtime), not at the steady state."""
     c = mlp_census()
     s = Settings(bf16=True, overlap_step=True)
-    dev, host = 67168, 235264  # zenflow, from the hand computation
-    exact = est.estimate(c, s, Budget(dev, host, False, "d", "h")).engines["zenflow"]
-    # pinned: only what crosses the link, the image and the staging (N*2 each)
-    assert exact.fits and exact.pinned_bytes == N * 2 + N * 2
-    short = est.estimate(c, s, Budget(dev - 1, host - 5, False, "d", "h")).engines["zenflow"]
+    dev, peak = 67936, STEADY + 16 * 7296 + RUNTIME_BYTES  # zenflow, by hand
+    exact = est.estimate(c, s, Budget(dev, peak, False, "d", "h")).engines["zenflow"]
+    # pinned: what the link reads and writes: the fp32 master, the ring, the read buffer
+    assert exact.fits and exact.pinned_bytes == N * 4 + LINK_BF16
+    assert exact.host_peak_bytes == peak and exact.spare == {"device": 0, "host": 0}
+    short = est.estimate(c, s, Budget(dev - 1, peak - 5, False, "d", "h")).engines["zenflow"]
     assert not short.fits and short.short == {"device": 1, "host": 5}
+    # the steady state alone (+ the runtime) would fit this host: the peak does not
+    steady = est.estimate(c, s, Budget(dev, STEADY + RUNTIME_BYTES, False, "d", "h"))
+    assert steady.engines["zenflow"].short == {"host": 16 * 7296}
     unpinned = est.estimate(c, Settings(pin_memory=False), Budget(GIB, GIB, False, "d", "h"))
     assert all(e.pinned_bytes == 0 for e in unpinned.engines.values())
 
@@ -314,7 +417,7 @@ def test_fits_on_a_separate_device_and_pins_the_host_side():
 def test_when_the_device_is_the_cpu_both_sides_share_the_ram():
     c = mlp_census()
     s = Settings(bf16=True, overlap_step=True)
-    total = 67168 + 235264
+    total = 67936 + STEADY + 16 * 7296 + RUNTIME_BYTES
     fits = est.estimate(c, s, Budget(total, total, True, "cpu", "h")).engines["zenflow"]
     assert fits.fits and fits.pinned_bytes == 0  # nothing to pin for without a device
     short = est.estimate(c, s, Budget(total - 7, total - 7, True, "cpu", "h")).engines["zenflow"]
@@ -328,7 +431,14 @@ def test_json_shape():
     assert data["params"] == P
     assert (data["device_mem"], data["host_mem"]) == (GIB, 2 * GIB)
     assert data["dtype"] == "bf16" and data["topk_ratio"] == 0.1
-    assert set(data["engines"]) == {"device", "offload", "zenflow"}
+    assert data["host_state"] == "exact" and data["host_runtime_bytes"] == RUNTIME_BYTES
+    # ZenFlow in the run's host state, and in the other one beside it
+    rows = list(data["engines"])  # the other host state's row right after "zenflow"
+    assert rows[:4] == ["device", "offload", "zenflow", "zenflow (compact)"]
+    assert set(rows[4:]) <= {"lora"}  # issue 30's engine
+    assert data["engines"]["zenflow"]["host_state"] == "exact"
+    assert data["engines"]["zenflow (compact)"]["host_state"] == "compact"
+    assert data["engines"]["zenflow (compact)"]["mode"] == "zenflow"
     for eng in data["engines"].values():
         assert eng["fits"] is True
         h = eng["holders"]
@@ -338,9 +448,69 @@ def test_json_shape():
         assert sum(h["host"].values()) == eng["host_bytes"]
         pinned = sum(i["bytes"] for i in eng["items"] if i["side"] == "host" and i["pinned"])
         assert eng["pinned_bytes"] == pinned
-        assert pinned < eng["host_bytes"] or eng["host_bytes"] == 0  # never the master
+        assert pinned < eng["host_bytes"] or eng["host_bytes"] == 0  # never the moments
         assert sum(i["bytes"] for i in eng["items"]) == eng["device_bytes"] + eng["host_bytes"]
+        phases = eng["host_phases"]
+        assert phases["steps" if "steps" in phases else "evaluation"]["bytes"] == eng["host_bytes"]
+        top = max(p["bytes"] for p in phases.values())
+        assert eng["host_peak_bytes"] == top + RUNTIME_BYTES >= eng["host_bytes"]
     assert data["engines"]["device"]["host_bytes"] == 0
+    verdict = data["host_states"]
+    assert verdict["choice"] == "exact" and verdict["exact"]["fits"]
+    assert "fits with zfctl.host_state exact" in verdict["sentence"]
+
+
+def _seven_b(host_gib: int):
+    c = resolve_census("llama-7b")
+    s = Settings(topk_ratio=0.05, micro_batch=4, seq_len=512, gradient_checkpointing=True)
+    r = est.estimate(c, s, Budget(24 * GIB, host_gib * GIB, False, "--device-mem", "--host-mem"))
+    return c, r, r.engines["zenflow"], r.engines["zenflow (compact)"]
+
+
+def test_issue_27s_seven_billion_run_on_a_64_gib_host():
+    """Issue 27's command: llama-7b, 24 GiB device, 64 GiB host, checkpointed, micro-batch
+    4 x 512, topk 0.05. The estimate says, with the numbers: exact does not fit by tens of
+    GiB; compact's whole-run peak and its margin. The compact state itself (fp32 master,
+    8-bit moments, bf16 window sum: 7.6 bytes per parameter) fits with headroom; what the
+    run holds beside it, and the estimate counts, is the step store of the pieces awaiting
+    their clipping (1.9 bytes per parameter) and, on cuda, the final save's copy of the bf16
+    model (2 bytes per parameter), at the same moment."""
+    c, r, exact, compact = _seven_b(64)
+    p = c.params
+    assert exact.device_bytes == compact.device_bytes <= 24 * GIB
+    assert not exact.fits and set(exact.short) == {"host"} and exact.short["host"] > 40 * GIB
+    items = {i.what: i.bytes for i in compact.items if i.side == "host"}
+    store = next(b for w, b in items.items() if w.startswith("step store"))
+    state = compact.host_bytes - store
+    assert 7.6 < state / p < 7.7 and 1.89 < store / p < 1.91
+    assert 17.0 < exact.host_bytes / p < 17.2  # 18 x 0.95: the store too
+    assert compact.host_peak_phase == "final save"
+    shard = 2 * p  # the bf16 model, one shard
+    assert compact.host_peak_bytes == compact.host_bytes + shard + RUNTIME_BYTES
+    assert compact.host_peak_bytes - store - shard + 2 * GIB < 64 * GIB  # the design fits
+    v = r.host_state_verdict()
+    assert v["choice"] == ("compact" if compact.fits else None)
+    sentence = v["sentence"]
+    assert est.human_bytes(exact.short["host"]) in sentence
+    margin = compact.spare.get("host", compact.short.get("host"))
+    assert est.human_bytes(margin) in sentence
+    assert est.human_bytes(compact.host_peak_bytes) in sentence
+
+
+def test_the_host_state_sentence_when_only_compact_fits():
+    """An 80 GiB host: ZenFlow fits with zfctl.host_state compact (with its headroom, said),
+    exact does not (by how much, said), and how to set it."""
+    _, r, exact, compact = _seven_b(80)
+    assert compact.fits and not exact.fits
+    v = r.host_state_verdict()
+    assert v["choice"] == "compact"
+    assert v["compact"]["spare_bytes"]["host"] == compact.spare["host"]
+    assert v["exact"]["short_bytes"]["host"] == exact.short["host"]
+    sentence = v["sentence"]
+    assert 'zenflow fits with zfctl.host_state "compact"' in sentence
+    assert "exact does not fit" in sentence and "--set zfctl.host_state=compact" in sentence
+    assert est.human_bytes(compact.spare["host"]) + " of host to spare" in sentence
+    assert "short by " + est.human_bytes(exact.short["host"]) in sentence
 
 
 # --------------------------------------------------------------------------- anchors
@@ -395,33 +565,93 @@ def test_accelerate_estimate_memory_rule():
 
 def test_preflight_refuses_names_the_shortfall_and_a_fix(tiny_gpt2_dir):
     cfg = load_config(TEMPLATE)
-    ok = est.preflight(str(tiny_gpt2_dir), mode="zenflow", config=cfg, seq_len=16,
-                       device_mem="64GiB", host_mem="64GiB")  # fmt: skip
+    ok = pf.preflight(str(tiny_gpt2_dir), mode="zenflow", config=cfg, seq_len=16,
+                      device_mem="64GiB", host_mem="64GiB")  # fmt: skip
     assert ok is not None and ok.engines["zenflow"].fits
     need = ok.engines["zenflow"].device_bytes
     with pytest.raises(WillNotFitError) as err:
-        est.preflight(str(tiny_gpt2_dir), mode="zenflow", config=cfg, seq_len=16,
-                      device_mem=need - 1, host_mem="64GiB")  # fmt: skip
+        pf.preflight(str(tiny_gpt2_dir), mode="zenflow", config=cfg, seq_len=16,
+                     device_mem=need - 1, host_mem="64GiB")  # fmt: skip
     msg = str(err.value)
     assert "short by" in msg and "--force" in msg and "zfctl estimate" in msg
     assert "Fix:" in msg
+    # a small model's sizes in units that show them (issue 31: never "0.00 GiB")
+    assert "0.00 GiB" not in msg and re.search(r"\d MiB", msg), msg
 
 
 def test_refusal_suggests_the_changes_that_fit():
-    """MLP, bf16, overlap, zenflow: 67168 device bytes at topk 0.1; at 0.05 (k = 4 and 7,
-    S = 736, sum k = 11, scratch 128*4) 2P + 2Pd + 2L + 736*14 + 4*512 + Pd*12 + 88 + 4*B*2
-    = 57496; offload needs 42056."""
+    """MLP, bf16, overlap, zenflow: 67936 device bytes at topk 0.1; at 0.05 (k = 4 and 7,
+    S = 736, sum k = 11, scratch 128*4) 2P + 2Pd + 2L + 736*14 + 4*512 + Pd*12 + 88 +
+    2*B*2 + 2*B*4 = 58264; offload needs 42056."""
     c = mlp_census()
     s = Settings(bf16=True, overlap_step=True)
     r = est.estimate(c, s, Budget(60000, GIB, False, "d", "h"))
-    assert r.engines["zenflow"].short == {"device": 67168 - 60000}
-    msg = est.refusal_message(r, "zenflow")
+    assert r.engines["zenflow"].short == {"device": 67936 - 60000}
+    msg = pf.refusal_message(r, "zenflow")
     assert "--set zero_optimization.zenflow.topk_ratio=0.05" in msg
     assert "--engine offload" in msg
     assert "--micro-batch" not in msg  # no activations here: a smaller batch changes nothing
+    assert "zfctl.host_state=" not in msg  # the host state does not change the device's
     none = est.estimate(c, s, Budget(1000, GIB, False, "d", "h"))
-    assert "alone or together" in est.refusal_message(none, "zenflow")
+    assert "alone or together" in pf.refusal_message(none, "zenflow")
+
+
+def test_a_host_refusal_names_the_compact_state_and_how_to_set_it():
+    """The device fits, the whole run's host peak does not in the exact state but does in
+    the compact one: the refusal says so, for the host over the whole run, and names
+    --set zfctl.host_state=compact (checked to fit); a lower topk, which grows the host
+    state, is not offered."""
+    c = mlp_census()
+    s = Settings(bf16=True, overlap_step=True)
+    est_all = est.estimate(c, s, Budget(GIB, GIB, False, "d", "h"))
+    exact, compact = est_all.engines["zenflow"], est_all.engines["zenflow (compact)"]
+    host = (exact.host_peak_bytes + compact.host_peak_bytes) // 2
+    r = est.estimate(c, s, Budget(GIB, host, False, "d", "--host-mem"))
+    assert set(r.engines["zenflow"].short) == {"host"} and r.engines["zenflow (compact)"].fits
+    msg = pf.refusal_message(r, "zenflow")
+    assert "(zfctl.host_state exact)" in msg and "on the host over the whole run" in msg
+    assert "peak at re-selection" in msg
+    assert "--set zfctl.host_state=compact" in msg
+    assert "topk_ratio=0.05" not in msg and "topk_ratio=0.02" not in msg
+    assert r.host_state_verdict()["choice"] == "compact"
+
+
+def test_advice_never_names_a_lever_already_set():
+    """Issue 31: "enable bf16" was advised with bf16 on. Nothing fits here; the refusal lists
+    the levers it tried, and bf16 is one only when it is off; compact only when exact."""
+    c = mlp_census()
+    on = est.estimate(c, Settings(bf16=True), Budget(1000, GIB, False, "d", "h"))
+    msg_on = pf.refusal_message(on, "zenflow")
+    assert "alone or together" in msg_on and "bf16" not in msg_on.split("Neither")[1]
+    assert 'zfctl.host_state "compact"' in msg_on
+    off = est.estimate(c, Settings(bf16=False), Budget(1000, GIB, False, "d", "h"))
+    assert "bf16" in pf.refusal_message(off, "zenflow").split("Neither")[1]
+    compact = est.estimate(c, Settings(host_state="compact"), Budget(1000, GIB, False, "d", "h"))
+    assert "host_state" not in pf.refusal_message(compact, "zenflow").split("Neither")[1]
+
+
+def test_a_huge_copy_buckets_is_named_with_the_count_that_fits():
+    """Issue 31: a huge zfctl.copy_buckets was never named, and the estimate's line said 2
+    more than were set (the overlap's return buckets counted in). The line says the count
+    set; the refusal names zfctl.copy_buckets with the most that fit."""
+    c = mlp_census()
+    s = Settings(bf16=True, overlap_step=True, copy_buckets=5000)
+    items = est.layout(c, "zenflow", s)
+    assert [i.what for i in items if i.what.startswith("copy buckets")] == [
+        "copy buckets (5000, bf16)"
+    ]
+    budget = Budget(200_000, GIB, False, "d", "h")
+    r = est.estimate(c, s, budget)
+    msg = pf.refusal_message(r, "zenflow")
+    m = re.search(r"--set zfctl\.copy_buckets=(\d+)", msg)
+    assert m, msg
+    n = int(m.group(1))
+    assert est.check(c, "zenflow", dataclasses.replace(s, copy_buckets=n), budget).fits
+    assert not est.check(c, "zenflow", dataclasses.replace(s, copy_buckets=n + 1), budget).fits
+    # "auto" is never told to lower a count it did not set
+    auto = est.estimate(c, Settings(bf16=True), Budget(1000, GIB, False, "d", "h"))
+    assert "copy_buckets" not in pf.refusal_message(auto, "zenflow")
 
 
 def test_preflight_skips_a_model_it_cannot_resolve():
-    assert est.preflight("no-such-org/no-such-model-zfctl", mode="zenflow") is None
+    assert pf.preflight("no-such-org/no-such-model-zfctl", mode="zenflow") is None

@@ -63,6 +63,10 @@ def test_memory_bound_everything_fits_and_nothing_fits():
     assert none.value is None and not none.met
     assert none.figures["need_bytes"] == 510  # 500 + 10 at k = 0.01
     assert "does not fit even at topk 0.01" in none.reason and "zfctl estimate" in none.reason
+    # issue 31: bf16 is advised only when the run is not in bf16 already
+    assert "bf16" not in none.reason
+    off = topk.memory_bound(table(), MemoryBudget(505, 10**9, False, "d"), bf16=False)
+    assert "(bf16, a smaller micro-batch" in off.reason
 
 
 def test_step_cost_formula():
@@ -177,7 +181,7 @@ def census():
 
 @pytest.mark.parametrize("bf16, fp32_state", [(True, 12), (False, 8)])
 def test_memory_table_matches_the_estimate(census, bf16, fp32_state):
-    from zenflow.hardware.estimate import Budget, Settings, check, layout
+    from zenflow.hardware.estimate import Budget, Settings, check
 
     s = Settings(bf16=bf16, overlap_step=True, micro_batch=2, seq_len=8)
     rows = topk.memory_table(census, s)
@@ -190,9 +194,9 @@ def test_memory_table_matches_the_estimate(census, bf16, fp32_state):
         dt = 2 if bf16 else 4
         scratch = max(census.largest_selected(r.topk), sel // 64) * 4 if bf16 else 0
         assert r.selected_bytes == sel * (fp32_state + dt) + cols * 8 + scratch
-        est = check(layout(census, "zenflow", dataclasses.replace(s, topk_ratio=r.topk)),
-                    s, budget, "zenflow", census.params)  # fmt: skip
+        est = check(census, "zenflow", dataclasses.replace(s, topk_ratio=r.topk), budget)
         assert r.device_bytes == est.device_bytes
         assert r.host_bytes == est.host_bytes
+        assert r.host_peak_bytes == est.host_peak_bytes  # the whole run's, for shared RAM
     assert len({r.other_device_bytes for r in rows}) == 1  # the rest does not depend on k
     assert rows[-1].selected_bytes > rows[0].selected_bytes

@@ -359,33 +359,71 @@ def test_resolve_device_refuses_before_measuring():
             tune_run.resolve_device("cuda")
 
 
-def test_memory_check():
-    c = tuning.choose(inputs())  # overlap on -> 20 bytes/param of 2-D weights on the host
-    mem = c.memory
-    assert mem["bytes_per_param"] == 20
-    assert mem["host_state"] == 20 * 1_000_000
-    # CPU-only: fp32 weights + grads (8 B/param) + device moments for 10% of the 2-D
-    # weights and all 10k 1-D params (8 B/param).
-    assert mem["device_side_in_host"] == 8 * 1_010_000 + 8 * (100_000 + 10_000)
-    assert mem["total"] == mem["host_state"] + mem["device_side_in_host"]
-    assert mem["ok"] is True and mem["pinned_ok"] is None
-    assert "host memory OK" in tuning.memory_verdict(mem)
+def host_rows(exact: int, compact: int, pinned: int = 0) -> tuple[topk.TopkMemory, ...]:
+    """Every k: 500 device bytes + 10 per percent of k; whole-run host peaks as given."""
+    return tuple(topk.TopkMemory(k, round(k * 100) * 10, 500, exact // 2, exact, compact, pinned)
+                 for k in topk.TOPK_GRID)  # fmt: skip
 
-    short = tuning.choose(inputs(mem_available_bytes=mem["total"] - 1)).memory
-    assert short["ok"] is False
-    assert "NOT OK" in tuning.memory_verdict(short)
-    exact = tuning.choose(inputs(mem_available_bytes=mem["total"])).memory
-    assert exact["ok"] is True
+
+def host_inputs(available: int, shared: bool = False, **kw) -> tuning.TuneInputs:
+    budget = topk.MemoryBudget(available if shared else 10**6, available, shared, "test")
+    return inputs(memory_table=host_rows(1000, 600), memory_budget=budget,
+                  mem_available_bytes=available, **kw)  # fmt: skip
+
+
+def test_host_state_is_exact_when_its_whole_run_peak_fits():
+    c = tuning.choose(host_inputs(2000))  # exact peak 1000, compact 600
+    assert c.memory["host_state"] == "exact" and c.memory["ok"] is True
+    assert c.memory["needed"] == {"exact": 1000, "compact": 600}
+    assert c.zfctl_block() == {"host_state": "exact"}
+    assert c.reasons["host_state"].startswith("exact:") and "1000 B" in c.reasons["host_state"]
+    assert "host memory OK, zfctl.host_state exact" in tuning.memory_verdict(c.memory)
+
+
+def test_host_state_is_compact_when_only_compact_fits_and_says_why():
+    c = tuning.choose(host_inputs(800))
+    assert c.memory["host_state"] == "compact" and c.zfctl_block() == {"host_state": "compact"}
+    why = c.reasons["host_state"]
+    assert why.startswith("compact: exact needs 1000 B") and "short by 200 B" in why
+    assert "compact (8-bit moments, bf16 window sum) needs 600 B, 200 B to spare" in why
+    assert '"zfctl": {"host_state": "compact"}' in why
+
+
+def test_when_neither_host_state_fits_the_refusal_is_said():
+    c = tuning.choose(host_inputs(500))
+    assert c.memory["host_state"] is None and c.memory["ok"] is False
+    assert c.zfctl_block() == {}  # nothing to write
+    why = c.reasons["host_state"]
+    assert why.startswith("neither fits") and "preflight would refuse" in why
+    assert "NOT OK" in tuning.memory_verdict(c.memory)
+
+
+def test_shared_ram_holds_the_device_side_too():
+    """sim without --device-mem, or the CPU: the device's tensors live in the same RAM, so
+    the host state must fit beside them (k 0.1: 500 + 100 device bytes)."""
+    c = tuning.choose(host_inputs(1500, shared=True))
+    assert c.memory["device_side_in_host"] == 600
+    assert c.memory["needed"] == {"exact": 1600, "compact": 1200}
+    assert c.memory["host_state"] == "compact"
 
 
 def test_pinned_memory_check_with_cuda():
     cuda = dict(accelerator="cuda", accelerator_memory_bytes=80 * 2**30)
-    c = tuning.choose(inputs(memlock_bytes=2**20, **cuda))
-    assert c.memory["device_side_in_host"] == 0  # weights and grads live on the GPU
-    assert c.memory["pinned_needed"] == c.memory["host_state"]
-    assert c.memory["pinned_ok"] is False
+    rows = host_rows(1000, 600, pinned=400)
+    budget = topk.MemoryBudget(10**6, 2000, False, "test")
+    c = tuning.choose(inputs(memory_table=rows, memory_budget=budget, mem_available_bytes=2000,
+                             memlock_bytes=300, **cuda))  # fmt: skip
+    assert c.memory["pinned_needed"] == 400 and c.memory["pinned_ok"] is False
     assert "pinned memory NOT OK" in tuning.memory_verdict(c.memory)
-    assert tuning.choose(inputs(memlock_bytes=None, **cuda)).memory["pinned_ok"] is True
+    c = tuning.choose(inputs(memory_table=rows, memory_budget=budget, mem_available_bytes=2000,
+                             memlock_bytes=None, **cuda))  # fmt: skip
+    assert c.memory["pinned_ok"] is True
+
+
+def test_without_a_layout_the_memory_is_not_checked():
+    c = tuning.choose(inputs())
+    assert c.memory["checked"] is False and c.zfctl_block() == {}
+    assert "not checked" in tuning.memory_verdict(c.memory)
 
 
 def test_zenflow_block_keys():
@@ -441,6 +479,27 @@ def test_update_config_keeps_other_keys(tmp_path):
     assert cfg.zenflow.pt_reserved_cores_perc == 0.5
     again = tuning.update_config(path, after, block, write=True)
     assert again["written"] is False  # already matches: the file is not rewritten
+
+
+def test_update_config_writes_the_host_state_into_the_zfctl_block(tmp_path):
+    """tune-hw --write: the host state it chose goes to zfctl.host_state, the zfctl block's
+    other keys (window_lr) and the zenflow block's stay."""
+    from zenflow.config import load_config
+
+    template = json.loads((Path(__file__).parents[2] / "templates" / "zenflow.json").read_text())
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(template))
+    doc = tuning.read_config_document(path)
+    c = tuning.choose(host_inputs(800))  # only compact fits
+    block = c.zenflow_block()
+    shown = tuning.update_config(path, doc, block, write=True, zfctl=c.zfctl_block())
+    assert shown["old"].get("zfctl.host_state") is None
+    assert shown["new"]["zfctl.host_state"] == "compact" and shown["written"] is True
+    after = json.loads(path.read_text())
+    assert after["zfctl"] == {**template["zfctl"], "host_state": "compact"}
+    assert load_config(path).engine.host_state == "compact"
+    again = tuning.update_config(path, after, block, write=True, zfctl=c.zfctl_block())
+    assert again["written"] is False and again["old"]["zfctl.host_state"] == "compact"
 
 
 def test_choices_are_json_serialisable():

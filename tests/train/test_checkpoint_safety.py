@@ -265,3 +265,39 @@ def test_final_checkpoint_is_written_before_the_flush_from_the_engines_state(
                            max_steps=2))  # fmt: skip
     assert order[-3:] == ["save", "flush", "eval"]
     assert shared[-1] is True
+
+
+# ------------------------------------------------------------- permissions (issue 31)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o007])
+def test_run_files_honour_the_umask(umask, tiny_gpt2_dir, sample_dir, tmp_path):
+    """Old: every file of the atomic writer (config.json, summary.json, hw.json, the
+    metrics file cut back at a resume) was 0600 whatever the umask, so a teammate could not
+    `zfctl report` the run. Now 0666 less the umask, as for any new file; a rewritten
+    file keeps the permissions it has."""
+    (tmp_path / runs.HW_FILE).write_text('{"cpu": {}}')  # ./hw.json: copied into the run
+    run_dir = tmp_path / "r1"
+    spec = make_spec(tiny_gpt2_dir, sample_dir, tmp_path, engine_mode="device", max_steps=2,
+                     checkpoint_every=1, run_dir=run_dir)  # fmt: skip
+    old = os.umask(umask)
+    try:
+        run_finetune(spec)
+    finally:
+        os.umask(old)
+    want = 0o666 & ~umask
+    names = [
+        runs.CONFIG_FILE,
+        runs.SUMMARY_FILE,
+        runs.HW_FILE,
+        runs.METRICS_FILE,
+        f"{runs.CHECKPOINT_DIR}/step-0000001.pt",
+        f"{runs.CHECKPOINT_DIR}/step-0000002.pt",
+    ]
+    modes = {n: oct((run_dir / n).stat().st_mode & 0o777) for n in names}
+    assert modes == dict.fromkeys(names, oct(want))  # fmt: skip
+    # A file that is there keeps its own permissions when zfctl writes it again.
+    (run_dir / runs.METRICS_FILE).chmod(0o640)
+    run_finetune(dataclasses.replace(spec, resume=str(run_dir), run_dir=None, max_steps=3))
+    assert (run_dir / runs.METRICS_FILE).stat().st_mode & 0o777 == 0o640
+    assert (run_dir / runs.CONFIG_FILE).stat().st_mode & 0o777 == want

@@ -5,6 +5,7 @@ cheap "where would the weights come from" check `make demo` uses."""
 from __future__ import annotations
 
 import os
+import shutil
 import zipfile
 from pathlib import Path
 
@@ -343,3 +344,100 @@ def test_save_model_turns_write_failures_into_storage_errors(tmp_path):
         save_model(Model(OSError(30, "Read-only file system")), None, out)
     with pytest.raises(TypeError, match="not I/O"):
         save_model(Model(TypeError("not I/O")), None, out)
+
+
+# ------------------------------------------------------------------ issue 31: folders
+
+
+def _copy_model(src: Path, dst: Path, skip: tuple[str, ...] = ()) -> Path:
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.name not in skip:
+            shutil.copy(f, dst / f.name)
+    return dst
+
+
+def test_a_corrupt_tokenizer_is_refused_naming_the_file(tiny_gpt2_dir, tmp_path):
+    """Old: silently replaced by the packaged GPT-2 tokenizer, said to be "none in" the
+    folder. A folder with no tokenizer files at all still takes it, and says so."""
+    broken = _copy_model(tiny_gpt2_dir, tmp_path / "broken")
+    text = (broken / "tokenizer.json").read_text()
+    (broken / "tokenizer.json").write_text(text[: len(text) // 2])
+    with pytest.raises(ModelSourceError) as e:
+        resolve_model(str(broken), task_num_labels=2, seed=0)
+    assert f"The tokenizer file {broken / 'tokenizer.json'} is not valid JSON at line" in str(
+        e.value
+    )
+    assert "does not replace a broken tokenizer" in str(e.value)
+    bare = _copy_model(tiny_gpt2_dir, tmp_path / "bare", skip=models.TOKENIZER_FILES)
+    r = resolve_model(str(bare), task_num_labels=2, seed=0)
+    assert r.sources["tokenizer"].endswith(f"(no tokenizer files in {bare})")
+    # A vocabulary file that loads to nothing is refused too, not replaced.
+    (bare / "vocab.json").write_text("{}")
+    (bare / "merges.txt").write_text("#version: 0.2\n")
+    with pytest.raises(ModelSourceError, match=r"The tokenizer files in .*vocab\.json.* do not"):
+        resolve_model(str(bare), task_num_labels=2, seed=0)
+
+
+def test_a_new_head_is_said_in_the_sources_not_in_a_raw_load_report(tiny_gpt2_dir, capfd):
+    """Old: transformers printed its LOAD REPORT table (ANSI codes) and the sources said
+    nothing of the head being new."""
+    r = resolve_model(str(tiny_gpt2_dir), task_num_labels=3, seed=0)
+    assert r.sources["model"] == (
+        f"local directory: {tiny_gpt2_dir}; new classification head: score.weight (saved "
+        "[2, 32], now [3, 32]), random init (seed 0)"
+    )
+    lm = resolve_model(str(tiny_gpt2_dir), task_num_labels=0, head="causal-lm", seed=0)
+    assert lm.sources["model"].endswith("saved layers not used (this model has no such layer): "
+                                        "score.weight")  # fmt: skip
+    same = resolve_model(str(tiny_gpt2_dir), task_num_labels=2, seed=0)
+    assert same.sources["model"] == f"local directory: {tiny_gpt2_dir}"
+    out, err = capfd.readouterr()
+    assert "LOAD REPORT" not in out + err and "\x1b[" not in out + err
+
+
+def test_load_saved_takes_every_layer_from_the_folder(tiny_gpt2_dir, tmp_path):
+    """zfctl eval's loader: the folder as saved, or a refusal naming what is wrong (old: a
+    missing head was initialised at random and scored; a truncated file was a traceback)."""
+    from transformers import GPT2Config, GPT2Model
+
+    model, tok, notes = models.load_saved(tiny_gpt2_dir, causal_lm=False)
+    assert not model.training and notes == [] and tok("Hello world")["input_ids"] == [15496, 995]
+    base = tmp_path / "base"
+    GPT2Model(GPT2Config.from_pretrained(tiny_gpt2_dir)).save_pretrained(base)
+    cfg = (base / "config.json").read_text().replace("GPT2Model", "GPT2ForSequenceClassification")
+    (base / "config.json").write_text(cfg)
+    with pytest.raises(ModelSourceError, match=r"lack score\.weight .* score random layers"):
+        models.load_saved(base, causal_lm=False)
+    cut = _copy_model(tiny_gpt2_dir, tmp_path / "cut")
+    data = (cut / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(data[: len(data) // 3])
+    with pytest.raises(ModelSourceError, match=r"Could not load the weights in .*cut: .*save the"):
+        models.load_saved(cut, causal_lm=False)
+
+
+def test_a_damaged_tokenizer_in_the_hub_cache_is_refused(tiny_gpt2_dir, tmp_path):
+    """Old: a cached gpt2 tokenizer.json that is not JSON was replaced by the packaged
+    GPT-2 tokenizer, said to be "not in the Hugging Face cache". A fresh interpreter: the
+    hub reads HF_HUB_CACHE once, at import."""
+    import subprocess
+    import sys
+
+    snap = tmp_path / "hub" / "models--gpt2" / "snapshots" / "abc"
+    snap.mkdir(parents=True)
+    (snap.parent.parent / "refs").mkdir()
+    (snap.parent.parent / "refs" / "main").write_text("abc")
+    for name in ("config.json", "tokenizer_config.json"):
+        (snap / name).write_bytes((tiny_gpt2_dir / name).read_bytes())
+    (snap / "tokenizer.json").write_bytes((tiny_gpt2_dir / "tokenizer.json").read_bytes()[:5000])
+    code = (
+        "from zenflow.train.models import resolve_model\n"
+        "try:\n    resolve_model('gpt2', task_num_labels=2, init='random')\n"
+        "except Exception as e:\n    print(type(e).__name__, e)\n"
+    )
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[2])}  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=300).stdout  # fmt: skip
+    assert "ModelSourceError The tokenizer of 'gpt2' in the Hugging Face cache" in out
+    assert "remove the model's folder from the Hugging Face cache" in out

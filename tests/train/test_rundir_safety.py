@@ -69,6 +69,82 @@ def test_overwrite_starts_clean_and_removes_only_run_files(tiny_gpt2_dir, sample
     assert losses(run_dir) == losses(fresh["run_dir"])
 
 
+# The user's own files inside a run's model/ and checkpoints/ (issue 31 item 2).
+USERS_FILES = {
+    "model/my_adapter.bin": b"adapter",
+    "checkpoints/my-best.pt": b"best",
+    "checkpoints/step-0000099.pt.bak": b"backup",
+}
+
+
+def test_overwrite_keeps_the_users_files_in_model_and_checkpoints(
+    tiny_gpt2_dir, sample_dir, tmp_path
+):
+    """Issue 31 item 2: --overwrite removed model/ and checkpoints/ whole, the user's files
+    in them too, though the help said "your other files stay"."""
+    run_dir = tmp_path / "r1"
+    spec = make_spec(tiny_gpt2_dir, sample_dir, tmp_path, engine_mode="device", max_steps=2,
+                     run_dir=run_dir)  # fmt: skip
+    run_finetune(spec)
+    for name, data in USERS_FILES.items():
+        (run_dir / name).write_bytes(data)
+    seen = []
+    s = run_finetune(dataclasses.replace(spec, max_steps=1, seed=7, overwrite=True), seen.append)
+    assert s["steps"] == 1
+    for name, data in USERS_FILES.items():
+        assert (run_dir / name).read_bytes() == data, name
+    assert [p.name for p in runs.checkpoints(run_dir)] == ["step-0000001.pt"]  # step 2 gone
+    (header,) = [e.header for e in seen if isinstance(e, RunStarted)]
+    (note,) = [n for n in header["notes"] if n.startswith("--overwrite")]
+    assert note == (
+        "--overwrite removed the old run's files and kept 3 that zfctl did not write: "
+        "checkpoints/my-best.pt, checkpoints/step-0000099.pt.bak, model/my_adapter.bin"
+    )
+
+
+def test_clear_run_removes_only_the_files_zfctl_wrote_inside_model_and_checkpoints(
+    tiny_gpt2_dir, tmp_path
+):
+    """What save_model writes (the model and its tokenizer) and every checkpoint file
+    (shards and a killed write's temp file) goes; everything else stays, with its folder."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from zenflow.train.models import save_model
+
+    run_dir = tmp_path / "r1"
+    runs.write_json_atomic(run_dir / runs.CONFIG_FILE, {runs.RUN_MARK: runs.RUN_FORMAT})
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_gpt2_dir)
+    save_model(model, AutoTokenizer.from_pretrained(tiny_gpt2_dir), run_dir / runs.MODEL_DIR)
+    saved = sorted(os.listdir(run_dir / runs.MODEL_DIR))
+    assert "model.safetensors" in saved and "tokenizer_config.json" in saved
+    assert all(runs.is_our_model_file(n) for n in saved), saved  # every name save_model writes
+    ckpt = run_dir / runs.CHECKPOINT_DIR
+    ckpt.mkdir()
+    ours = ["step-0000004.pt", "step-0000004.rank-1.pt", ".step-0000006.pt.tmp"]
+    for name in ours:
+        (ckpt / name).write_bytes(b"x")
+    for name, data in USERS_FILES.items():
+        (run_dir / name).write_bytes(data)
+    (ckpt / "best").mkdir()  # a folder of the user's, whatever its name
+    (ckpt / "best" / "step-0000001.pt").write_bytes(b"mine")
+    kept: list[str] = []
+    removed = runs.clear_run(run_dir, kept)
+    assert kept == ["checkpoints/best", "checkpoints/my-best.pt",
+                    "checkpoints/step-0000099.pt.bak", "model/my_adapter.bin"]  # fmt: skip
+    assert sorted(os.listdir(run_dir / runs.MODEL_DIR)) == ["my_adapter.bin"]
+    assert sorted(os.listdir(ckpt)) == ["best", "my-best.pt", "step-0000099.pt.bak"]
+    assert (ckpt / "best" / "step-0000001.pt").read_bytes() == b"mine"
+    assert removed == [runs.CONFIG_FILE]  # the folders stay: they hold the user's files
+    # Without the user's files, the folders go too.
+    for name in USERS_FILES:
+        (run_dir / name).unlink()
+    (ckpt / "best" / "step-0000001.pt").unlink()
+    (ckpt / "best").rmdir()
+    runs.write_json_atomic(run_dir / runs.CONFIG_FILE, {runs.RUN_MARK: runs.RUN_FORMAT})
+    assert runs.clear_run(run_dir) == [runs.CHECKPOINT_DIR, runs.MODEL_DIR, runs.CONFIG_FILE]
+    assert sorted(os.listdir(run_dir)) == []
+
+
 @pytest.mark.parametrize("overwrite", [False, True])
 def test_a_model_folder_as_run_dir_is_refused_and_untouched(
     overwrite, model_folder, tiny_gpt2_dir, sample_dir, tmp_path

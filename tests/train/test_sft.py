@@ -383,11 +383,11 @@ def test_packing_support_refusals():
         return SimpleNamespace(config=SimpleNamespace(**cfg))
 
     assert "llama" in PACKING_MODEL_TYPES
-    with pytest.raises(EngineError, match="not supported for model type 'bloom'.*pack=False"):
+    with pytest.raises(EngineError, match="not supported for model type 'bloom'.*drop --pack"):
         check_packing_support(fake(model_type="bloom", _attn_implementation="eager"))
     with pytest.raises(EngineError, match="eager or sdpa.*'flash_attention_2'"):
         check_packing_support(fake(model_type="llama", _attn_implementation="flash_attention_2"))
-    with pytest.raises(EngineError, match="sliding-window mask \\(16 tokens\\).*seq_len 32"):
+    with pytest.raises(EngineError, match="sliding-window mask \\(16 tokens\\).*--seq-len 32"):
         check_packing_support(
             fake(model_type="mistral", _attn_implementation="sdpa", sliding_window=16), 32
         )

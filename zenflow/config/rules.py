@@ -25,6 +25,7 @@ from zenflow.config.schema import (
     ConfigProblem,
     EngineOptions,
     LogDirConfig,
+    LoraOptions,
     MonitorConfig,
     WandbConfig,
 )
@@ -118,10 +119,16 @@ def _parse_precision(r: Reader, raw: Mapping) -> bool | str:
     bf16_key = "bf16" if raw.get("bf16") is not None else "bfloat16"
     bf16_block = r.obj(raw, bf16_key, bf16_key) or {}
     r.ignore_unknown(bf16_block, ("enabled",), bf16_key)
-    if bf16_block.get("enabled") == "auto":  # the DeepSpeed / HF convention: by the device
+    enabled = bf16_block.get("enabled")
+    if enabled == "auto":  # the DeepSpeed / HF convention: by the device
         bf16 = "auto"
-    else:
-        bf16 = r.boolean(bf16_block, "enabled", f"{bf16_key}.enabled", False)
+    elif enabled is None or isinstance(enabled, bool):
+        bf16 = False if enabled is None else enabled
+    else:  # all three allowed values named, "auto" included
+        r.problem(f"{bf16_key}.enabled", enabled, 'must be true, false or "auto"',
+                  f'set {bf16_key}.enabled to true, false or "auto" (as JSON: no quotes '
+                  'around true and false)')  # fmt: skip
+        bf16 = False
 
     fp16_block = r.obj(raw, "fp16", "fp16") or {}
     r.ignore_unknown(fp16_block, ("enabled",), "fp16")
@@ -187,6 +194,7 @@ _ENGINE_CHOICES = {
     "stream_grads": (True, False, "auto"),
     "window_lr": ("last", "sum", "sqrt"),
     "select_schedule": ("fixed", "doubling"),
+    "host_state": ("exact", "compact"),
 }
 
 
@@ -229,4 +237,30 @@ def _parse_engine(r: Reader, raw: Mapping) -> EngineOptions:
                   'set copy_buckets to 2, 8, 16, ... or "auto"')  # fmt: skip
         buckets = "auto"
     values["copy_buckets"] = buckets
+    values["lora"] = _parse_lora(r, block)
     return EngineOptions(**values)
+
+
+_LORA_FIELDS = tuple(f.name for f in dataclasses.fields(LoraOptions))
+
+
+def _parse_lora(r: Reader, block: Mapping) -> LoraOptions:
+    """``zfctl.lora``: the adapters of ``--engine lora`` (unknown keys are errors)."""
+    lora = r.obj(block, "lora", "zfctl.lora")
+    d = LoraOptions()
+    if lora is None:
+        return d
+    for key in lora:
+        if key not in _LORA_FIELDS:
+            close = difflib.get_close_matches(str(key), _LORA_FIELDS, n=1, cutoff=0.6)
+            hint = f'did you mean "{close[0]}"? ' if close else ""
+            r.problem(f"zfctl.lora.{key}", lora[key],
+                      f"unknown key in the zfctl.lora block (known: {', '.join(_LORA_FIELDS)})",
+                      f"{hint}rename or remove {key}")  # fmt: skip
+    return LoraOptions(
+        rank=r.integer(lora, "rank", "zfctl.lora.rank", d.rank, 1, 65536),
+        alpha=r.number(lora, "alpha", "zfctl.lora.alpha", d.alpha, "> 0",
+                       lambda v: 0 < v < float("inf")),
+        dropout=r.number(lora, "dropout", "zfctl.lora.dropout", d.dropout, "from 0 up to (not "
+                         "including) 1", lambda v: 0 <= v < 1),
+    )  # fmt: skip

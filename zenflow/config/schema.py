@@ -53,6 +53,7 @@ __all__ = [
     "WandbConfig",
     "ENGINE_FIELD_DOCS",
     "EngineOptions",
+    "LoraOptions",
     "ZenFlowConfig",
 ]
 
@@ -184,6 +185,15 @@ ENGINE_FIELD_DOCS: dict[str, str] = {
     "(a new head, gradients that change fast) the important columns move; doubling follows "
     "them at about log2(interval / S) extra re-selections, each a synchronous window end. "
     "Opt-in: it changes which columns the device updates; with topk_ratio 1.0 both are AdamW.",
+    "host_state": 'The host state of the non-selected columns: "exact" (fp32 master and '
+    "Adam moments, an fp32 window sum: every step equals the algorithm's fp32 arithmetic; "
+    'about 16 bytes per non-selected parameter plus a step\'s pieces) or "compact" (fp32 '
+    "master, the two moments in 8 bits per element with a scale per 256-element block as in "
+    "8-bit AdamW, the window sum and the pieces that cross the link in bf16: about 8 bytes "
+    "per non-selected parameter plus a step's pieces in bf16, so a 7B model fits a 64 GB "
+    "host). The selected columns' device state stays fp32 either way. Opt-in: it changes "
+    "the host step's arithmetic; a checkpoint resumes only with the state it was written "
+    "with.",
     "copy_buckets": "Device buffers the streamed gradient pieces wait in for the copy engine, "
     "each 1/64 of the offloaded elements (at most 4M) in the training dtype: an integer >= 2 "
     'or "auto" (2; 4 with data parallelism: the least device memory). Backward produces a '
@@ -191,7 +201,26 @@ ENGINE_FIELD_DOCS: dict[str, str] = {
     "link keeps pace over the step (the stall bench/engine.py reports). More buffers let "
     "backward run ahead, at 1/64 x (1 - topk) x the training dtype's bytes per parameter "
     "each; zfctl estimate --copy-buckets shows the cost.",
+    "lora": "The LoRA adapters of --engine lora (peft): an object with rank (an integer >= 1, "
+    "default 8), alpha (a number > 0, default 8; the adapter's update is scaled by "
+    "alpha / rank) and dropout (0 <= x < 1 on the adapters' input, default 0.0), peft's "
+    "LoraConfig defaults. Adapters go on every linear projection of the attention and MLP "
+    'blocks (peft\'s "all-linear"), the new classification head trains whole; the base '
+    "model is frozen. --lora-rank and --lora-alpha override it; other engines ignore it.",
 }
+
+
+@dataclass(frozen=True)
+class LoraOptions:
+    """The ``zfctl.lora`` block: the adapters of ``--engine lora`` (peft's LoraConfig
+    defaults: r 8, lora_alpha 8, lora_dropout 0.0)."""
+
+    rank: int = 8
+    """Rank r of each adapter pair (A: r x in, B: out x r); an integer >= 1."""
+    alpha: float = 8.0
+    """lora_alpha: the adapter's update B A x is scaled by alpha / rank; a number > 0."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input (0 <= x < 1)."""
 
 
 @dataclass(frozen=True)
@@ -209,6 +238,10 @@ class EngineOptions:
     """The host step's lr: "last" (the last step's), "sum" (the window's) or "sqrt"."""
     select_schedule: str = "fixed"
     """Re-selection: "fixed" (every select interval) or "doubling" (gaps S, 2S, 4S, ...)."""
+    host_state: str = "exact"
+    """The non-selected columns' host state: "exact" (fp32) or "compact" (8-bit moments)."""
+    lora: LoraOptions = field(default_factory=LoraOptions)
+    """The adapters of ``--engine lora``: rank, alpha, dropout."""
 
 
 @dataclass(frozen=True)

@@ -134,11 +134,12 @@ def parse_scheduler(r: Reader, raw: Mapping, optimizer_lr: float) -> SchedulerCo
         return SchedulerConfig()
     r.ignore_unknown(block, ("type", "params"), "scheduler")
     name = block.get("type")
-    if name not in _SCHEDULER_PARAMS:
+    # a JSON object or array is not hashable: test the kind before the table lookup
+    if not isinstance(name, str) or name not in _SCHEDULER_PARAMS:
         r.problem(
             "scheduler.type",
             MISSING if name is None else name,
-            f"must be one of {', '.join(_SCHEDULER_PARAMS)}",
+            f"must be one of {', '.join(_SCHEDULER_PARAMS)} (a string)",
             'set scheduler.type to "WarmupLR" (or remove the scheduler block for a constant lr)',
         )
         return SchedulerConfig()

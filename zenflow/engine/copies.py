@@ -175,12 +175,55 @@ class DeviceBuckets:
         self._busy = [DONE] * len(self._flat)
 
 
+RING_SLOTS = 4  # the link's staging ring: at least 4 bucket-sized slots
+
+
+class StagingRing:
+    """The pinned staging of the device->host link: ``slots`` bucket-sized buffers (one
+    pinned allocation, made on first use), taken in order and given back by the
+    accumulator once it has moved or added the piece (``accumulator``). The training thread
+    waits only when the ring is full (the wait is the transport's, counted as stall). Host
+    bytes: ``slots * elems`` of the link's dtype, whatever the model size."""
+
+    def __init__(self, accel: Accelerator, dtype: torch.dtype, slots: int, elems: int,
+                 pin: bool):  # fmt: skip
+        self.accel = accel
+        self.dtype = dtype
+        self.slots = slots
+        self.elems = elems
+        self.pin = pin
+        self._flat: torch.Tensor | None = None
+        self._free = [threading.Event() for _ in range(slots)]
+        for ev in self._free:
+            ev.set()
+        self._next = 0
+
+    def take(self, shape) -> tuple[int, torch.Tensor]:
+        """The next slot viewed as ``shape``, once the accumulator gave it back."""
+        if self._flat is None:
+            self._flat = self.accel.host_empty((self.slots * self.elems,), self.dtype,
+                                               self.pin, "link")  # fmt: skip
+        i = self._next
+        self._next = (i + 1) % self.slots
+        self._free[i].wait()
+        self._free[i].clear()
+        n = 1
+        for s in shape:
+            n *= s
+        lo = i * self.elems
+        return i, self._flat[lo : lo + n].view(shape)
+
+    def give(self, i: int) -> None:
+        self._free[i].set()
+
+    def wait_all(self) -> None:
+        for ev in self._free:
+            ev.wait()
+
+
 class HostStaging:
-    """Pinned host buffers for device->host copies, one per key (a piece of a weight): the
-    training thread never waits for the accumulator within a step (the host sums a step's
-    pieces while the device runs on); it waits only when the host falls a whole step
-    behind, for that piece. The accumulator gives each buffer back after adding it. Host
-    bytes: one step's non-selected gradient in the training dtype."""
+    """Pinned host buffers for device->host copies, one per key (the offload engine's chunks
+    of micro-batch sums): the accumulator gives each buffer back after adding it."""
 
     def __init__(self, accel: Accelerator | None, dtype: torch.dtype, pin: bool, shapes: dict,
                  tag: str = "staging", views: dict | None = None):  # fmt: skip

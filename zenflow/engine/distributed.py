@@ -180,7 +180,9 @@ class DataParallel:
             flat[offsets[owner] : offsets[owner] + n].copy_(t.reshape(-1))
             offsets[owner] += n
         mine = torch.empty(longest, dtype=dtype, device=device)
-        d.reduce_scatter_tensor(mine, flat, op=d.ReduceOp.SUM)
+        # reduce_scatter_single where torch has it: reduce_scatter_tensor (the same op) is
+        # deprecated there and warns on every rank's stderr (--json included)
+        getattr(d, "reduce_scatter_single", d.reduce_scatter_tensor)(mine, flat, op=d.ReduceOp.SUM)
         self.bytes_sent += flat.numel() * flat.element_size()
         mine.mul_(1.0 / self.world)
         off = 0

@@ -76,20 +76,33 @@ def check_dtypes(specs: list[ParamSpec], bf16: bool) -> None:
 
 
 def take_masters_and_cast(
-    model: torch.nn.Module, specs: list[ParamSpec], bf16: bool, given
+    model: torch.nn.Module, specs: list[ParamSpec], bf16: bool, given, mode: str = "zenflow"
 ) -> dict[str, torch.Tensor]:
-    """fp32 host copies of the trainable weights (the masters' initial values), then
-    the model in the training dtype on the device. ``given``: masters taken before the
-    model was cast and moved (``prepare_model``), so the device never holds fp32."""
+    """The fp32 initial values of the trainable weights the mode needs on the host (the
+    masters), then the model in the training dtype on the device. No second copy: a weight
+    that is fp32 in host memory already (cpu, sim) gives its own tensor, and the cast gives
+    the parameter a new bf16 one; an fp32 model that stays fp32 needs no masters in the
+    zenflow mode (the device weight holds them: its non-selected columns are read at the
+    first selection). ``given``: masters taken before the model was cast and moved
+    (``zenflow.train.setup.place_model``, so the device never holds fp32); the caller drops
+    its references, the modes pop them as they consume them."""
     if given is not None:
         missing = [s.name for s in specs if s.name not in given]
         if missing:
             raise EngineError(f"masters= lacks {', '.join(missing[:3])}.")
-        masters = {s.name: given[s.name] for s in specs}
+        # taken out of the caller's dict: it holds no reference once the modes consumed them
+        masters = {s.name: given.pop(s.name) for s in specs}
     else:
-        masters = {s.name: s.param.detach().float().cpu().clone() for s in specs}
+        cast = bf16 and any(s.param.dtype != torch.bfloat16 for s in specs)
+        masters = {}
+        for s in specs:
+            p = s.param.detach()
+            if p.dtype == torch.float32 and not cast and mode != "offload":
+                continue  # the weight is its own fp32 master
+            masters[s.name] = p if p.dtype == torch.float32 and p.device.type == "cpu" \
+                else p.float().cpu()  # fmt: skip
     if bf16 and any(s.param.dtype != torch.bfloat16 for s in specs):
-        model.to(dtype=torch.bfloat16)  # the same Parameter objects, bf16 data
+        model.to(dtype=torch.bfloat16)  # the same Parameter objects, new bf16 data
     return masters
 
 

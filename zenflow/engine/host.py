@@ -1,17 +1,15 @@
-"""Host side: fp32 state, the CPU Adam kernels, the background worker and the accumulator.
+"""Host side: fp32 state, the CPU Adam kernels and the background worker.
 
 Two host threads serve the training thread (ZENFLOW.md 2b):
 
-- the **accumulator** adds each gradient piece, as it arrives from the device, into a
-  window's fp32 sum kept in the compact layout of the weight's non-selected columns
-  (``zenflow.engine.copies``): a contiguous multiply-add on the host's cores (the native
-  ``accumulate_``, threaded), in order. A step's pieces arrive during backward, before the
-  step's clipping coefficient is known: each waits on its step's ``StepGate``, set by the
-  training thread once the step's norm is read, and is scaled by the coefficient as it is
-  added (or dropped, when the step is skipped);
+- the **accumulator** (``zenflow.engine.accumulator``, re-exported here) adds each gradient
+  piece, as it arrives from the device, into a window's sum kept in the compact layout of
+  the weight's non-selected columns (``zenflow.engine.copies``), scaled by its step's
+  clipping coefficient once the step's ``StepGate`` is set (or dropped, when the step is
+  skipped);
 - the **worker** runs the host Adam step of a finished window (the native op, which
-  releases the GIL, over the non-selected columns only, writing the bf16 image that goes
-  back to the device in the same pass); at most one host step is in flight, enforced here.
+  releases the GIL, one contiguous call per weight over its compact host state of the
+  non-selected columns); at most one host step is in flight, enforced here.
 
 Hand-offs are function calls on threads (no pickling, no processes). Every thread that
 may touch the device binds to it first (``Accelerator.bind_thread``).
@@ -19,7 +17,8 @@ may touch the device binds to it first (``Accelerator.bind_thread``).
 
 from __future__ import annotations
 
-import queue
+import dataclasses
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -27,6 +26,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
+
+# the accumulator thread and the step gate live in their own module; importable from here
+from zenflow.engine.accumulator import Accumulator, StepGate
+from zenflow.engine.accumulator import reraise as _reraise
+
+__all__ = ["Accumulator", "ColumnSteps", "HostJob", "HostKernels", "HostState", "HostTask",
+           "HostWorker", "StepGate", "resolve_kernel", "run_host_tasks"]  # fmt: skip
 
 HostKernel = Callable[..., None]
 
@@ -59,41 +65,50 @@ def compact_from_full(kernel: HostKernel) -> HostKernel:
 
 @dataclass(frozen=True)
 class HostKernels:
-    """The host's ops: the full-shape CPU Adam, its compact-layout twin, the accumulate."""
+    """The host's ops: the CPU Adam (contiguous), its compact-layout twin (kept for other
+    callers: the zenflow mode runs the contiguous op over its compact state), the
+    accumulate, and the compact host state's 8-bit ops: the Adam step with 8-bit moments
+    and the (de)quantisation of moments (``zenflow.ops``)."""
 
     full: HostKernel
     compact: HostKernel
     accumulate: Callable[..., float]
     name: str
+    q8: HostKernel | None = None
+    quantize: Callable[..., None] | None = None
+    dequantize: Callable[..., None] | None = None
 
 
 def resolve_kernel(host_kernel: str | HostKernel) -> HostKernels:
     """The CPU AdamW ops to run on the host and a name for them.
 
-    "native" is ``zenflow.ops.adamw_step_`` / ``adamw_compact_step_`` / ``accumulate_``
-    (GIL-free SIMD ops; when they cannot be built the plain references are used and the
-    name says so). "reference" forces the plain PyTorch ops. A callable (tests) is used as
-    the full-shape kernel, with its compact twin built from it.
+    "native" is ``zenflow.ops.adamw_step_`` / ``adamw_compact_step_`` / ``accumulate_`` and
+    the 8-bit ``adamw_q8_step_`` / ``quantize_q8_`` / ``dequantize_q8_`` (GIL-free SIMD
+    ops; when they cannot be built the plain references are used and the name says so).
+    "reference" forces the plain PyTorch ops. A callable (tests) is used as the full-shape
+    kernel, with its compact twin built from it and the 8-bit step running it between the
+    reference's dequantisation and quantisation.
     """
     from zenflow import ops
 
+    ref_q8 = (ops.quantize_q8_reference_, ops.dequantize_q8_reference_)
     if callable(host_kernel):
         return HostKernels(
             host_kernel, compact_from_full(host_kernel), ops.accumulate_reference_,
             getattr(host_kernel, "__name__", "custom"),
+            functools.partial(ops.adamw_q8_step_reference_, adam_step=host_kernel), *ref_q8,
         )  # fmt: skip
+    reference = HostKernels(
+        ops.adamw_step_reference_, ops.adamw_compact_step_reference_,
+        ops.accumulate_reference_, "reference", ops.adamw_q8_step_reference_, *ref_q8,
+    )  # fmt: skip
     if host_kernel == "reference":
-        return HostKernels(
-            ops.adamw_step_reference_, ops.adamw_compact_step_reference_,
-            ops.accumulate_reference_, "reference",
-        )  # fmt: skip
+        return reference
     if host_kernel == "native":
         if getattr(ops, "adamw_step_", None) is None:
-            return HostKernels(
-                ops.adamw_step_reference_, ops.adamw_compact_step_reference_,
-                ops.accumulate_reference_, "reference (native op not available)",
-            )  # fmt: skip
-        return HostKernels(ops.adamw_step_, ops.adamw_compact_step_, ops.accumulate_, "native")
+            return dataclasses.replace(reference, name="reference (native op not available)")
+        return HostKernels(ops.adamw_step_, ops.adamw_compact_step_, ops.accumulate_, "native",
+                           ops.adamw_q8_step_, ops.quantize_q8_, ops.dequantize_q8_)  # fmt: skip
     raise ValueError(
         f"host_kernel={host_kernel!r} is not allowed: use 'native', 'reference' or a callable."
     )
@@ -134,7 +149,9 @@ class ColumnSteps:
 
 @dataclass
 class HostState:
-    """fp32 master and Adam moments of one parameter, full shape, in host memory.
+    """fp32 master and Adam moments of one parameter in host memory: a whole parameter
+    (offload, warm-up), or a ZenFlow weight's non-selected columns in the compact layout
+    (``zenflow.engine.zenflow.host_layout``).
 
     ``steps`` counts the host Adam steps absorbed, per column for a ZenFlow weight
     (``ColumnSteps``), or as one int for a dense/offloaded parameter.
@@ -145,19 +162,30 @@ class HostState:
     exp_avg_sq: torch.Tensor
     steps: ColumnSteps | int = 0
 
+    def moment_tensors(self) -> dict[str, torch.Tensor]:
+        """The moments as named tensors (what a checkpoint saves)."""
+        return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+
+    def load_moments(self, saved: dict) -> None:
+        """The moments from ``moment_tensors``' names in ``saved``."""
+        self.exp_avg.copy_(saved["exp_avg"].view(self.exp_avg.shape))
+        self.exp_avg_sq.copy_(saved["exp_avg_sq"].view(self.exp_avg_sq.shape))
+
 
 @dataclass
 class HostTask:
     """One parameter's share of a host step, then ``after()``.
 
-    Full shape (``index`` None): ``kernel(master, grad, ...)`` over every element, ``grad``
-    the parameter's gradient or window sum, ``param_bf16`` an optional bf16 image.
+    Contiguous (``index`` None): ``kernel(master, grad, ...)`` over every element of the
+    state (a whole parameter, or a ZenFlow weight's compact non-selected columns), ``grad``
+    the gradient or window sum in the same layout (or a function making it when the task
+    runs), ``param_bf16`` an optional bf16 image.
     Compact (``index`` given): the compact kernel over the columns ``index`` (along
     ``column_dim``) from ``grad`` in the compact layout, ``param_bf16`` the compact image.
     """
 
     state: HostState
-    grad: torch.Tensor
+    grad: torch.Tensor | Callable[[], torch.Tensor]  # or made when the task runs
     grad_scale: float  # 1 / window length (the kernel averages the sum in the same pass),
     # or the step's clipping coefficient for a whole gradient
     col_inner: int = 1  # full shape: layout of per-column steps (see zenflow.ops.adamw_step_)
@@ -218,6 +246,7 @@ def run_host_tasks(
                   num_threads=num_threads)  # fmt: skip
     for t in tasks:
         st = t.state
+        grad = t.grad() if callable(t.grad) else t.grad
         per_column = None
         if isinstance(st.steps, ColumnSteps):
             st.steps.increment()
@@ -229,28 +258,21 @@ def run_host_tasks(
             step = st.steps
         if t.index is not None:
             kernels.compact(
-                st.master, t.grad, st.exp_avg, st.exp_avg_sq, t.index, t.column_dim, step=step,
+                st.master, grad, st.exp_avg, st.exp_avg_sq, t.index, t.column_dim, step=step,
                 image=t.param_bf16, grad_scale=t.grad_scale, col_steps=per_column, **common,
             )  # fmt: skip
         else:
             kw = {} if per_column is None else {"col_steps": per_column, "col_inner": t.col_inner}
-            kernels.full(st.master, t.grad, st.exp_avg, st.exp_avg_sq, step=step,
-                         param_bf16=t.param_bf16, grad_scale=t.grad_scale, **common,
-                         **kw)  # fmt: skip
+            if hasattr(st, "step"):  # the compact host state: 8-bit moments, its own op
+                st.step(grad, step=step, grad_scale=t.grad_scale, **common, **kw)
+            else:
+                kernels.full(st.master, grad, st.exp_avg, st.exp_avg_sq, step=step,
+                             param_bf16=t.param_bf16, grad_scale=t.grad_scale, **common,
+                             **kw)  # fmt: skip
         if t.after is not None:
             t.after()
     if job is not None:
         job.finished_at = time.perf_counter()
-
-
-def _reraise(exc: BaseException):
-    """Re-raise a worker's exception in the caller: same type and message, chained to the
-    original (which carries the worker's traceback)."""
-    try:
-        again = type(exc)(*exc.args)
-    except Exception:  # exotic constructor: re-raise the original object
-        raise exc from None
-    raise again from exc
 
 
 class HostWorker:
@@ -287,145 +309,3 @@ class HostWorker:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-
-
-class StepGate:
-    """One step's clipping coefficient and skip decision, set by the training thread once
-    the step's norm is known. The accumulator waits on it before it adds that step's
-    pieces into a window sum (they arrive during backward, before the norm exists)."""
-
-    __slots__ = ("_set", "coef", "skip")
-
-    def __init__(self) -> None:
-        self._set = threading.Event()
-        self.coef = 1.0
-        self.skip = False
-
-    def set(self, coef: float, skip: bool) -> None:
-        self.coef = float(coef)
-        self.skip = bool(skip)
-        self._set.set()
-
-    def wait(self) -> None:
-        self._set.wait()
-
-    def is_set(self) -> bool:
-        return self._set.is_set()
-
-
-class Accumulator:
-    """A thread adding gradient pieces into fp32 sums (compact layout), in order.
-
-    ``add(event, src, dst, gate, overwrite, release, stat, wait)``: wait for the copy
-    ``event`` (and ``wait``: the host step reading ``dst``), then for ``gate`` (None: no
-    coefficient, e.g. a micro-batch into its step's sum), then
-    ``dst = coef * src`` (``overwrite``) or ``dst += coef * src``, in fp32, on ``threads``
-    host threads; then ``release()`` (the staging buffer back to its pool). A skipped step's
-    pieces are dropped. ``stat``: a key under which the sum of squares of ``dst`` after the
-    add is totalled (``sums``: a step's host-side share of the global norm). ``call(fn)``
-    runs ``fn`` in order; ``fence()`` returns an event set once everything queued before it
-    has run. A failure is kept and re-raised by ``check()`` / the fence's waiters.
-    """
-
-    def __init__(self, accumulate, threads: int = 1, bind: Callable[[], None] | None = None):
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._accumulate = accumulate
-        self.threads = max(1, int(threads))
-        self._bind = bind
-        self.error: BaseException | None = None
-        self.sums: dict = {}
-        self.busy_s = 0.0  # time spent adding (throughput figures)
-        self.elements = 0
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="zenflow-accum", daemon=True)
-        self._thread.start()
-
-    def add(self, event, src, dst, gate, overwrite, release, stat=None, wait=None) -> None:
-        """Queue an add; ``wait``: an event to wait for before ``dst`` is written (the host
-        step still reading the window sum)."""
-        self._q.put(("add", event, src, dst, gate, overwrite, release, stat, wait))
-
-    def call(self, fn: Callable[[], None]) -> None:
-        self._q.put(("call", fn))
-
-    def fence(self) -> threading.Event:
-        done = threading.Event()
-        self._q.put(("fence", done))
-        return done
-
-    def _run(self) -> None:
-        if self._bind is not None:
-            self._bind()
-        torch.set_num_threads(self.threads)
-        while True:
-            item = self._q.get()
-            if item is None:
-                return
-            kind = item[0]
-            if kind == "fence":
-                item[1].set()
-                continue
-            if kind == "call":
-                try:
-                    if self.error is None:
-                        item[1]()
-                except BaseException as e:  # kept; the training thread re-raises it
-                    self.error = e
-                continue
-            _, event, src, dst, gate, overwrite, release, stat, wait = item
-            try:
-                if self.error is None:
-                    event.synchronize()
-                    if wait is not None:
-                        wait.wait()
-                    scale = 1.0
-                    if gate is not None:
-                        gate.wait()
-                        scale = gate.coef
-                    if gate is None or not gate.skip:
-                        t0 = time.perf_counter()
-                        sq = self._accumulate(dst, src, scale, overwrite, stat is not None,
-                                              self.threads)  # fmt: skip
-                        self.busy_s += time.perf_counter() - t0
-                        self.elements += dst.numel()
-                        if stat is not None:
-                            self.sums[stat] = self.sums.get(stat, 0.0) + sq
-            except BaseException as e:  # kept; the training thread re-raises it
-                self.error = e
-            finally:
-                if release is not None:
-                    release()
-
-    def check(self) -> None:
-        if self.error is not None:
-            _reraise(self.error)
-
-    def squares(self, buffers: dict) -> float:
-        """The step's host share of the squared norm: the squares totalled in-line by adds
-        (``stat`` keys ("sq", name)) plus those of ``buffers`` (name -> fp32 tensor, totalled
-        here, after the adds queued before), in float64. Waits for the accumulator; the
-        in-line totals are consumed."""
-        for name, buf in buffers.items():
-            key = ("sq", name)
-
-            def total(buf=buf, key=key):
-                self.sums[key] = float(buf.double().square().sum())
-
-            self.call(total)
-        self.drain()
-        keys = [k for k in self.sums if isinstance(k, tuple) and k[0] == "sq"]
-        return sum(self.sums.pop(k) for k in keys)
-
-    def drain(self) -> None:
-        """Block until every queued item has run (then ``check``). After close() there is
-        nothing left to add."""
-        if not self._closed:
-            self.fence().wait()
-        self.check()
-
-    def close(self) -> None:
-        """Run what is queued, then stop the thread (idempotent)."""
-        if not self._closed:
-            self._closed = True
-            self._q.put(None)
-            self._thread.join(timeout=60)

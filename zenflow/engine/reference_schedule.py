@@ -11,6 +11,8 @@ copying its result to the weights, which is what overlap means for the values:
   with the moments AND the per-column step counts carried across (the device counts
   steps, the host counts windows; bias correction uses each column's own count);
 - warm-up steps update everything: matrices by the host AdamW, the rest on the device;
+  a window's host step updates the non-selected columns only (the host's state), each
+  with its own count (one scalar count when they agree);
 - the auto update interval votes per weight (accumulated non-selected mass per column >=
   mean per-step selected mass per column) and ends the window at auto_ratio, bound 1..64;
 - a host step's lr is the lr (``window_lr`` "last") or, with "sum", the lr times the
@@ -32,7 +34,14 @@ from collections.abc import Callable
 
 import torch
 
-from zenflow.ops import adamw_step_reference_
+from zenflow.ops import (
+    adamw_q8_step_reference_,
+    adamw_step_reference_,
+    dequantize_q8_reference_,
+    q8_num_blocks,
+    quantize_q8_reference_,
+)
+from zenflow.ops.q8_reference import sqrt_rounded
 
 
 def _device_adamw(p, g, m, v, step, lr, b1, b2, eps, wd, adamw_mode=True, dim=None):
@@ -92,10 +101,23 @@ def run_reference(
     select_schedule: str = "fixed",
     host_kernel=adamw_step_reference_,
     losses: list[float] | None = None,
+    host_state: str = "exact",
+    bf16_link: bool = True,
 ) -> dict:
     """Run ``attempts`` step attempts; ``grad_fn(i, params)`` gives attempt i's gradients
-    (0-based) for the current weights. Returns the per-step weights and the window log."""
+    (0-based) for the current weights. Returns the per-step weights and the window log.
+
+    ``host_state`` "compact": the host's moments of the non-selected columns are kept in 8
+    bits (``zenflow.ops.q8_reference``: exp_avg and sqrt(exp_avg_sq), a scale per 256
+    elements of the compact layout, the selection's non-selected columns in order); a host
+    step is ``adamw_q8_step_reference_`` (``host_kernel`` its fp32 step); whenever columns
+    move, the moments are dequantised (v = u * u), moved in fp32 and quantised again for the
+    new layout. With ``bf16_link`` (a separate device) the pieces cross the link in bf16
+    before they are clipped and the window sum is kept in bf16; without it (the CPU device)
+    the window sum is fp32, where autograd writes."""
     b1, b2 = betas
+    compact = host_state == "compact"
+    Q: dict[int, list[torch.Tensor]] = {}  # compact: 8-bit moments of the non-selected columns
     P = [p.detach().clone().float() for p in params]
     zf = [i for i, cd in enumerate(column_dims) if cd is not None]
     dense = [i for i, cd in enumerate(column_dims) if cd is None]
@@ -108,7 +130,9 @@ def run_reference(
     md = {i: torch.zeros_like(P[i]) for i in range(len(P))}  # device moments (full size)
     vd = {i: torch.zeros_like(P[i]) for i in range(len(P))}
     td = dict.fromkeys(dense, 0)
-    A = {i: torch.zeros_like(P[i]) for i in zf}  # window gradient sum (non-selected cols)
+    # window gradient sum (non-selected cols): bf16 for the compact state over the link
+    sum_dtype = torch.bfloat16 if compact and bf16_link else torch.float32
+    A = {i: torch.zeros(P[i].shape, dtype=sum_dtype) for i in zf}
     sel: dict[int, torch.Tensor] = {}
     sel_mass = dict.fromkeys(zf, 0.0)
     nonsel_mass = dict.fromkeys(zf, 0.0)
@@ -134,24 +158,75 @@ def run_reference(
         g = g.float()
         return (g * g).sum(dim=1 - column_dims[i])
 
-    def host_step(i, grad, scale, lr=lr, wd=weight_decay):
-        thc[i] += 1
-        u = _uniform(thc[i])
+    def host_step(i, grad, scale, lr=lr, wd=weight_decay, cols=None):
+        """The host AdamW of weight i: every column (warm-up, ``cols`` None), or a window's
+        step over the non-selected columns ``cols`` only (the host's compact state; the
+        selected columns' host values are never read), each with its own count."""
+        d = column_dims[i]
+        if cols is None:
+            x, g, m, v = M[i], grad, mh[i], vh[i]
+            thc[i] += 1
+            counts = thc[i]
+        elif len(cols) == 0:
+            return
+        else:
+            x, g, m, v = (_cols(t, d, cols) for t in (M[i], grad, mh[i], vh[i]))
+            thc[i][cols] += 1
+            counts = thc[i][cols]
+        u = _uniform(counts)
         kw = {}
         if u is None:  # element j of the flat param is in column (j // inner) % n_cols
-            inner = 1 if column_dims[i] == P[i].dim() - 1 else P[i].shape[-1]
-            kw = {"col_steps": thc[i], "col_inner": inner}
+            inner = 1 if d == P[i].dim() - 1 else P[i].shape[-1]
+            kw = {"col_steps": counts.contiguous(), "col_inner": inner}
+        step = u if u is not None else int(counts.max())
+        if compact and cols is not None:  # 8-bit moments, in place in Q[i]
+            adamw_q8_step_reference_(
+                x.view(-1), g.contiguous().view(-1), *Q[i], step=step, lr=lr, beta1=b1,
+                beta2=b2, eps=eps, weight_decay=wd, grad_scale=scale, adam_step=host_kernel,
+                **kw,
+            )  # fmt: skip
+            _set_cols(M[i], d, cols, x)
+            return
         host_kernel(
-            M[i], grad, mh[i], vh[i], step=u if u is not None else int(thc[i].max()), lr=lr,
+            x, g.contiguous(), m, v, step=step, lr=lr,
             beta1=b1, beta2=b2, eps=eps, weight_decay=wd, grad_scale=scale, **kw,
         )  # fmt: skip
+        if cols is not None:
+            for dst, src in ((M[i], x), (mh[i], m), (vh[i], v)):
+                _set_cols(dst, d, cols, src)
 
     def apply_host(i):
         d, ns = column_dims[i], nonsel_of(i)
         _set_cols(P[i], d, ns, _cols(M[i], d, ns))
 
+    def q8_to_full(i):
+        """Compact: the 8-bit moments of the non-selected columns into mh/vh (fp32)."""
+        if i not in Q:
+            return
+        d, ns = column_dims[i], nonsel_of(i)
+        shape = list(P[i].shape)
+        shape[d] = len(ns)
+        m, u = torch.empty(shape), torch.empty(shape)
+        dequantize_q8_reference_(Q[i][0], Q[i][1], m, fmt="m")
+        dequantize_q8_reference_(Q[i][2], Q[i][3], u, fmt="u")
+        _set_cols(mh[i], d, ns, m)
+        _set_cols(vh[i], d, ns, u * u)
+
+    def full_to_q8(i):
+        """Compact: mh/vh of the (new) non-selected columns quantised into Q[i]."""
+        d, ns = column_dims[i], nonsel_of(i)
+        m = _cols(mh[i], d, ns).contiguous()
+        u = sqrt_rounded(_cols(vh[i], d, ns).contiguous())
+        blocks = q8_num_blocks(m.numel())
+        Q[i] = [torch.empty(m.numel(), dtype=torch.uint8), torch.empty(blocks),
+                torch.empty(m.numel(), dtype=torch.uint8), torch.empty(blocks)]  # fmt: skip
+        quantize_q8_reference_(m, Q[i][0], Q[i][1], fmt="m")
+        quantize_q8_reference_(u, Q[i][2], Q[i][3], fmt="u")
+
     def select(grads):
         for i in zf:
+            if compact:
+                q8_to_full(i)
             d = column_dims[i]
             s = scores(i, grads[i])
             order = torch.sort(s, descending=True, stable=True).indices[: k_of(i)]
@@ -166,6 +241,8 @@ def run_reference(
                 _set_cols(dst, d, entering, _cols(src, d, entering))
             tdc[i][entering] = thc[i][entering]
             sel[i] = new
+            if compact:
+                full_to_q8(i)
 
     for attempt in range(attempts):
         grads = [g.detach().clone().float() for g in grad_fn(attempt, [p.clone() for p in P])]
@@ -176,6 +253,7 @@ def run_reference(
         if (loss is not None and not math.isfinite(loss)) or not math.isfinite(float(total)):
             history.append([p.clone() for p in P])
             continue  # skipped: nothing changes
+        raw, coef = grads, None  # compact over the link: pieces cross before the clipping
         if clip > 0:
             coef = torch.clamp(clip / (total + 1e-6), max=1.0)
             grads = [g * coef for g in grads]
@@ -208,7 +286,13 @@ def run_reference(
             for dst, src in ((P[i], p_c), (md[i], m_c), (vd[i], v_c)):
                 _set_cols(dst, d, c, src)
             ns = nonsel_of(i)
-            _set_cols(A[i], d, ns, _cols(A[i], d, ns) + _cols(grads[i], d, ns))
+            if sum_dtype == torch.bfloat16:  # each piece in bf16, clipped, summed in bf16
+                x = _cols(raw[i], d, ns).to(torch.bfloat16).float()
+                if coef is not None:
+                    x = x * coef
+                _set_cols(A[i], d, ns, (_cols(A[i], d, ns).float() + x).to(torch.bfloat16))
+            else:
+                _set_cols(A[i], d, ns, _cols(A[i], d, ns) + _cols(grads[i], d, ns))
             if update_interval is None:
                 s = scores(i, grads[i])
                 sel_mass[i] += float(s[c].sum()) / len(c)
@@ -240,7 +324,7 @@ def run_reference(
             win_lr, win_wd = {"last": (lr, weight_decay), "sum": (lr_sum, weight_decay),
                               "sqrt": (lr_sum / root, weight_decay * root)}[window_lr]  # fmt: skip
             for i in zf:
-                host_step(i, A[i], 1.0 / n, win_lr, win_wd)
+                host_step(i, A[i], 1.0 / n, win_lr, win_wd, cols=nonsel_of(i))
                 A[i].zero_()
                 sel_mass[i] = nonsel_mass[i] = 0.0
             if overlap and not reselect:

@@ -132,7 +132,7 @@ class ZenFlowEngine:
         self.clip = float(getattr(config, "gradient_clipping", 0.0) or 0.0)
         self._start_counters(config)
 
-        masters = take_masters_and_cast(model, self.specs, self.bf16, masters)
+        masters = take_masters_and_cast(model, self.specs, self.bf16, masters, mode)
         self.model_bytes = sum(s.param.numel() * s.param.element_size() for s in self.specs)
         self.accel.set_held("weights", sum(p.numel() * p.element_size()
                                            for p in model.parameters()))  # fmt: skip
@@ -143,7 +143,8 @@ class ZenFlowEngine:
         self._split_cores(ranks_per_node)
         self.dense: list[DenseState] = []
         self.impl = self._make_mode(masters)
-        del masters  # the host state holds its own copies now
+        masters.clear()  # consumed: the modes hold what they keep (no second copy)
+        del masters
         self.stream = GradStream(
             self, self.impl, streaming=self.stream_grads and mode != "device", gas=self.gas,
             on_device_accumulation=self.grad_accumulation == "device",
@@ -166,6 +167,7 @@ class ZenFlowEngine:
         self.copy_buckets = getattr(options, "copy_buckets", "auto")
         self.window_lr = getattr(options, "window_lr", "last")
         self.select_schedule = getattr(options, "select_schedule", "fixed")
+        self.host_state = getattr(options, "host_state", "exact")
         self.gas = max(1, int(getattr(config, "gradient_accumulation_steps", 1) or 1))
 
     def _start_counters(self, config) -> None:
@@ -198,8 +200,8 @@ class ZenFlowEngine:
             return DeviceMode(self, masters)
         if self.mode == "offload":
             return OffloadMode(self, masters)
-        self.dense = [dense_state(s, masters[s.name], self.accel) for s in self.specs
-                      if not s.is_zenflow]  # fmt: skip
+        self.dense = [dense_state(s, masters.pop(s.name, None), self.accel)
+                      for s in self.specs if not s.is_zenflow]  # fmt: skip
         return ZenFlowMode(self, masters)
 
     def kernels(self):

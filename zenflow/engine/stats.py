@@ -40,6 +40,9 @@ class StepStats:
     device_peak_bytes: int | None = None
     pinned_host_bytes: int | None = None  # page-locked host bytes (modelled on sim)
     host_bytes: int | None = None  # host bytes of engine state and buffers
+    # the largest host_bytes since the engine was made (the whole run so far: set-up,
+    # selections, hand-overs, checkpoints), as allocated
+    host_peak_bytes: int | None = None
     full_syncs: int = 0  # full device synchronizations since the last step (training thread)
     d2h_reads: int = 0  # device-to-host reads since the last step (training thread)
     # share of the link bytes copied since the last step that moved while the device

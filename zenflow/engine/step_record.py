@@ -50,6 +50,7 @@ def step_stats(
         device_peak_bytes=accel.peak_bytes(),
         pinned_host_bytes=accel.pinned_bytes(),
         host_bytes=sum(accel.host_held().values()),
+        host_peak_bytes=accel.host_peak_bytes(),
         full_syncs=syncs.full,
         d2h_reads=syncs.reads,
         overlap_share=accel.overlap_share(),

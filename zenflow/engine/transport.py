@@ -5,10 +5,13 @@ One ``Transport`` per engine holds the device buckets, the pinned staging buffer
 accumulator thread and, with data parallelism, the reductions in flight. Two kinds of
 movement:
 
-- ``send_piece``: a gathered piece (a bucket) goes to pinned staging on the copy engine and
-  the accumulator adds it into an fp32 sum (a window sum, or a step's micro-batch sum);
+- ``send_piece``: a gathered piece (a bucket) goes to a slot of the pinned staging ring
+  (``copies.StagingRing``) on the copy engine and the accumulator adds it into a sum (a
+  window sum, or a step's micro-batch sum), through the weight's step store when the
+  step's gate is not set yet (``accumulator``);
 - ``send_whole``: a whole gradient goes to a host landing buffer in contiguous chunks, each
-  through a device bucket (the gradient is freed at once; only buckets are in flight).
+  through a device bucket (the gradient is freed at once; only buckets are in flight), or
+  through the ring into an fp32 sum (micro-batches summed on the host).
 
 Data parallel (``zenflow.engine.distributed``): a piece is summed into its owner rank's
 bucket by an asynchronous reduce issued from the backward hook, so the reductions overlap
@@ -28,13 +31,17 @@ from collections import deque
 
 import torch
 
-from zenflow.engine.copies import DeviceBuckets, HostStaging
+from zenflow.engine.accumulator import Accumulator
+from zenflow.engine.copies import RING_SLOTS, DeviceBuckets, HostStaging, StagingRing
 from zenflow.engine.distributed import grad_norm
-from zenflow.engine.host import Accumulator
 
 
 class Transport:
-    def __init__(self, engine, bucket_elems: int, buckets: int, kernels):
+    """The device buckets, the staging ring, the accumulator and the reductions in flight
+    of one engine. ``link_dtype``: the dtype pieces cross the link in (the training dtype;
+    bf16 with the compact host state)."""
+
+    def __init__(self, engine, bucket_elems: int, buckets: int, kernels, link_dtype=None):
         e = engine
         self.e = e
         self.accel = e.accel
@@ -43,6 +50,14 @@ class Transport:
         self.pin = e.pin_link
         self.bucket_elems = bucket_elems
         self.buckets = DeviceBuckets(e.accel, bucket_elems, e.dtype, buckets)
+        self.link_dtype = link_dtype or e.dtype
+        # pieces gathered in the training dtype cross in the link's (bf16 for the compact
+        # host state of an fp32 model): cast on the device into buckets of their own
+        self.link_buckets = None
+        if self.link_dtype != e.dtype:
+            self.link_buckets = DeviceBuckets(e.accel, bucket_elems, self.link_dtype, buckets)
+        self._ring_slots = max(RING_SLOTS, buckets)
+        self._rings: dict[torch.dtype, StagingRing] = {}
         self.accumulator = Accumulator(kernels.accumulate, e.host_threads, e.accel.bind_thread)
         self._staging: dict = {}
         self._pending: deque = deque()  # (work, bucket index or None, continuation)
@@ -83,20 +98,45 @@ class Transport:
         self.wait_s += time.perf_counter() - t0
         return buf
 
+    def ring(self, dtype: torch.dtype | None = None) -> StagingRing:
+        """The staging ring of ``dtype`` (default: the link's; a whole gradient crosses in
+        the training dtype), made on first use."""
+        dtype = dtype or self.link_dtype
+        if dtype not in self._rings:
+            self._rings[dtype] = StagingRing(self.accel, dtype, self._ring_slots,
+                                             self.bucket_elems, self.pin)  # fmt: skip
+        return self._rings[dtype]
+
+    def take_slot(self, ring: StagingRing, shape) -> tuple[int, torch.Tensor]:
+        """A slot of ``ring`` (a wait here is the link stalling backward)."""
+        t0 = time.perf_counter()
+        out = ring.take(shape)
+        self.wait_s += time.perf_counter() - t0
+        return out
+
     def take_wait(self) -> float:
         w, self.wait_s = self.wait_s, 0.0
         return w
 
     # ------------------------------------------------------------------ movement
-    def send_piece(self, bucket_i: int, bucket: torch.Tensor, staging: HostStaging, key, dst,
-                   gate, overwrite: bool, stat=None, wait=None) -> None:  # fmt: skip
-        """Copy a gathered ``bucket`` to ``staging[key]``, then add it into ``dst`` (fp32,
-        the piece's compact view) with the step's ``gate`` (after ``wait``)."""
-        staged = self.take_staging(staging, key)
+    def send_piece(self, bucket_i: int, bucket: torch.Tensor, dst, gate, overwrite: bool,
+                   stat=None, wait=None, store=None) -> None:  # fmt: skip
+        """Copy a gathered ``bucket`` (in the link's dtype) to a ring slot, then add it into
+        ``dst`` (the piece's compact view of a sum) with the step's ``gate`` (after
+        ``wait``), through ``store`` (the piece's place in the step store) until the gate
+        is set."""
+        buckets = self.buckets
+        if self.link_buckets is not None:  # cast on the device, then the cast crosses
+            j, cast = self.link_buckets.take(bucket.shape)
+            cast.copy_(bucket)
+            buckets.mark(bucket_i, self.accel.record_compute())
+            buckets, bucket_i, bucket = self.link_buckets, j, cast
+        ring = self.ring(bucket.dtype)
+        i, staged = self.take_slot(ring, bucket.shape)
         ev = self.accel.copy_d2h(staged, bucket)
-        self.buckets.mark(bucket_i, ev)
-        self.accumulator.add(ev, staged, dst, gate, overwrite, lambda: staging.give(key), stat,
-                             wait)  # fmt: skip
+        buckets.mark(bucket_i, ev)
+        self.accumulator.add(ev, staged, dst, gate, overwrite, lambda: ring.give(i), stat, wait,
+                             store)  # fmt: skip
 
     def send_whole(self, g: torch.Tensor, chunks, owner: int, *, landing=None, sums=None,
                    staging=None, first: bool = True, stat=None, sq_out: list | None = None,
@@ -104,7 +144,8 @@ class Transport:
         """A whole gradient ``g`` to its owner's host, chunk by chunk through the device
         buckets (so the gradient itself is free at once and only buckets are in flight):
         into ``landing`` (flat, training dtype; the copy events go to ``events``), or, with
-        ``sums`` (flat fp32), through ``staging`` into that sum (``first``: overwrite).
+        ``sums`` (flat fp32), through ``staging`` (per chunk; None: the ring) into that sum
+        (``first``: overwrite).
         Data parallel: each chunk is reduced into the owner's bucket first; the owner's
         chunk squares go to ``sq_out`` (the averaged gradient's norm)."""
         dp, accel = self.dp, self.accel
@@ -126,12 +167,17 @@ class Transport:
                     self.buckets.mark(i, ev)
                     events.append(ev)
                     return
-                key = (lo, hi)
-                staged = self.take_staging(staging, key)
+                if staging is None:
+                    ring = self.ring(bucket.dtype)
+                    slot, staged = self.take_slot(ring, (hi - lo,))
+                    release = lambda ring=ring, slot=slot: ring.give(slot)  # noqa: E731
+                else:
+                    key = (lo, hi)
+                    staged = self.take_staging(staging, key)
+                    release = lambda key=key: staging.give(key)  # noqa: E731
                 ev = accel.copy_d2h(staged, bucket)
                 self.buckets.mark(i, ev)
-                self.accumulator.add(ev, staged, sums[lo:hi], None, first,
-                                     lambda: staging.give(key), stat)  # fmt: skip
+                self.accumulator.add(ev, staged, sums[lo:hi], None, first, release, stat)
 
             if dp.enabled:
                 self.after_reduce(dp.reduce_async(bucket, owner), i, onward)

@@ -1,7 +1,9 @@
 """``zfctl bench``: the same model and batch through each engine, alternating, in one table.
 
 Engines (``ENGINES``): ``floor`` (forward+backward only, no optimizer), ``device`` (plain
-AdamW: our engine's mode "device"), ``offload`` (ours, ZeRO-Offload), ``zenflow-sync`` and
+AdamW: our engine's mode "device"), ``lora`` (LoRA adapters of rank 8 on the same model,
+``zenflow.train.lora``, trained by the device mode's AdamW; its device bytes per parameter
+are over the base's parameters), ``offload`` (ours, ZeRO-Offload), ``zenflow-sync`` and
 ``zenflow-overlap`` (ours, ZenFlow with ``overlap_step`` false/true), ``deepspeed-offload``
 and ``deepspeed-zenflow`` (DeepSpeed 0.19.6's own, through ``DeepSpeedAdapter``, with the
 same zenflow block). ``deepspeed-zenflow`` is measured with ``overlap_step`` false and true
@@ -52,7 +54,7 @@ from zenflow import jsonout
 from zenflow.errors import UserInputError
 from zenflow.outputs import write_text
 
-ENGINES = ("floor", "device", "offload", "zenflow-sync", "zenflow-overlap",
+ENGINES = ("floor", "device", "lora", "offload", "zenflow-sync", "zenflow-overlap",
            "deepspeed-offload", "deepspeed-zenflow")  # fmt: skip
 DEEPSPEED_ENGINES = ("deepspeed-offload", "deepspeed-zenflow")
 DEVICES = ("cpu", "sim", "cuda")

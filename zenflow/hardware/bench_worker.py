@@ -29,8 +29,8 @@ GPT2_SMALL = (12, 768)
 PRESET_RE = re.compile(r"^(\d+)x(\d+)$")
 GPT2_VOCAB = 50257
 GPT2_EOS = 50256
-ENGINE_MODES = {"device": "device", "offload": "offload", "zenflow-sync": "zenflow",
-                "zenflow-overlap": "zenflow"}  # fmt: skip
+ENGINE_MODES = {"device": "device", "lora": "device", "offload": "offload",
+                "zenflow-sync": "zenflow", "zenflow-overlap": "zenflow"}  # fmt: skip
 
 
 def preset_shape(name: str) -> tuple[int, int] | None:
@@ -102,6 +102,13 @@ def _make_engine(job: dict, model):
         return DeepSpeedAdapter(model, config)
     from zenflow.engine.schedule import ZenFlowEngine
 
+    if name == "lora":  # adapters injected into ``model`` in place: its forward runs them
+        from zenflow.train.lora import lora_resolved, wrap_lora
+
+        wrapped = wrap_lora(model, config.engine.lora, "classification", job["seed"])
+        engine = ZenFlowEngine(wrapped, config, mode="device", accelerator=job["device"])
+        engine.resolved.update(lora_resolved(wrapped))
+        return engine
     return ZenFlowEngine(model, config, mode=ENGINE_MODES[name], accelerator=job["device"])
 
 

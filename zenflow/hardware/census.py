@@ -61,6 +61,16 @@ class ParamCensus:
     largest_numel: int  # largest trainable param (sets the staging bucket)
     arch: ArchShape | None = None
     tied_numel: int = 0  # the largest ZenFlow weight used by two modules (a tied LM head)
+    # --engine lora: (in, out) of each projection peft's "all-linear" adapts, and the params
+    # of the classification head it trains whole (zenflow.train.lora.lora_linear_shapes)
+    lora_linear: tuple[tuple[int, int], ...] = ()
+    lora_head: int = 0
+    dense_tensors: int = 0  # how many dense params (each its own copy in the offload engine)
+
+    def lora_params(self, rank: int) -> int:
+        """Trainable params of --engine lora at ``rank``: r x (in + out) per adapted
+        projection, and the head."""
+        return sum(rank * (i + o) for i, o in self.lora_linear) + self.lora_head
 
     @property
     def zenflow_params(self) -> int:  # Pz
@@ -98,15 +108,14 @@ class ParamCensus:
         """The largest one weight's selected elements (rows x k)."""
         return max((r * num_selected(c, topk_ratio) for r, c in self.zenflow_weights), default=0)
 
-    def crowded_numel(self, topk_ratio: float) -> int:
-        """Elements of the ZenFlow weights whose own host buffers (2 x the non-selected
-        elements) cannot hold the whole weight: more than half their columns selected. Their
-        whole-gradient steps (first selection, warm-up) need landing buffers of their own."""
-        out = 0
-        for rows, n_cols in self.zenflow_weights:
-            if 2 * (n_cols - num_selected(n_cols, topk_ratio)) < n_cols:
-                out += rows * n_cols
-        return out
+    def nonselected(self, topk_ratio: float) -> list[int]:
+        """N of every ZenFlow weight (rows x its non-selected columns), in census order: the
+        elements of its compact host state."""
+        return [r * (c - num_selected(c, topk_ratio)) for r, c in self.zenflow_weights]
+
+    def nonselected_columns(self, topk_ratio: float) -> int:
+        """Non-selected columns over all ZenFlow weights (a host step count each)."""
+        return sum(c - num_selected(c, topk_ratio) for _, c in self.zenflow_weights)
 
     def selected(self, topk_ratio: float) -> tuple[int, int]:
         """(S, sum of k): selected elements and selected columns over all ZenFlow weights."""
@@ -120,7 +129,7 @@ class ParamCensus:
 
 def census_of(model, *, name: str, source: str, arch: ArchShape | None = None) -> ParamCensus:
     """Count ``model``'s trainable params with the engine's own classification."""
-    params = dense = largest = tied = 0
+    params = dense = largest = tied = dense_tensors = 0
     weights = []
     uses: dict[int, int] = {}
     for module in model.modules():
@@ -136,7 +145,12 @@ def census_of(model, *, name: str, source: str, arch: ArchShape | None = None) -
                 tied = max(tied, n)
         else:
             dense += n
-    return ParamCensus(name, source, params, dense, tuple(weights), largest, arch, tied)
+            dense_tensors += 1
+    from zenflow.train.lora import lora_linear_shapes
+
+    lora_linear, lora_head = lora_linear_shapes(model)
+    return ParamCensus(name, source, params, dense, tuple(weights), largest, arch, tied,
+                       lora_linear, lora_head, dense_tensors)  # fmt: skip
 
 
 def _positions(config) -> int | None:

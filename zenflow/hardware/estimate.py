@@ -2,13 +2,15 @@
 
 ``zenflow.hardware.layout`` turns a ``ParamCensus`` (``zenflow.hardware.census``: the trainable
 params counted on the meta device, as the engine classifies them) into itemised bytes on the
-device and on the host for one engine mode (the formulas, one line per buffer). Here
-``estimate`` checks every mode against a ``Budget`` (given or detected memory), and
-``preflight`` is that check as ``zfctl finetune`` runs it: a refusal names the shortfall, the
-largest holders and the changes that make the run fit. The layout's and the census's public
-names are re-exported, so ``zenflow.hardware.estimate`` is the one import for callers.
+device and on the host for one engine mode (the formulas, one line per buffer), and
+``zenflow.hardware.host_peak`` into the host bytes of each phase of a whole run. Here
+``estimate`` checks every mode (ZenFlow in both ``zfctl.host_state``s) against a ``Budget``
+(given or detected memory): the device at the peak of a step, the host at the whole run's
+peak. ``zenflow.hardware.preflight`` is that check as ``zfctl finetune`` runs it. The layout's
+and the census's public names are re-exported, so ``zenflow.hardware.estimate`` is the one
+import for callers of the estimate.
 
-Must not hold a formula of its own: every byte comes from ``layout``.
+Must not hold a formula of its own: every byte comes from ``layout`` and ``host_peak``.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from zenflow.errors import UserInputError
 from zenflow.hardware.census import (
     ArchShape,
     EstimateError,
@@ -28,10 +29,12 @@ from zenflow.hardware.census import (
     preset_names,
     resolve_census,
 )
+from zenflow.hardware.host_peak import RUNTIME_BYTES, Phase, host_peak, host_phases
 from zenflow.hardware.layout import (
     DEVICE_CATEGORIES,
     ENGINE_MODES,
     HOST_CATEGORIES,
+    HOST_STATES,
     Item,
     Settings,
     activation_bytes,
@@ -40,20 +43,18 @@ from zenflow.hardware.layout import (
 )
 
 __all__ = [
-    "ArchShape", "Budget", "EngineEstimate", "Estimate", "EstimateError", "Item", "ParamCensus",
-    "Settings", "WillNotFitError", "activation_bytes", "census_of", "detect_budget", "estimate",
-    "layout", "parse_size", "preflight", "preset_names", "resolve_census", "settings_from_config",
+    "ArchShape", "Budget", "EngineEstimate", "Estimate", "EstimateError", "HOST_STATES", "Item",
+    "ParamCensus", "Settings", "activation_bytes", "census_of", "check", "detect_budget",
+    "estimate", "human_bytes", "layout", "parse_size", "preset_names", "resolve_census",
+    "settings_from_config",
 ]  # fmt: skip
 
 ENGINE_TITLES = {
     "device": "plain AdamW on the device",
     "offload": "ZeRO-Offload: optimizer on the host",
     "zenflow": "ZenFlow: selected columns on the device, the rest on the host",
+    "lora": "LoRA: the base frozen, adapters and head trained with AdamW on the device",
 }
-
-
-class WillNotFitError(UserInputError):
-    """The preflight check: the run cannot fit the device or host memory."""
 
 
 # --------------------------------------------------------------------------- sizes
@@ -92,6 +93,15 @@ def parse_size(text: str | int, flag: str = "size") -> int:
     return n
 
 
+def human_bytes(n: int | float) -> str:
+    """Binary units, 3 significant figures: "12.3 GiB", "512 MiB", "40 KiB", "0 B"."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            v = n / size
+            return f"{v:.3g} {unit}" if v < 100 else f"{v:.0f} {unit}"
+    return f"{int(n)} B"
+
+
 # --------------------------------------------------------------------------- the budget
 
 
@@ -119,7 +129,7 @@ def detect_budget(device_mem: int | None = None, host_mem: int | None = None) ->
             host_mem = 0
         if not host_mem:
             raise EstimateError("Cannot read MemAvailable from /proc/meminfo; pass --host-mem.")
-        host_source = "MemAvailable"
+        host_source = "this machine's MemAvailable; --host-mem plans for another"
     else:
         host_source = "--host-mem"
     if device_mem is not None:
@@ -144,6 +154,9 @@ class EngineEstimate:
     short: dict[str, int]  # side ("device", "host" or "memory") -> bytes missing
     params: int
     spare: dict[str, int] = dataclasses.field(default_factory=dict)  # side -> bytes left
+    host_state: str | None = None  # ZenFlow's zfctl.host_state; None for the other engines
+    phases: tuple[Phase, ...] = ()  # the host bytes of each phase of a run
+    runtime_bytes: int = RUNTIME_BYTES
 
     @property
     def fits(self) -> bool:
@@ -158,7 +171,19 @@ class EngineEstimate:
 
     @property
     def host_bytes(self) -> int:
+        """The host's steady state, between steps (the layout's host items)."""
         return self.side_bytes("host")
+
+    @property
+    def host_peak_bytes(self) -> int:
+        """The whole run's host peak: its largest phase plus the process's runtime."""
+        if not self.phases:
+            return self.host_bytes + self.runtime_bytes
+        return host_peak(list(self.phases), self.runtime_bytes)[0]
+
+    @property
+    def host_peak_phase(self) -> str:
+        return host_peak(list(self.phases), self.runtime_bytes)[1] if self.phases else "steps"
 
     @property
     def device_state_bytes(self) -> int:
@@ -188,10 +213,19 @@ class EngineEstimate:
         return sorted(flat, key=lambda h: -h[2])[:n]
 
     def to_json(self) -> dict[str, Any]:
+        title = ENGINE_TITLES[self.mode]
+        if self.host_state is not None:
+            title += f" (zfctl.host_state {self.host_state})"
         return {
-            "title": ENGINE_TITLES[self.mode],
+            "title": title,
+            "mode": self.mode,
+            "host_state": self.host_state,
             "device_bytes": self.device_bytes,
             "host_bytes": self.host_bytes,
+            "host_peak_bytes": self.host_peak_bytes,
+            "host_peak_phase": self.host_peak_phase,
+            "host_phases": {p.name: {"bytes": p.bytes, "terms": p.terms} for p in self.phases},
+            "host_runtime_bytes": self.runtime_bytes,
             "pinned_bytes": self.pinned_bytes,
             "fits": self.fits,
             "short_bytes": dict(self.short),
@@ -211,23 +245,29 @@ def _item_json(i: Item) -> dict[str, Any]:
     return dataclasses.asdict(i)
 
 
-def check(items: list[Item], s: Settings, budget: Budget, mode: str, params: int):
-    """Pinned bytes and shortfall of one engine's items against the budget."""
+def check(
+    census: ParamCensus, mode: str, s: Settings, budget: Budget, runtime: int = RUNTIME_BYTES
+) -> EngineEstimate:
+    """``mode``'s layout and whole-run host phases, checked against the budget: the device at
+    the peak of a step, the host at the whole run's peak (with one memory, both together)."""
+    items = layout(census, mode, s)
+    phases = tuple(host_phases(census, mode, s, items))
     dev = sum(i.bytes for i in items if i.side == "device")
-    host = sum(i.bytes for i in items if i.side == "host")
+    host = host_peak(list(phases), runtime)[0]
     # Pinned: the buffers that cross the link, when pin_memory is on and there is a separate
     # device to copy to by DMA (on the CPU there is nothing to pin for).
     pinned = 0
     if s.pin_memory and not budget.device_is_host:
         pinned = sum(i.bytes for i in items if i.side == "host" and i.pinned)
-    short: dict[str, int] = {}
     if budget.device_is_host:  # one memory: both sides must fit the available RAM together
         left = {"memory": budget.host_bytes - dev - host}
     else:
         left = {"device": budget.device_bytes - dev, "host": budget.host_bytes - host}
     short = {k: -v for k, v in left.items() if v < 0}
     spare = {k: v for k, v in left.items() if v >= 0}
-    return EngineEstimate(mode, tuple(items), pinned, short, params, spare)
+    state = s.host_state if mode == "zenflow" else None
+    return EngineEstimate(mode, tuple(items), pinned, short, census.params, spare, state,
+                          phases, runtime)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -254,6 +294,8 @@ class Estimate:
             "selected_columns": K,
             "bucket_elements": c.bucket_elements,
             "engines": {m: e.to_json() for m, e in self.engines.items()},
+            "host_state": s.host_state,
+            "host_states": self.host_state_verdict(),
             "device_mem": b.device_bytes,
             "host_mem": b.host_bytes,
             "device_is_host": b.device_is_host,
@@ -269,9 +311,37 @@ class Estimate:
             "gradient_accumulation_steps": s.gradient_accumulation_steps,
             "grad_accumulation": s.grad_accumulation,
             "gradient_checkpointing": s.gradient_checkpointing,
+            "update_interval": s.update_interval,
             "activations": {"bytes": act, "formula": formula, "is_estimate": True},
+            "host_runtime_bytes": RUNTIME_BYTES,
             "warnings": self.warnings(),
         }
+
+    def zenflow_states(self) -> dict[str, EngineEstimate]:
+        """ZenFlow in each host state: the configured one (row "zenflow") and the other."""
+        out = {}
+        for e in self.engines.values():
+            if e.mode == "zenflow" and e.host_state is not None:
+                out[e.host_state] = e
+        return out
+
+    def host_state_verdict(self) -> dict[str, Any]:
+        """Which ``zfctl.host_state`` ZenFlow fits with: exact when it fits, else compact
+        when that does, each with its headroom or shortfall (host, or device + host on one
+        memory), and one sentence saying so."""
+        states = self.zenflow_states()
+        figures: dict[str, Any] = {}
+        for name in HOST_STATES:
+            e = states.get(name)
+            if e is not None:
+                figures[name] = {
+                    "fits": e.fits,
+                    "host_peak_bytes": e.host_peak_bytes,
+                    "spare_bytes": dict(e.spare),
+                    "short_bytes": dict(e.short),
+                }
+        choice = next((n for n in HOST_STATES if n in states and states[n].fits), None)
+        return {**figures, "choice": choice, "sentence": _state_sentence(states, choice)}
 
     def warnings(self) -> list[str]:
         """Settings the run would refuse although the memory fits (the estimate is still
@@ -286,143 +356,48 @@ class Estimate:
         return []
 
 
-def estimate(
-    census: ParamCensus, settings: Settings, budget: Budget, head: str = "classification"
-) -> Estimate:
-    """The layout of every engine mode, checked against ``budget``."""
-    engines = {
-        m: check(layout(census, m, settings), settings, budget, m, census.params)
-        for m in ENGINE_MODES
-    }
-    return Estimate(census, settings, budget, engines, head)
+def _margin(e: EngineEstimate) -> str:
+    """The margin in words: "with 13.2 GiB of host to spare" or "short by 30.1 GiB of host"."""
+    where = {"device": "device", "host": "host", "memory": "RAM"}
+    if e.fits:
+        side = "memory" if "memory" in e.spare else "host"
+        return f"with {human_bytes(e.spare[side])} of {where[side]} to spare"
+    return "short by " + " and ".join(f"{human_bytes(v)} of {where[k]}"
+                                      for k, v in e.short.items())  # fmt: skip
 
 
-# --------------------------------------------------------------------------- preflight
-
-
-def fmt_gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
-
-
-TOPK_FIXES = (0.05, 0.02, 0.01)  # lower topk_ratio values a refusal may suggest
-
-
-def _fixes(census: ParamCensus, s: Settings, budget: Budget, mode: str) -> list[str]:
-    """Changes (as zfctl finetune flags) that make the run fit, each checked by the layout:
-    single changes first (a lower topk_ratio, bf16, a smaller micro-batch, another engine);
-    when none suffices alone, the first combination of them that does."""
-
-    def fitting(m: str, st: Settings) -> EngineEstimate | None:
-        e = check(layout(census, m, st), st, budget, m, census.params)
-        return e if e.fits else None
-
-    def sizes(e: EngineEstimate) -> str:
-        return f"device {fmt_gib(e.device_bytes)}, host {fmt_gib(e.host_bytes)}"
-
-    # (flag text, engine mode, settings) for each single change, mildest first.
-    changes: list[tuple[str, str, Settings]] = []
-    if mode == "zenflow":
-        lower = [k for k in TOPK_FIXES if k < s.topk_ratio]
-        fit_k = next((k for k in lower if fitting(mode, dataclasses.replace(s, topk_ratio=k))),
-                     lower[-1] if lower else None)  # fmt: skip
-        if fit_k is not None:
-            changes.append((f"--set zero_optimization.zenflow.topk_ratio={fit_k}", mode,
-                            dataclasses.replace(s, topk_ratio=fit_k)))  # fmt: skip
-    if not s.bf16:
-        changes.append(("--set bf16.enabled=true", mode, dataclasses.replace(s, bf16=True)))
-    smaller = [mb for mb in (s.micro_batch // 2**i for i in range(1, 12)) if mb >= 1]
-    if smaller:
-        mb = next((m for m in smaller if fitting(mode, dataclasses.replace(s, micro_batch=m))),
-                  1)  # fmt: skip
-        changes.append((f"--micro-batch {mb}", mode, dataclasses.replace(s, micro_batch=mb)))
-    for other in ("offload", "zenflow") if mode == "device" else ("offload",):
-        if other != mode:
-            changes.append((f"--engine {other}", other, s))
-    singles = [f"{flags} ({sizes(e)})" for flags, m, st in changes if (e := fitting(m, st))]
-    if singles:
-        return singles
-    # None alone: accumulate them (topk, bf16, micro-batch, then the engine) until it fits.
-    flags_all: list[str] = []
-    m, st = mode, s
-    for flags, m_change, st_change in changes:
-        flags_all.append(flags)
-        m = m_change
-        st = dataclasses.replace(
-            st, topk_ratio=min(st.topk_ratio, st_change.topk_ratio), bf16=st.bf16 or st_change.bf16,
-            micro_batch=min(st.micro_batch, st_change.micro_batch),
-        )  # fmt: skip
-        if e := fitting(m, st):
-            return [f"together: {' '.join(flags_all)} ({sizes(e)})"]
-    return []
-
-
-def refusal_message(result: Estimate, mode: str) -> str:
-    """The shortfall of ``mode`` and the fixes that would make it fit."""
-    eng, b, c = result.engines[mode], result.budget, result.census
-    parts = []
-    for side, missing in eng.short.items():
-        if side == "memory":
-            need, have = eng.device_bytes + eng.host_bytes, b.host_bytes
-            where = f"in RAM ({b.device_source}: device and host share it; {b.host_source})"
-        elif side == "device":
-            need, have = eng.device_bytes, b.device_bytes
-            where = f"on the device ({b.device_source})"
-        else:
-            need, have, where = eng.host_bytes, b.host_bytes, f"on the host ({b.host_source})"
-        parts.append(f"needs {fmt_gib(need)} {where} but has {fmt_gib(have)}: short by "
-                     f"{fmt_gib(missing)}")  # fmt: skip
-    side = "host" if set(eng.short) == {"host"} else "device"
-    big = ", ".join(f"{i.what} {fmt_gib(i.bytes)}" for i in eng.largest_items(3, side))
-    fixes = _fixes(c, result.settings, b, mode)
-    fix = ("Fix: " + "; or ".join(fixes) + "." if fixes else
-           "Neither a lower topk_ratio, bf16, a smaller micro-batch nor --engine offload, "
-           "alone or together, makes it fit: use a machine with more memory or a smaller "
-           "model.")  # fmt: skip
+def _state_sentence(states: dict[str, EngineEstimate], choice: str | None) -> str:
+    if not states:
+        return ""
+    exact, compact = states.get("exact"), states.get("compact")
+    peaks = {n: human_bytes(e.host_peak_bytes) for n, e in states.items()}
+    if choice == "exact":
+        return (f"zenflow fits with zfctl.host_state exact (the default): whole-run host peak "
+                f"{peaks['exact']}, {_margin(exact)}.")  # fmt: skip
+    if choice == "compact":
+        return (
+            f'zenflow fits with zfctl.host_state "compact" (8-bit moments, bf16 window sum): '
+            f"whole-run host peak {peaks['compact']}, {_margin(compact)}; exact does not fit "
+            f"(peak {peaks['exact']}, {_margin(exact)}). Set it with --set "
+            'zfctl.host_state=compact or "zfctl": {"host_state": "compact"} in the config.'
+        )
     return (
-        f"{c.model} will not fit with the {mode} engine: it "
-        + "; it ".join(parts)
-        + f". Largest holders: {big}. {fix} `zfctl estimate {c.model}` shows the full layout; "
-        "--force skips this check."
+        "zenflow fits in neither host state: "
+        + "; ".join(f"{n} peak {peaks[n]}, {_margin(e)}" for n, e in states.items())
+        + "."
     )
 
 
-def preflight(
-    model: str,
-    *,
-    mode: str,
-    config=None,
-    micro_batch: int | None = None,
-    seq_len: int | None = None,
-    num_labels: int = 2,
-    head: str = "classification",
-    device_mem: str | int | None = None,
-    host_mem: str | int | None = None,
-    gradient_checkpointing: bool = False,
-    separate_device: bool = True,
-) -> Estimate | None:
-    """Refuse a run that cannot fit (``WillNotFitError``: the shortfall and the fix).
-
-    Reads only MODEL's config (meta device): nothing is allocated. A model whose config cannot
-    be resolved here returns None: the run then reports that problem with its own message.
-    """
-    dev = parse_size(device_mem, "--device-mem") if device_mem is not None else None
-    hst = parse_size(host_mem, "--host-mem") if host_mem is not None else None
-    try:
-        census = resolve_census(model, head=head, num_labels=num_labels)
-    except EstimateError:
-        return None
-    s = settings_from_config(config, micro_batch=micro_batch, seq_len=seq_len,
-                             gradient_checkpointing=gradient_checkpointing)  # fmt: skip
-    if not separate_device:  # the CPU device: bf16 "auto" is off, no streaming
-        s = dataclasses.replace(
-            s,
-            bf16=config is not None and config.bf16 is True,
-            stream_grads=False,
-            cpu_device=True,
-        )
-    result = estimate(census, s, detect_budget(dev, hst))
-    if mode == "deepspeed":  # DeepSpeed's own ZenFlow or ZeRO-Offload: the same layouts
-        mode = "zenflow" if config is not None and config.zenflow is not None else "offload"
-    if not result.engines[mode].fits:
-        raise WillNotFitError(refusal_message(result, mode))
-    return result
+def estimate(
+    census: ParamCensus, settings: Settings, budget: Budget, head: str = "classification"
+) -> Estimate:
+    """The layout of every engine mode, checked against ``budget``; ZenFlow twice: in the
+    configured ``zfctl.host_state`` (row "zenflow") and in the other one."""
+    other = "compact" if settings.host_state == "exact" else "exact"
+    alt = dataclasses.replace(settings, host_state=other)
+    engines = {}
+    for m in ENGINE_MODES:
+        engines[m] = check(census, m, settings, budget)
+        if m == "zenflow":  # the other host state right after it
+            engines[f"zenflow ({other})"] = check(census, "zenflow", alt, budget)
+    return Estimate(census, settings, budget, engines, head)

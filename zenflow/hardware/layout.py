@@ -6,14 +6,24 @@ Notation (as in ZENFLOW.md section 2b): P = trainable params, Pz = params of Zen
 S = selected elements (sum over ZenFlow weights of rows x k), N = Pz - S, dt = bytes of the
 training dtype (2 bf16, 4 fp32), B = elements of one staging bucket, nb = device buckets
 (2; 4 with data parallelism), L = elements of the largest gradient the stream routes (the
-one being produced during backward).
+one being produced during backward), A = trainable params of --engine lora (its adapters
+and the head, ``ParamCensus.lora_params``).
 
 The layout is the streamed one (``zfctl.stream_grads``, on for a separate device): every
 gradient leaves the device as backward produces it, so the device holds the selected
 columns' gradient (S), the always-important parameters' (Pd), the one in flight (L) and the
 buckets, at the peak of backward. Without streaming, or with micro-batches summed on the
 device (``zfctl.grad_accumulation: "device"``), it holds the whole gradient (P) instead.
-Only what crosses the link is pinned: staging, images, landing buffers.
+
+ZenFlow's host keeps only the non-selected columns of each weight, compact
+(``zfctl.host_state``): "exact" holds an fp32 master, fp32 moments and an fp32 window sum
+(16 N bytes), "compact" the fp32 master, 8-bit block-wise moments with two fp32 scales per
+256 elements and a bf16 window sum (8 N + 8 N/256); both an int64 step count per
+non-selected column, and a store of the step's pieces in the link's dtype while they wait
+for the step's clipping coefficient (N x 2 in bf16; micro-batches summed on the host: their
+fp32 sum instead). The link is a bounded ring of pinned staging slots and one pinned read
+buffer; the master is pinned too (the host->device return reads it). These are the steady
+state, between steps; ``zenflow.hardware.host_peak`` adds what a whole run holds on top.
 
 Every item has a category the engine's own memory accounting uses: on the device "weights",
 "grads", "optimizer" (fp32 master slices, moments, step counts), "staging" (copy buckets)
@@ -28,10 +38,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from zenflow.engine.accelerator.base import READ_BUFFER_BYTES
 from zenflow.engine.copies import bucket_count
 from zenflow.hardware.census import ArchShape, EstimateError, ParamCensus
 
-ENGINE_MODES = ("device", "offload", "zenflow")
+ENGINE_MODES = ("device", "offload", "zenflow", "lora")
+HOST_STATES = ("exact", "compact")  # zfctl.host_state
+Q8_BLOCK = 256  # elements per fp32 scale of the compact state's 8-bit moments (zenflow.ops)
+RING_MIN_SLOTS = 4  # pinned staging slots of the link: max(4, copy buckets)
 DEVICE_CATEGORIES = ("weights", "grads", "optimizer", "staging", "activations")
 HOST_CATEGORIES = ("master_moments", "accumulators", "staging")
 
@@ -54,6 +68,12 @@ class Settings:
     warmup: bool = False  # full_warm_up_rounds > 0: warm-up images on the host
     cpu_device: bool = False  # the device is the CPU: ZenFlow sums where autograd writes
     copy_buckets: int | None = None  # zfctl.copy_buckets (None: "auto")
+    host_state: str = "exact"  # zfctl.host_state: "exact" or "compact"
+    update_interval: int = 4  # S, steps per host window ("auto" is taken as 4)
+    lora_rank: int = 8  # --engine lora: the adapters' rank (zfctl.lora.rank)
+    # saving copies device tensors to the host, one storage at a time (cuda); sim's and the
+    # CPU's tensors already live in host memory
+    copies_on_save: bool = True
 
     @property
     def whole_grads(self) -> bool:
@@ -71,6 +91,16 @@ class Settings:
     @property
     def dtype_bytes(self) -> int:
         return 2 if self.bf16 else 4
+
+    @property
+    def compact(self) -> bool:
+        return self.host_state == "compact"
+
+    @property
+    def link_bytes(self) -> int:
+        """Bytes of one element crossing the link device->host: the training dtype, bf16 in
+        the compact state even for an fp32 model (cast on the device before the copy)."""
+        return 2 if self.compact else self.dtype_bytes
 
     @property
     def dtype(self) -> str:
@@ -92,13 +122,19 @@ def settings_from_config(config=None, **overrides: Any) -> Settings:
         values["stream_grads"] = config.engine.stream_grads in (True, "auto")
         if config.engine.copy_buckets != "auto":
             values["copy_buckets"] = int(config.engine.copy_buckets)
+        values["host_state"] = getattr(config.engine, "host_state", "exact")
+        values["lora_rank"] = int(config.engine.lora.rank)
         if config.zenflow is not None:
             values["topk_ratio"] = float(config.zenflow.topk_ratio)
             values["overlap_step"] = bool(config.zenflow.overlap_step)
             values["warmup"] = int(config.zenflow.full_warm_up_rounds) > 0
+            if config.zenflow.update_interval != "auto":
+                values["update_interval"] = int(config.zenflow.update_interval)
     values.update({k: v for k, v in overrides.items() if v is not None})
     if not 0 < values.get("topk_ratio", 0.1) <= 1:
         raise EstimateError(f"--topk-ratio must be in (0, 1], got {values['topk_ratio']}.")
+    if values.get("host_state", "exact") not in HOST_STATES:
+        raise EstimateError(f"--host-state {values['host_state']!r}: use exact or compact.")
     return Settings(**values)
 
 
@@ -157,6 +193,8 @@ class _Buffers:
         self.B = census.bucket_elements
         self.fp32_state = 12 if s.bf16 else 8  # + fp32 master only when the weights are bf16
         self.dp = s.world_size > 1
+        # ZenFlow's device copy buckets: the user's count ("auto": the engine's rule)
+        self.copy_buckets = bucket_count(s.copy_buckets, self.dp, self.N, self.B)
 
     def dev(self, cat: str, what: str, n: int, formula: str) -> None:
         self.items.append(Item("device", cat, what, int(n), formula))
@@ -180,6 +218,8 @@ def layout(census: ParamCensus, mode: str, s: Settings) -> list[Item]:
         _device_engine(b)
     elif mode == "offload":
         _offload_engine(b)
+    elif mode == "lora":
+        _lora_engine(b)
     else:
         _zenflow_engine(b)
     return _with_activations(b.items, census, s)
@@ -192,6 +232,20 @@ def _device_engine(b: _Buffers) -> None:
     b.dev("optimizer", "exp_avg + exp_avg_sq (fp32)", P * 8, "P*8")
     if b.s.bf16:
         b.dev("optimizer", "master weights (fp32)", P * 4, "P*4")
+
+
+def _lora_engine(b: _Buffers) -> None:
+    """--engine lora: the base frozen in the training dtype (above), adapters of rank r on
+    every projection peft's "all-linear" adapts and the head's trained copy (A = r x (in +
+    out) summed, + the head), their gradients and mixed-precision AdamW on the device. The
+    host holds nothing of the optimizer."""
+    A, dt, dn, r = b.census.lora_params(b.s.lora_rank), b.dt, b.dn, b.s.lora_rank
+    b.dev("weights", f"LoRA adapters (rank {r}) + the head's trained copy ({dn})", A * dt,
+          f"A*{dt}")  # fmt: skip
+    b.dev("grads", f"adapters' and head's gradients ({dn})", A * dt, f"A*{dt}")
+    b.dev("optimizer", "adapters' and head's exp_avg + exp_avg_sq (fp32)", A * 8, "A*8")
+    if b.s.bf16:
+        b.dev("optimizer", "adapters' and head's master weights (fp32)", A * 4, "A*4")
 
 
 def _offload_engine(b: _Buffers) -> None:
@@ -216,15 +270,18 @@ def _offload_engine(b: _Buffers) -> None:
 
 
 def _zenflow_engine(b: _Buffers) -> None:
-    """ZenFlow: the selected columns on the device, the rest on the host."""
+    """ZenFlow: the selected columns on the device, the rest on the host (compact)."""
     _zenflow_device(b)
-    # full-shape host state: a column may move to the host at any re-selection
-    b.host("master_moments", "ZenFlow weights: master + moments (fp32)", b.Pz * 12, "Pz*12")
+    _zenflow_host_state(b)
     if b.s.cpu_device:  # zero-copy: full-shape fp32 sums, 2 with overlap; nothing crosses
         slots = 2 if b.s.overlap_step else 1
         b.dev("optimizer", f"window sums, full shape (fp32, {slots} slot"
               f"{'s' * (slots > 1)}: the CPU device sums where autograd writes)",
               b.Pz * 4 * slots, f"Pz*4*{slots}")  # fmt: skip
+        # the host step gathers one weight's window sum into a compact fp32 temporary
+        big = max(b.census.nonselected(b.s.topk_ratio), default=0)
+        b.host("accumulators", "one weight's window sum, gathered compact (fp32)", big * 4,
+               "4*max(N per weight)")  # fmt: skip
         return
     _zenflow_host_link(b)
 
@@ -233,7 +290,7 @@ def _zenflow_device(b: _Buffers) -> None:
     """ZenFlow's device side: gradients, the selected columns' and dense params' state,
     the copy buckets."""
     census, s = b.census, b.s
-    P, Pd, S, K, N, B, dt, dn = b.P, b.Pd, b.S, b.K, b.N, b.B, b.dt, b.dn
+    P, Pd, S, K, B, dt, dn = b.P, b.Pd, b.S, b.K, b.B, b.dt, b.dn
     Lz = census.largest_zenflow_numel
     if s.whole_grads:
         b.dev("grads", f"gradients ({dn}, whole)", P * dt, f"P*{dt}")
@@ -256,39 +313,60 @@ def _zenflow_device(b: _Buffers) -> None:
     # an integer step per selected column: bias correction survives hand-overs
     b.dev("optimizer", "per-column step counts (int64)", K * 8, "8*sum(k)")
     if not s.cpu_device:
-        # with overlap (one rank) two more: the window end's result goes back in backward
-        nz = bucket_count(s.copy_buckets, b.dp, N, B) + (2 if s.overlap_step and not b.dp else 0)
+        nz = b.copy_buckets
         b.dev("staging", f"copy buckets ({nz}, {dn})", nz * B * dt, f"{nz}*B*{dt}")
+        if (s.overlap_step and not b.dp) or s.bf16:
+            # the host's fp32 master comes back into two fp32 buckets of its own (with
+            # overlap during the window end's backward), cast to bf16 as it is scattered
+            b.dev("staging", "return buckets (2, fp32: the host's master coming back)",
+                  2 * B * 4, "2*B*4")  # fmt: skip
+
+
+def _zenflow_host_state(b: _Buffers) -> None:
+    """ZenFlow's host state: the non-selected columns of each weight, compact, in the
+    ``zfctl.host_state`` chosen. The master is pinned beside a separate device (the
+    host->device return reads it)."""
+    s, N = b.s, b.N
+    cols = b.census.nonselected_columns(s.topk_ratio)
+    b.host("master_moments", "master of the non-selected columns (fp32)", N * 4, "N*4",
+           not s.cpu_device)  # fmt: skip
+    if s.compact:
+        scales = sum(8 * -(-n // Q8_BLOCK) for n in b.census.nonselected(s.topk_ratio))
+        b.host("master_moments", "exp_avg + exp_avg_sq (8-bit codes)", N * 2, "N*2")
+        b.host("master_moments", f"their scales (2 fp32 per {Q8_BLOCK} elements)", scales,
+               f"8*ceil(N/{Q8_BLOCK})")  # fmt: skip
+    else:
+        b.host("master_moments", "exp_avg + exp_avg_sq (fp32)", N * 8, "N*8")
+    b.host("master_moments", "step count per non-selected column (int64)", cols * 8,
+           "8*sum(n-k)")  # fmt: skip
 
 
 def _zenflow_host_link(b: _Buffers) -> None:
-    """ZenFlow's host buffers beside a separate device: the window sums and the pinned
-    buffers that cross the link."""
-    census, s, N, dt, dn = b.census, b.s, b.N, b.dt, b.dn
+    """ZenFlow's host buffers beside a separate device: the window sum, the step's pieces
+    waiting for its gate, and the pinned buffers of the link."""
+    s, N, B = b.s, b.N, b.B
+    sb, sdn = (2, "bf16") if s.compact else (4, "fp32")
+    lb, ldn = s.link_bytes, "bf16" if s.link_bytes == 2 else "fp32"
     # one window sum: with overlap the next window's first write to a weight's sum
     # waits until the host step has read it (the worker goes in backward's order)
-    b.host("accumulators", "window sums of the non-selected columns (fp32)", N * 4, "N*4")
-    if s.host_sums:
-        b.host("accumulators", "micro-batch sums of the non-selected columns (fp32)", N * 4,
+    b.host("accumulators", f"window sum of the non-selected columns ({sdn})", N * sb,
+           f"N*{sb}")  # fmt: skip
+    if s.host_sums:  # the micro-batches' sum, fp32 in both states
+        b.host("accumulators", "micro-batch sum of the non-selected columns (fp32)", N * 4,
                "N*4")  # fmt: skip
-    # pinned, one buffer per weight: the image of the updated columns (what the
-    # host->device copy reads, written by the host step in the same pass) and the
-    # staging of one step's pieces (device->host)
-    b.host("staging", f"{dn} image of the non-selected columns", N * dt, f"N*{dt}", True)
-    b.host("staging", f"device->host staging, one step's pieces ({dn})", N * dt, f"N*{dt}",
-           True)  # fmt: skip
-    # The first selection and warm-up see whole gradients on the host. They land in the
-    # weight's own window sum / link buffer, which no step uses yet, when those hold
-    # the whole weight (at most half its columns selected); else in buffers of their own
-    # that go back to the allocator after the first selection.
-    land_dt = 4 if s.host_sums else dt
-    big = census.crowded_numel(s.topk_ratio)
-    if big:
-        b.host("accumulators", "whole-gradient landing (first selection and warm-up only)",
-               big * land_dt, f"Pz(k>1/2)*{land_dt}")  # fmt: skip
-        if s.warmup and s.bf16:
-            b.host("staging", "warm-up: bf16 image of the updated weights", big * 2,
-                   "Pz(k>1/2)*2")  # fmt: skip
+    else:
+        # a piece is added with its step's clipping coefficient, known at the step's end:
+        # until then the step's pieces wait in a store of their own (pageable, the link's
+        # dtype) and their ring slots go back (zenflow.engine.accumulator)
+        b.host("accumulators", f"step store: a step's pieces awaiting its clipping ({ldn})",
+               N * lb, f"N*{lb}")  # fmt: skip
+    # pinned: a ring of bucket-sized staging slots the pieces land in (given back by the
+    # accumulator), and one reused read buffer for checkpoints and hand-overs
+    slots = max(RING_MIN_SLOTS, b.copy_buckets)
+    b.host("staging", f"device->host staging ring ({slots} slots of B, {ldn})",
+           slots * B * lb, f"{slots}*B*{lb}", True)  # fmt: skip
+    b.host("staging", "read buffer (device->host reads)", READ_BUFFER_BYTES,
+           f"{READ_BUFFER_BYTES >> 20} MiB", True)  # fmt: skip
 
 
 def _with_activations(items: list[Item], census: ParamCensus, s: Settings) -> list[Item]:

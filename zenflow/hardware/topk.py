@@ -63,7 +63,10 @@ class TopkMemory:
     topk: float
     selected_bytes: int  # device: the selected columns' fp32 state and their step counts
     other_device_bytes: int  # device: weights, grads, dense state, buckets, activations
-    host_bytes: int
+    host_bytes: int  # the host's steady state
+    host_peak_bytes: int = 0  # the whole run's host peak (zenflow.hardware.host_peak), exact
+    host_peak_compact_bytes: int = 0  # the same with zfctl.host_state "compact"
+    pinned_bytes: int = 0  # the host bytes the link pins (the master, the ring)
 
     @property
     def device_bytes(self) -> int:
@@ -81,16 +84,20 @@ class MemoryBudget:
     source: str  # where device_bytes came from, in words
 
 
+def _host(row: TopkMemory) -> int:
+    return row.host_peak_bytes or row.host_bytes
+
+
 def fits(row: TopkMemory, budget: MemoryBudget) -> bool:
-    if budget.shared:
-        return row.device_bytes + row.host_bytes <= budget.host_bytes
+    if budget.shared:  # the RAM holds the device's side and the host's whole-run peak
+        return row.device_bytes + _host(row) <= budget.host_bytes
     return row.device_bytes <= budget.device_bytes
 
 
 def headroom(row: TopkMemory, budget: MemoryBudget) -> int:
     """Bytes left for the selected columns' state once everything else is placed."""
     if budget.shared:
-        return budget.host_bytes - row.other_device_bytes - row.host_bytes
+        return budget.host_bytes - row.other_device_bytes - _host(row)
     return budget.device_bytes - row.other_device_bytes
 
 
@@ -105,15 +112,22 @@ def is_selected_item(item) -> bool:
 def memory_table(census, settings, grid: tuple[float, ...] = TOPK_GRID) -> tuple[TopkMemory, ...]:
     """The zenflow layout of ``census`` at every k of ``grid`` (``settings``: an estimate
     ``Settings``; its topk_ratio is replaced by each k)."""
+    from zenflow.hardware.host_peak import host_peak, host_phases
     from zenflow.hardware.layout import layout
+
+    def peak(s) -> int:
+        return host_peak(host_phases(census, "zenflow", s, layout(census, "zenflow", s)))[0]
 
     rows = []
     for k in grid:
-        items = layout(census, "zenflow", dataclasses.replace(settings, topk_ratio=k))
+        s = dataclasses.replace(settings, topk_ratio=k, host_state="exact")
+        items = layout(census, "zenflow", s)
         selected = sum(i.bytes for i in items if is_selected_item(i))
         device = sum(i.bytes for i in items if i.side == "device")
         host = sum(i.bytes for i in items if i.side == "host")
-        rows.append(TopkMemory(k, selected, device - selected, host))
+        pinned = sum(i.bytes for i in items if i.side == "host" and i.pinned)
+        compact = peak(dataclasses.replace(s, host_state="compact"))
+        rows.append(TopkMemory(k, selected, device - selected, host, peak(s), compact, pinned))
     return tuple(rows)
 
 
@@ -128,21 +142,22 @@ class Bound:
     reason: str
 
 
-def memory_bound(table: tuple[TopkMemory, ...], budget: MemoryBudget) -> Bound:
-    """The largest k of ``table`` whose layout fits ``budget``."""
+def memory_bound(table: tuple[TopkMemory, ...], budget: MemoryBudget, bf16: bool = True) -> Bound:
+    """The largest k of ``table`` whose layout fits ``budget`` (``bf16``: the run's dtype, so
+    a refusal advises bf16 only when it is off)."""
     ok = [r for r in table if fits(r, budget)]
     where = "RAM" if budget.shared else "device"
     if not ok:
         first = table[0]
-        need = first.device_bytes + (first.host_bytes if budget.shared else 0)
+        need = first.device_bytes + (_host(first) if budget.shared else 0)
+        levers = ("" if bf16 else "bf16, ") + "a smaller micro-batch or --engine offload"
         have = budget.host_bytes if budget.shared else budget.device_bytes
         figures = {"topk": None, "need_bytes": need, "have_bytes": have, "source": budget.source,
                    "shared": budget.shared}  # fmt: skip
         return Bound(None, False, figures,
                      f"does not fit even at topk {first.topk:g}: the {where} needs "
                      f"{need / GIB:.2f} GiB of {have / GIB:.2f} GiB ({budget.source}); "
-                     "`zfctl estimate` shows the layout (bf16, a smaller micro-batch or "
-                     "--engine offload may fit)")  # fmt: skip
+                     f"`zfctl estimate` shows the layout ({levers} may fit)")  # fmt: skip
     row = ok[-1]
     room = headroom(row, budget)
     total = budget.host_bytes if budget.shared else budget.device_bytes

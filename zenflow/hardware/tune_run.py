@@ -59,6 +59,8 @@ class TuneSettings:
     # the config's layout settings for topk's memory bound (estimate Settings fields:
     # gradient_accumulation_steps, grad_accumulation, stream_grads, copy_buckets)
     layout: dict = field(default_factory=dict)
+    gpu: str = "h100-sxm"  # the GPU profile the step time is predicted for (predict.box_of)
+    mfu: float = 0.45  # the share of its bf16 peak a step gets
     progress: Callable[[str], None] | None = field(default=None, repr=False)
 
 
@@ -144,6 +146,7 @@ def run_tune(settings: TuneSettings) -> dict:
     run.lay_out()
     run.choose()
     run.cross_check()
+    run.predict()
     return run.hw_json()
 
 
@@ -255,11 +258,12 @@ class _TuneRun:
         self.say("laying out the zenflow engine's memory at topk 0.01..1.00 (zfctl estimate)")
         self.census = census_of(pm.model, name=pm.name, source=pm.source,
                                 arch=arch_shape(pm.model))  # fmt: skip
-        self.table = topk_bounds.memory_table(self.census, Settings(
+        self.layout_settings = Settings(
             bf16=settings.bf16, overlap_step=True, pin_memory=device == "cuda",
             micro_batch=settings.micro_batch, seq_len=settings.seq_len,
             gradient_checkpointing=settings.gradient_checkpointing,
-            **settings.layout))  # fmt: skip
+            copies_on_save=device == "cuda", **settings.layout)  # fmt: skip
+        self.table = topk_bounds.memory_table(self.census, self.layout_settings)
         self.budget = memory_budget(device, settings.device_mem, self.acc, self.mem)
         self.d2h, self.h2d, self.link = link_rates(self.acc, self.mem)
 
@@ -354,6 +358,19 @@ class _TuneRun:
             )
         self.method = method
 
+    def predict(self) -> None:
+        """The step time of each engine at the chosen settings, for this host's measured
+        memory bandwidth and the named GPU (zenflow.hardware.predict)."""
+        from zenflow.hardware import predict
+
+        c = self.choices
+        s = dataclasses.replace(self.layout_settings, topk_ratio=c.topk_ratio,
+                                update_interval=c.update_interval, overlap_step=c.overlap_step,
+                                host_state=c.zfctl_block().get("host_state", "exact"))  # fmt: skip
+        box = predict.box_of(self.settings.gpu, self.settings.mfu)
+        self.step_time = predict.predict(self.census, s, box, self.mem.copy_gbs * 1e9)
+        self.step_time["host_bw_source"] = "measured"
+
     def hw_json(self) -> dict:
         """The hw.json document: settings, what was probed and measured, the choices."""
         settings, choices, pm = self.settings, self.choices, self.pm
@@ -403,6 +420,8 @@ class _TuneRun:
                 "engine": self.engine_runs,
             },
             "choices": choices.zenflow_block(),
+            "zfctl_choices": choices.zfctl_block(),
+            "step_time": self.step_time,
             "reasons": choices.reasons,
             "topk": choices.topk,
             "windows": choices.windows,

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from zenflow.hardware import host_choice
 from zenflow.hardware import topk as topk_bounds
 from zenflow.hardware.measure import OverlapProbe
 from zenflow.hardware.topk import MemoryBudget, TimeModel, TopkMemory
@@ -25,13 +26,6 @@ UPDATE_INTERVAL_MAX = 64
 # The largest update_interval the accuracy sweep (docs/BENCHMARKS.md) found as close to
 # AdamW as the default; above it the update_interval reason says so.
 ACCURACY_TESTED_INTERVAL = 4
-
-# Host bytes per offloaded (2-D) parameter: fp32 master (4) + exp_avg (4) + exp_avg_sq (4)
-# + fp32 gradient accumulator (4) = 16; with overlap_step a second accumulator (4) lets the
-# next window accumulate while the worker reads the last one = 20.
-HOST_BYTES_PER_PARAM = 16
-HOST_BYTES_PER_PARAM_OVERLAP = 20
-
 
 # --------------------------------------------------------------------------------------
 # Decision logic (pure)
@@ -111,6 +105,12 @@ class Choices:
             "pt_reserved_cores_perc": self.pt_reserved_cores_perc,
         }
 
+    def zfctl_block(self) -> dict:
+        """The keys this tool sets in a config's zfctl block: the host state that fits (none
+        when the memory was not checked or neither state fits)."""
+        state = self.memory.get("host_state") if self.memory.get("checked") else None
+        return {"host_state": state} if state else {}
+
 
 def interval_to_hide(host_ms: float, fb_ms: float) -> int:
     """Smallest S in 1..64 with host_ms <= S * fb_ms (the host step hides under the window)."""
@@ -118,26 +118,6 @@ def interval_to_hide(host_ms: float, fb_ms: float) -> int:
         return UPDATE_INTERVAL_MAX
     s = math.ceil(host_ms / fb_ms - 1e-9)
     return min(UPDATE_INTERVAL_MAX, max(UPDATE_INTERVAL_MIN, s))
-
-
-def memory_needed(
-    params_total: int, params_2d: int, topk: float, overlap: bool, accelerator: str
-) -> dict[str, int]:
-    """Bytes of host memory the run needs (activations not included).
-
-    host_state: the offloaded state of the 2-D weights (16 bytes/param, 20 with overlap).
-    Without CUDA (the CPU, or the simulated device whose tensors are host allocations) the
-    "device" side lives in the same memory too: fp32 weights and gradients (8 bytes/param)
-    and device moments for selected columns and 1-D params (8 bytes/param of those).
-    """
-    per = HOST_BYTES_PER_PARAM_OVERLAP if overlap else HOST_BYTES_PER_PARAM
-    host_state = params_2d * per
-    device_side = 0
-    if accelerator != "cuda":
-        selected = int(topk * params_2d) + (params_total - params_2d)
-        device_side = params_total * 8 + selected * 8
-    return {"host_state": host_state, "device_side_in_host": device_side,
-            "total": host_state + device_side, "bytes_per_param": per}  # fmt: skip
 
 
 def _time_model(inp: TuneInputs, fb_device_ms: float, host_rate: float) -> TimeModel | None:
@@ -179,7 +159,7 @@ def choose_topk(
         raise ValueError(f"choose() needs {', '.join(missing)} to choose topk_ratio")
     if not have:
         return inp.topk_ratio, f"fixed by --topk {inp.topk_ratio:g}", {"fixed": True}
-    mem = topk_bounds.memory_bound(inp.memory_table, inp.memory_budget)
+    mem = topk_bounds.memory_bound(inp.memory_table, inp.memory_budget, inp.dtype_bytes == 2)
     tim = topk_bounds.time_bound(tm, interval_of)
     info = {"memory_bound": mem.value, "memory_met": mem.met, "memory": mem.figures,
             "time_bound": tim.value, "time_met": tim.met, "time": tim.figures}  # fmt: skip
@@ -227,6 +207,8 @@ def choose(inp: TuneInputs) -> Choices:
         "auto: re-select once per epoch (important columns stay for many steps); nothing "
         "measured here argues for another cadence"
     )
+    memory = _memory_check(inp, topk)
+    reasons["host_state"] = str(memory["reason"])
     windows = {"update_interval": w.s, "on_ms": w.on_ms, "off_ms": w.off_ms,
                "measured": w.measured, "host_all_ms": host_all_ms,
                "host_worker_ms": host_worker_ms}  # fmt: skip
@@ -239,7 +221,7 @@ def choose(inp: TuneInputs) -> Choices:
         pt_reserved_cores_perc=round(w.perc, 4),
         reasons=reasons,
         windows=windows,
-        memory=_memory_check(inp, topk, w.overlap),
+        memory=memory,
         topk={"chosen": topk, **topk_info},
         cpu_only=inp.accelerator == "cpu",
     )
@@ -402,46 +384,17 @@ def _window_ms(
     return on_ms, off_ms, measured, "modelled from component times"
 
 
-def _memory_check(inp: TuneInputs, topk: float, overlap: bool) -> dict[str, object]:
-    """The host memory the choice needs against what is available (and, with CUDA, the
-    pinned part against the locked-memory limit)."""
-    mem = memory_needed(inp.params_total, inp.params_2d, topk, overlap, inp.accelerator)
-    mem_ok = mem["total"] <= inp.mem_available_bytes
-    memory: dict[str, object] = {
-        **mem,
-        "available": inp.mem_available_bytes,
-        "ok": mem_ok,
-        "pinned_needed": None,
-        "memlock": inp.memlock_bytes,
-        "pinned_ok": None,
-    }
-    if inp.accelerator == "cuda":
-        memory["pinned_needed"] = mem["host_state"]
-        memory["pinned_ok"] = inp.memlock_bytes is None or inp.memlock_bytes >= mem["host_state"]
-    return memory
+def _memory_check(inp: TuneInputs, topk: float) -> dict[str, object]:
+    """The host memory the choice needs in each host state against what is available, the
+    state chosen (``zenflow.hardware.host_choice``) and, with CUDA, the pinned bytes against
+    the locked-memory limit."""
+    return host_choice.memory_check(
+        inp.memory_table, inp.memory_budget, topk, available=inp.mem_available_bytes,
+        memlock=inp.memlock_bytes, cuda=inp.accelerator == "cuda",
+    )  # fmt: skip
 
 
-def memory_verdict(memory: dict) -> str:
-    """One plain line: OK / not OK for host memory and (with CUDA) pinned memory."""
-    gb = 1e9
-    line = (
-        f"host memory {'OK' if memory['ok'] else 'NOT OK'}: needs {memory['total'] / gb:.2f} GB "
-        f"(offloaded state {memory['bytes_per_param']} B/param of 2-D weights = "
-        f"{memory['host_state'] / gb:.2f} GB"
-    )
-    if memory["device_side_in_host"]:
-        line += f", device-side weights/grads/moments {memory['device_side_in_host'] / gb:.2f} GB"
-    line += f"; activations not included) of {memory['available'] / gb:.2f} GB available"
-    if memory["pinned_ok"] is not None:
-        lim = memory["memlock"]
-        lim_s = "unlimited" if lim is None else f"{lim / gb:.2f} GB"
-        line += (
-            f"; pinned memory {'OK' if memory['pinned_ok'] else 'NOT OK'}: needs "
-            f"{memory['pinned_needed'] / gb:.2f} GB, locked-memory limit {lim_s}"
-        )
-    else:
-        line += "; pinned memory: not applicable without CUDA"
-    return line
+memory_verdict = host_choice.memory_verdict
 
 
 # --------------------------------------------------------------------------------------
@@ -459,23 +412,29 @@ def read_config_document(path: Path) -> dict:
     return copy.deepcopy(dict(load_config(path).raw))
 
 
-def update_config(path: Path, doc: dict, block: dict, *, write: bool) -> dict:
-    """Set ``block``'s keys in the config's zenflow block, validate, and (if asked) write.
+def update_config(
+    path: Path, doc: dict, block: dict, *, write: bool, zfctl: dict | None = None
+) -> dict:
+    """Set ``block``'s keys in the config's zenflow block (and ``zfctl``'s in its zfctl
+    block: the host state), validate, and (if asked) write.
 
-    Every other key is kept. Returns {"old": previous zenflow block, "new": the chosen
-    keys as they will be written, "written": bool}.
+    Every other key is kept. Returns {"old": previous values, "new": the chosen keys as they
+    will be written, "written": bool}; zfctl keys appear as "zfctl.KEY".
     """
     from zenflow.config import apply_overrides, load_config
 
-    old = ((doc.get("zero_optimization") or {}).get("zenflow")) or {}
+    old = dict(((doc.get("zero_optimization") or {}).get("zenflow")) or {})
+    old.update({f"zfctl.{k}": v for k, v in (doc.get("zfctl") or {}).items() if k in (zfctl or {})})
     overrides = {f"zero_optimization.zenflow.{k}": v for k, v in block.items()}
+    overrides.update({f"zfctl.{k}": v for k, v in (zfctl or {}).items()})
     new_doc = apply_overrides(copy.deepcopy(doc), overrides)
     load_config(copy.deepcopy(new_doc))  # the result must be a valid config
-    new = new_doc["zero_optimization"]["zenflow"]
-    changed = any(old.get(k, _UNSET) != new[k] for k in block)
+    new = {k: new_doc["zero_optimization"]["zenflow"][k] for k in block}
+    new.update({f"zfctl.{k}": new_doc["zfctl"][k] for k in zfctl or {}})
+    changed = any(old.get(k, _UNSET) != v for k, v in new.items())
     if write and changed:
         write_json_atomic(path, new_doc, "--config: cannot write")
-    return {"old": dict(old), "new": {k: new[k] for k in block}, "written": write and changed}
+    return {"old": old, "new": new, "written": write and changed}
 
 
 _UNSET = object()

@@ -371,19 +371,55 @@ def _run_build_process(directory: Path, log_path: Path, guard_fd: int | None) ->
 
 
 def _stop_build(child: subprocess.Popen) -> None:
-    """SIGTERM the build's session until its leader exits (it waits for ninja, which waits
-    for its compilers); SIGKILL after ``STOP_TIMEOUT_S``. A second Ctrl-C does not cut the
-    wait short: leaving the compilers running would leave outputs behind."""
+    """SIGTERM the build's process group, then wait until no live process is left in the
+    build's session: the Python leader dies at once, ninja (in the group) kills its compilers
+    (each in a process group of its own, still in the session) and waits for them, and a
+    compiler's shell may outlive ninja by a moment. SIGKILL to every process of the session
+    after ``STOP_TIMEOUT_S``. A second Ctrl-C does not cut the wait short: leaving the
+    compilers running would leave outputs behind."""
     deadline = time.monotonic() + STOP_TIMEOUT_S
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(child.pid, signal.SIGTERM)
+    killed = False
     while True:
-        sig = signal.SIGTERM if time.monotonic() < deadline else signal.SIGKILL
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(child.pid, sig)
         try:
-            child.wait(timeout=0.5)
-            return
-        except (subprocess.TimeoutExpired, KeyboardInterrupt):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.wait(timeout=0.1)
+            alive = _session_processes(child.pid)
+            if child.returncode is not None and not alive:
+                return
+            if time.monotonic() >= deadline:
+                if killed:
+                    return  # SIGKILLed: what is still listed no longer runs
+                for pid in alive or [child.pid]:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(pid, signal.SIGKILL)
+                killed = True
+            time.sleep(0.05)
+        except KeyboardInterrupt:
             continue
+
+
+def _session_processes(sid: int) -> list[int]:
+    """The live (not zombie) processes of session ``sid``. Reads /proc on Linux (an orphan
+    is reaped by init, which in a container may never happen, so "listed" is not "alive");
+    elsewhere, the session leader's process group as the kernel sees it."""
+    proc = Path("/proc")
+    if not (proc / "self" / "stat").exists():
+        try:
+            os.killpg(sid, 0)
+        except (ProcessLookupError, PermissionError):
+            return []
+        return [sid]
+    alive = []
+    for stat in proc.glob("[0-9]*/stat"):
+        try:  # "pid (comm) state ppid pgrp session ..."
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # the process ended while we looked
+        if len(fields) > 3 and fields[3] == str(sid) and fields[0] != "Z":
+            alive.append(int(stat.parent.name))
+    return alive
 
 
 def _remove_outputs(directory: Path, log_path: Path) -> None:

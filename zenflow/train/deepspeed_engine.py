@@ -193,6 +193,11 @@ def unsupported_notes(config) -> list[str]:
             f'zfctl.select_schedule "{config.engine.select_schedule}" is an option of zfctl\'s '
             "engine: DeepSpeed's ZenFlow re-selects every select interval, and so does this run."
         )
+    if config.zenflow is not None and config.engine.host_state != "exact":
+        notes.append(
+            f'zfctl.host_state "{config.engine.host_state}" is an option of zfctl\'s engine: '
+            "DeepSpeed's ZenFlow keeps fp32 Adam moments on the host, and so does this run."
+        )
     return notes
 
 

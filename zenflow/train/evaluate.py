@@ -5,13 +5,18 @@ evaluation and ``zfctl eval`` runs on a saved model, so both give the same figur
 and, per example, the prediction (class id, or the value for a regression) and the logits.
 ``eval_batch_size`` is the trainer's evaluation batch (twice the micro-batch): ``zfctl eval``
 of a run uses the run's, so the batches (and the floating-point sums) are the same.
+
+``setup_eval`` / ``run_eval`` are ``zfctl eval``'s: the rows (a run's own, only from the data
+files it trained on: ``eval_inputs.check_run_data``), the files read (``EvalSetup.inputs``,
+which ``--predictions`` never writes over) and the model folder loaded exactly as saved
+(``models.load_saved``: no layer made new, the tokenizer by finetune's rule).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from zenflow.train.data import Encoded, GlueTask, compute_metrics, eval_batches
@@ -91,6 +96,8 @@ class EvalSetup:
     lm_fields: object = None  # sft.RecordFields
     seed: int = 42
     seq_len_default: bool = False  # no --seq-len and no run: 128, or the model's positions
+    inputs: tuple = ()  # the data files this evaluation reads (--predictions never goes there)
+    notes: list = field(default_factory=list)  # what the user should know (a stand-in tokenizer)
 
     @property
     def objective(self) -> str:
@@ -102,7 +109,34 @@ def setup_eval(*args, seq_len: int | None = None, **kwargs) -> EvalSetup:
     or is the default, which ``run_eval`` shortens to a model with fewer positions."""
     setup = _setup_eval(*args, seq_len=seq_len, **kwargs)
     setup.seq_len_default = seq_len is None and setup.run_dir is None
+    if not setup.inputs:
+        setup.inputs = _inputs(setup, kwargs)
     return setup
+
+
+def _inputs(setup: EvalSetup, kwargs: dict) -> tuple[str, ...]:
+    """The data files ``setup`` reads: the table or records given, the run's files (its own
+    rows), or a GLUE task's files."""
+    from zenflow.train.data import task_files
+
+    if kwargs.get("data_file") is not None:
+        return (str(kwargs["data_file"]),)
+    if setup.lm_files is not None:
+        return tuple(str(f) for f in setup.lm_files[:2] if f is not None)
+    rec = runs_record(setup.run_dir) if setup.run_dir is not None else {}
+    if kwargs.get("task") is None and rec.get("data_file"):
+        return tuple(str(rec[k]) for k in ("data_file", "eval_file") if rec.get(k))
+    task = kwargs.get("task") or rec.get("task")
+    data_dir = kwargs.get("data_dir")
+    data_dir = rec.get("data_dir") if data_dir is None else data_dir
+    return tuple(str(f) for f in task_files(task, data_dir)) if task else ()
+
+
+def runs_record(run_dir: Path) -> dict:
+    """The spec record of the run in ``run_dir`` (config.json's "run")."""
+    from zenflow.train import runs
+
+    return (runs.run_config(run_dir) or {}).get("run") or {}
 
 
 def _setup_eval(
@@ -126,6 +160,7 @@ def _setup_eval(
     from zenflow.errors import UserInputError
     from zenflow.train import runs
     from zenflow.train.data import get_task, load_task
+    from zenflow.train.eval_inputs import check_run_data, unfinished_run_error
 
     target = Path(target)
     rec: dict = {}
@@ -134,11 +169,7 @@ def _setup_eval(
         run_dir, rec = target, (runs.run_config(target) or {}).get("run") or {}
         model_dir = target / runs.MODEL_DIR
         if not (model_dir / "config.json").is_file():
-            raise UserInputError(
-                f"{target} holds no saved model yet ({model_dir} is missing: the run has not "
-                f"finished). Resume it to the end (zfctl finetune {rec.get('model')} --resume "
-                f"{target}), or pass a model folder."
-            )
+            raise unfinished_run_error(target, rec)
     elif (target / "config.json").is_file():
         model_dir = target
     else:
@@ -157,6 +188,8 @@ def _setup_eval(
     limit = max_samples if max_samples is not None else (rec.get("max_eval_samples") if own
                                                          else None)  # fmt: skip
     saved_labels = (runs.run_config(run_dir) or {}).get("labels") if run_dir else None
+    if own and rec.get("data_file"):  # the run's own rows: only from the files it trained on
+        check_run_data(run_dir)
     if rec.get("objective") == "causal-lm" or (run_dir is None and _is_causal_lm(model_dir)):
         return _lm_setup(model_dir, run_dir, rec, own, data_file, text_fields, seq_len,
                          batch_size, limit, task, label_field)  # fmt: skip
@@ -179,12 +212,29 @@ def _setup_eval(
                         label_field, tsv_quoting, seq_len, batch_size, limit)  # fmt: skip
 
 
+def _model_config(model_dir: Path) -> dict:
+    """The model folder's config.json; ModelSourceError naming it when it is not JSON."""
+    import json
+
+    from zenflow.errors import ModelSourceError
+
+    path = model_dir / "config.json"
+    try:
+        cfg = json.loads(path.read_bytes().decode("utf-8-sig"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelSourceError(
+            f"{path} is not a JSON model config ({exc}): it is truncated or damaged. Save the "
+            "model into the folder again (model.save_pretrained)."
+        ) from None
+    if not isinstance(cfg, dict):
+        raise ModelSourceError(f"{path} holds no JSON object; it is not a model config.")
+    return cfg
+
+
 def _is_causal_lm(model_dir: Path) -> bool:
     """A model folder whose config names a causal-LM class (``*ForCausalLM``, GPT-2's
     ``*LMHeadModel``)."""
-    import json
-
-    cfg = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    cfg = _model_config(model_dir)
     return any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in cfg.get("architectures") or ())
 
 
@@ -221,7 +271,6 @@ def _table_setup(model_dir, run_dir, rec, saved_labels, data_file, text_fields, 
                  tsv_quoting, seq_len, batch_size, limit) -> EvalSetup:  # fmt: skip
     """Every row of a table, its labels mapped to the MODEL's class ids (its run's label
     set, else the model's config.id2label), never re-inferred from the file."""
-    import json
 
     from zenflow.errors import DataError
     from zenflow.train.data import Example, LabelSet, infer_labels, metrics_for, read_rows
@@ -234,8 +283,7 @@ def _table_setup(model_dir, run_dir, rec, saved_labels, data_file, text_fields, 
     if saved_labels is not None:
         labels = LabelSet.from_json(saved_labels)
     else:
-        cfg = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-        labels = _labels_of_config(cfg, found)
+        labels = _labels_of_config(_model_config(model_dir), found)
     try:
         rows = [Example(r.texts, labels.target(r.label)) for r in table.rows]
     except DataError as exc:
@@ -275,32 +323,25 @@ def run_eval(setup: EvalSetup, *, device: str = "cpu") -> tuple[dict, list, list
     """Load the model and tokenizer of ``setup`` and evaluate: ``(metrics, predictions,
     logits)`` (``evaluate_classifier``); a causal LM: ``(metrics, per_record, [])``
     (``lm.evaluate_lm``)."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
     from zenflow.train.data import Encoded
+    from zenflow.train.models import load_saved
 
-    tokenizer = AutoTokenizer.from_pretrained(setup.model_dir)
-    if setup.lm_files is not None:
-        return _run_lm_eval(setup, tokenizer, device)
-    model = AutoModelForSequenceClassification.from_pretrained(setup.model_dir).to(device)
+    # the model exactly as saved (no new layer), the tokenizer by finetune's rule
+    model, tokenizer, notes = load_saved(setup.model_dir, causal_lm=setup.lm_files is not None)
+    setup.notes += notes
+    model = model.to(device)
     _fit_positions(setup, model)
-    if tokenizer.pad_token is None:  # as the trainer set it (models._finish)
-        tokenizer.pad_token = tokenizer.eos_token
+    if setup.lm_files is not None:
+        return _run_lm_eval(setup, model, tokenizer, device)
     encoded = Encoded(setup.rows, tokenizer, setup.seq_len, setup.task.is_regression)
     return evaluate_classifier(model, encoded, setup.task, batch_size=setup.batch_size,
                                limit=setup.limit, device=device, keep_logits=True)  # fmt: skip
 
 
-def _run_lm_eval(setup: EvalSetup, tokenizer, device: str) -> tuple[dict, list, list]:
+def _run_lm_eval(setup: EvalSetup, model, tokenizer, device: str) -> tuple[dict, list, list]:
     """A causal LM's eval: the records as the run tokenised them (never packed)."""
-    from transformers import AutoModelForCausalLM
-
     from zenflow.train.data import eval_rows, evaluate_lm, load_lm_data, read_records
 
-    if tokenizer.pad_token is None:  # as the trainer set it (models._finish)
-        tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(setup.model_dir).to(device)
-    _fit_positions(setup, model)
     data_file, eval_file, split = setup.lm_files
     if split or eval_file is not None:  # the run's own eval records
         lm = load_lm_data(data_file, eval_file, tokenizer, setup.seq_len,

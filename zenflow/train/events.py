@@ -94,6 +94,8 @@ class RunDiverged(Exception):  # noqa: N818 - also the event's name
         skipped_steps: int,
         checkpoint: Path | None,
         lr: float | None = None,
+        resume_command: str | None = None,
+        restart: str | None = None,
     ):
         self.step = step
         self.reason = reason
@@ -101,17 +103,24 @@ class RunDiverged(Exception):  # noqa: N818 - also the event's name
         self.skipped_steps = skipped_steps
         self.checkpoint = checkpoint
         self.lr = lr
+        # the command that goes on from ``checkpoint`` at a lower lr; None without one
+        self.resume_command = resume_command
         lr_now = f" (now {lr:g})" if lr is not None else ""
-        kept = (
-            f"The last good checkpoint, {checkpoint}, is kept"
-            if checkpoint is not None
-            else "No checkpoint was written before it diverged"
-        )
+        if checkpoint is not None:
+            kept = f"The last good checkpoint, {checkpoint}, is kept"
+        else:
+            kept = "No checkpoint was written before it diverged"
+        if resume_command is not None:
+            then = f" Go on from that checkpoint at a tenth of the lr with: {resume_command}"
+        elif restart is not None and checkpoint is None:
+            then = f" With a lower --lr: {restart}"
+        else:
+            then = ""
         super().__init__(
             f"training diverged at step {step}: {reason}. Likely causes: a learning rate too "
             f"high{lr_now}: lower --lr or optimizer.params.lr; bad input data (NaN or "
             "extreme regression labels, garbled rows); or bf16/fp16 overflow: train in fp32 with "
             f"--set bf16.enabled=false. Last good step: {last_good_step}; {skipped_steps} "
             f"step(s) skipped as non-finite in all. {kept}; no checkpoint or model of the "
-            "diverged weights was written."
+            f"diverged weights was written.{then}"
         )

@@ -9,19 +9,50 @@ the engine averages gradients and partitions the host state (``zenflow.engine.di
 
 Rank 0 writes the run directory (config, metrics, summary, the model, checkpoint manifests)
 and reports events; every rank writes its own checkpoint shard. Decisions that stop or
-branch the loop (a stop signal) are agreed here so no rank waits in a collective alone.
+branch the loop (a stop signal, and which signal it was: ``agree_stop``) are agreed here so
+no rank waits in a collective alone.
+
+A collective that fails because another rank's process is gone (killed, crashed, or ended
+on its own error) is not a bug of this rank: ``peer_lost`` recognises it and the trainer
+raises ``RankLost``, a message naming the last complete checkpoint (docs/RELIABILITY.md,
+"Data parallelism: stops and crashes").
+
+Must not touch: the engine's collectives (``zenflow.engine.distributed``), the signals
+themselves (``zenflow.train.signals``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+import signal
+import threading
 from dataclasses import dataclass
 
 from zenflow.errors import UserInputError
 
 COLLECTIVE_TIMEOUT_S = 600  # a collective blocked this long fails instead of hanging
 ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+# A stop, by rank: agreed as the largest, so a SIGTERM on any rank gives every rank the
+# exit status 143, as one process's status is 143 when any SIGTERM was among its signals.
+STOP_KINDS = (None, "SIGINT", "SIGTERM")
+# What a collective's error says when the process at the other end is gone: gloo's
+# "Connection closed by peer" / "Connection reset by peer" (torch 2.13), the store's
+# refused connection (rank 0 hosts it), NCCL's aborted communicator and remote error.
+_PEER_GONE = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "connection refused",
+    "broken pipe",
+    "remote process exited",
+    "communicator was aborted",
+)
+
+
+class RankLost(UserInputError):
+    """This rank stops because another rank of the job ended (a collective with it failed):
+    the cause is that rank's (the launcher, or torchrun, names it), not this one's."""
 
 
 @dataclass(frozen=True)
@@ -77,8 +108,31 @@ def init_parallel(device_kind: str) -> Parallel:
             )
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        with _ctrl_c_ends_the_rendezvous():
+            dist.init_process_group(
+                backend, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+            )
     return Parallel(rank, world, local_rank, local_world, backend)
+
+
+@contextlib.contextmanager
+def _ctrl_c_ends_the_rendezvous():
+    """SIGINT ends the process at once while it waits for the other ranks to join: that wait
+    is in C++ (the store), where Python's KeyboardInterrupt is never raised, so a Ctrl-C
+    would otherwise wait for the timeout (10 min) when another rank ended before joining.
+    (SIGTERM's default action already ends it.) Before the first step there is nothing to
+    save: a single run ends there at once too."""
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield  # a handler of someone else's, or ignored (a background job): left as it is
+        return
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def device_for(kind: str, par: Parallel):
@@ -112,6 +166,38 @@ def any_rank(flag: bool, par: Parallel) -> bool:
     if not par.enabled:
         return flag
     return _reduce([float(flag)], par, "max")[0] > 0
+
+
+def agree_stop(requested: str | None, par: Parallel) -> str | None:
+    """The stop every rank takes at this step boundary: None, or the signal any rank was
+    asked to stop by ("SIGTERM" over "SIGINT", ``STOP_KINDS``)."""
+    if not par.enabled:
+        return requested
+    return STOP_KINDS[round(_reduce([float(STOP_KINDS.index(requested))], par, "max")[0])]
+
+
+def peer_lost(exc: BaseException | None) -> bool:
+    """True when ``exc`` (or what caused it) is a collective that failed because the
+    process of another rank is gone."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        text = str(exc).lower()
+        if isinstance(exc, RuntimeError) and any(mark in text for mark in _PEER_GONE):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def rank_lost(par: Parallel, recovery: str) -> RankLost:
+    """The error of a rank whose peer is gone; ``recovery`` names the last complete
+    checkpoint and the command that continues from it."""
+    return RankLost(
+        f"rank {par.rank} of {par.world}: another rank of this data-parallel job ended "
+        "(a collective with it failed), so this rank stops too; the line below (or "
+        f"torchrun's report) says which rank and why. "
+        + (recovery or "Checkpoints written before are whole (temporary file, then rename).")
+    )
 
 
 def broadcast_object(obj, par: Parallel):

@@ -47,12 +47,15 @@ class RunCheckpoints:
         self.run_dir: Path | None = None  # set when the session has its run directory
         self.last: Path | None = None  # the newest checkpoint: written, or resumed from
 
-    def state(self, step, epoch, index, rng, wall_s, *, share_host=False) -> dict:
+    def state(self, step, epoch, index, rng, wall_s, *, share_host=True) -> dict:
         """Everything a resumed run needs, as tensors and plain types (loadable with
-        weights_only=True). ``share_host``: the engine's host state is referenced, not
-        copied (write the checkpoint before the engine runs again: no second copy of the
-        optimizer state in host memory). The config is in config.json; the checkpoint
-        keeps its digest to prove at resume that it is still the same."""
+        weights_only=True). ``share_host`` (every checkpoint the trainer writes: periodic,
+        interrupted, final): the engine's state is referenced, not copied, so a checkpoint
+        holds no second copy of the optimizer state in host memory. The engine is at a step
+        boundary and drained; the caller writes the state (``save``) before the engine
+        steps, flushes or closes again, and the trainer's loop never steps before ``save``
+        returns. The config is in config.json; the checkpoint keeps its digest to prove at
+        resume that it is still the same."""
         model_state = self.model.state_dict()
         engine_kw = {"share_host": True} if share_host else {}
         return {
@@ -164,6 +167,7 @@ def write_run_files(run_dir: Path, spec, config, engine, *, sources: dict, label
     cfg_json["sources"] = sources
     if labels is not None:
         cfg_json["labels"] = labels.to_json()
+    if labels is not None or spec.data_file is not None:  # causal-LM records too
         cfg_json["data_files"] = data_digests(spec)
     cfg_json["engine_resolved"] = dict(engine.resolved)
     cfg_json["config_ignored"] = list(config.ignored)

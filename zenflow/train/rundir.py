@@ -12,20 +12,28 @@
 - ``create(task)``, after setup: a new directory (under ``runs_root``, or a ``run_dir``
   that did not exist) is made and locked only now, so a setup error (model, data,
   ``--seq-len``) leaves no empty run directory behind; ``overwrite`` removes the old run's
-  files there (``runs.clear_run``: ours only). ``--overwrite`` with an empty or new folder
-  has nothing to remove and simply starts the run there.
+  files there (``runs.clear_run``: ours only, also inside checkpoints/ and model/; what it
+  kept is said in ``notes``, which the run header shows). ``--overwrite`` with an empty or
+  new folder has nothing to remove and simply starts the run there.
 - ``reopen(metrics_lines, step, total_steps)`` for a resumed run: metrics.jsonl cut back
   to the lines its checkpoint counted, summary.json removed (no longer true).
 - ``finished_summary(total_steps)``: the summary of a resumed run with nothing left to do.
+  A resumed run whose lock cannot be made because the folder cannot be written (a
+  read-only file system, no permission) is not refused at ``claim``: a finished run needs
+  no write and says so; any other raises the lock's error here, before anything is written.
 - ``release()``: drop the lock (the kernel also drops it when the process dies).
 """
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 
-from zenflow.errors import UserInputError
+from zenflow.errors import StorageError, UserInputError
 from zenflow.train import runs
+
+# Why a lock file cannot be made in a folder that is there: it cannot be written.
+_CANNOT_WRITE = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 
 class RunDirectory:
@@ -33,12 +41,20 @@ class RunDirectory:
         self.spec = spec
         self.path: Path | None = None
         self._lock: runs.RunDirLock | None = None
+        self._unwritable: StorageError | None = None  # resume: the lock could not be made
+        self.notes: list[str] = []  # for the run header: what --overwrite kept
 
     def claim(self) -> None:
         spec = self.spec
         if spec.resume:
             self.path = Path(spec.run_dir)
-            self._take(self.path)
+            try:
+                self._take(self.path)
+            except StorageError as exc:  # decided once the run's length is known
+                cause = exc.__cause__
+                if not (isinstance(cause, OSError) and cause.errno in _CANNOT_WRITE):
+                    raise
+                self._unwritable = exc
         elif spec.run_dir is not None and Path(spec.run_dir).is_dir():
             self.path = Path(spec.run_dir)
             self._refuse_foreign_folder()  # before the lock file is made in it
@@ -61,7 +77,16 @@ class RunDirectory:
             self._take(self.path)
             self._refuse_existing_run()
         if spec.overwrite and runs.holds_run(self.path):  # an empty folder: nothing to remove
-            runs.clear_run(self.path)
+            kept: list[str] = []
+            runs.clear_run(self.path, kept)
+            if kept:
+                shown = ", ".join(kept[:8]) + (
+                    f", ... ({len(kept)} in all)" if len(kept) > 8 else ""
+                )
+                self.notes.append(
+                    f"--overwrite removed the old run's files and kept {len(kept)} that zfctl "
+                    f"did not write: {shown}"
+                )
         return self.path
 
     def reopen(self, metrics_lines: int, step: int, total_steps: int) -> list[dict]:
@@ -90,8 +115,10 @@ class RunDirectory:
             and summary.get("status") == "finished"
             and summary.get("steps") == total_steps == final
             and (self.path / runs.MODEL_DIR).is_dir()
-        ):
-            return summary
+        ):  # its folder as this session names it (the saved one may be relative elsewhere)
+            return {**summary, "run_dir": str(self.path)}
+        if self._unwritable is not None:  # there is work to do, and it cannot be written
+            raise self._unwritable
         return None
 
     def release(self) -> None:
@@ -126,7 +153,7 @@ class RunDirectory:
         if not self.spec.overwrite and runs.holds_run(self.path):
             raise UserInputError(
                 f"--run-dir {self.path} already holds a run. Continue it with --resume "
-                f"{self.path}, or pass --overwrite to delete its files "
-                f"({', '.join(runs.OUR_ENTRIES)}) and start a new run there, or choose "
-                "another --run-dir."
+                f"{self.path}, or pass --overwrite to delete the files zfctl wrote there "
+                f"({', '.join(runs.OUR_ENTRIES)}; your other files stay) and start a new "
+                "run there, or choose another --run-dir."
             )

@@ -16,7 +16,10 @@ Layout of one run (written by ``zenflow.train.trainer``)::
 
 A folder is a run only when its config.json says so (``run_config``). ``OUR_ENTRIES`` are
 the names zfctl writes; ``clear_run`` (``--overwrite``) removes those from a run and
-nothing else, and nothing at all from a folder that is not a run.
+nothing else, and nothing at all from a folder that is not a run. Inside checkpoints/ and
+model/ it removes only the files zfctl names (``is_our_checkpoint_file``,
+``is_our_model_file``): a user's ``my-best.pt`` or ``my_adapter.bin`` there stays, and is
+reported as kept.
 """
 
 from __future__ import annotations
@@ -60,6 +63,22 @@ OUR_ENTRIES = (METRICS_FILE, SUMMARY_FILE, CHECKPOINT_DIR, MODEL_DIR, HW_FILE, E
 # log): such a folder still counts as empty.
 HOUSEKEEPING = (LOCK_FILE, ERROR_LOG)
 _CKPT_RE = re.compile(r"^step-(\d+)\.pt$")
+# What zfctl writes in checkpoints/: step-NNNNNNN.pt, a data-parallel rank's shard
+# step-NNNNNNN.rank-R.pt, and the temp file of either (checkpointing._atomic_save) that a
+# kill -9 mid-write leaves. Never a look-alike: step-0000099.pt.bak or my-best.pt stay.
+_OUR_CHECKPOINT_RE = re.compile(r"^(step-\d+(\.rank-\d+)?\.pt|\.step-\d+(\.rank-\d+)?\.pt\.tmp)$")
+# What models.save_model (Hugging Face save_pretrained of the model and its tokenizer)
+# writes in model/: the model's config and weights (one file or shards and their index),
+# and the tokenizer's files of every tokenizer class transformers saves. A name outside
+# these is someone else's file and stays.
+_OUR_MODEL_FILES = frozenset(
+    ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+     "pytorch_model.bin", "pytorch_model.bin.index.json", "tokenizer.json",
+     "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+     "chat_template.jinja", "chat_template.json", "vocab.json", "vocab.txt", "merges.txt",
+     "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "spm.model")
+)  # fmt: skip
+_OUR_MODEL_SHARD_RE = re.compile(r"^(model-\d+-of-\d+\.safetensors|pytorch_model-\d+-of-\d+\.bin)$")
 
 
 def model_basename(model: str) -> str:
@@ -142,7 +161,7 @@ VALUE_RANGES = {
     **dict.fromkeys(
         ("loss", "eval_loss", "lr", "grad_norm", "epoch", "samples_per_s", "tokens_per_s",
          "d2h_bytes", "h2d_bytes", "device_bytes", "device_peak_bytes", "host_bytes",
-         "pinned_host_bytes", "wall_ms", "step_ms", "forward_ms", "backward_ms",
+         "host_peak_bytes", "pinned_host_bytes", "wall_ms", "step_ms", "forward_ms", "backward_ms",
          "device_opt_ms", "stall_ms", "transfer_ms"),
         _NON_NEGATIVE,
     ),
@@ -369,30 +388,98 @@ def foreign_entries(run_dir: str | Path) -> list[str]:
     return sorted(n for n in names if n not in HOUSEKEEPING)
 
 
-def clear_run(run_dir: str | Path) -> list[str]:
+def is_our_checkpoint_file(name: str) -> bool:
+    """Whether a name in checkpoints/ is one zfctl writes (a checkpoint, a rank's shard, or
+    the temp file of either)."""
+    return _OUR_CHECKPOINT_RE.match(name) is not None
+
+
+def is_our_model_file(name: str) -> bool:
+    """Whether a name in model/ is one ``models.save_model`` writes."""
+    return name in _OUR_MODEL_FILES or _OUR_MODEL_SHARD_RE.match(name) is not None
+
+
+# The folders of a run that may also hold the user's files, and which of their names are ours.
+_SHARED_FOLDERS = {CHECKPOINT_DIR: is_our_checkpoint_file, MODEL_DIR: is_our_model_file}
+
+
+def _remove(p: Path) -> bool:
+    """Remove ``p`` (a link is removed, never followed); False when nothing is there."""
+    try:
+        if p.is_symlink() or p.is_file():
+            p.unlink()
+        elif p.is_dir():
+            shutil.rmtree(p)
+        else:
+            return False
+    except OSError as exc:
+        raise storage_error(exc, p, "cannot remove the old run's") from exc
+    return True
+
+
+def _clear_shared_folder(d: Path, name: str, kept: list[str]) -> bool:
+    """Remove zfctl's files from the run's ``name`` folder (checkpoints/ or model/), and the
+    folder when nothing else is left in it; the other entries stay and are added to
+    ``kept`` (as ``name/entry``). True when the folder itself was removed."""
+    folder = d / name
+    if folder.is_symlink() or not folder.is_dir():
+        return _remove(folder)  # a link, or a file where the folder would be: ours by name
+    ours = _SHARED_FOLDERS[name]
+    for entry in sorted(os.listdir(folder)):
+        p = folder / entry
+        if ours(entry) and (p.is_symlink() or not p.is_dir()):
+            _remove(p)
+        else:
+            kept.append(f"{name}/{entry}")
+    try:
+        folder.rmdir()
+    except OSError:  # the user's files are still in it
+        return False
+    return True
+
+
+def clear_run(run_dir: str | Path, kept: list[str] | None = None) -> list[str]:
     """Remove the run files zfctl writes (``OUR_ENTRIES``) from the run in ``run_dir`` and
-    nothing else (a link is removed, never followed); returns the names removed. A folder
-    that is not a zfctl run (``holds_run``) is refused with UserInputError, untouched."""
+    nothing else (a link is removed, never followed); returns the names removed. In
+    checkpoints/ and model/ only zfctl's own files go (``is_our_checkpoint_file``,
+    ``is_our_model_file``); the others stay, with their folder, and are listed in ``kept``
+    (when given) as ``folder/name``. A folder that is not a zfctl run (``holds_run``) is
+    refused with UserInputError, untouched."""
     d = Path(run_dir)
     if not holds_run(d):
         raise UserInputError(
             f"{d} is not a zfctl run ({not_a_run_reason(d)}); nothing in it was removed. "
             "--overwrite replaces only a run zfctl wrote; choose an empty or new folder."
         )
+    kept = [] if kept is None else kept
     removed = []
     for name in OUR_ENTRIES:
-        p = d / name
-        try:
-            if p.is_symlink() or p.is_file():
-                p.unlink()
-            elif p.is_dir():
-                shutil.rmtree(p)
-            else:
-                continue
-        except OSError as exc:
-            raise storage_error(exc, p, "cannot remove the old run's") from exc
-        removed.append(name)
+        if name in _SHARED_FOLDERS:
+            gone = _clear_shared_folder(d, name, kept)
+        else:
+            gone = _remove(d / name)
+        if gone:
+            removed.append(name)
     return removed
+
+
+def lock_holder(run_dir: str | Path) -> str | None:
+    """The PID (as text) of the process that holds ``run_dir``'s lock (``RunDirLock``) now,
+    or None when no process does. Asks with a shared lock, which never blocks another
+    asker; the file is only opened for reading (never created)."""
+    try:
+        fd = os.open(Path(run_dir) / LOCK_FILE, os.O_RDONLY)
+    except OSError:  # no lock file (no run started here), or it cannot be read
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+    except OSError:
+        return None
+    finally:
+        os.close(fd)  # closing drops the shared lock
+    return None
 
 
 class RunDirLock:

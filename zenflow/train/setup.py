@@ -91,14 +91,19 @@ def place_model(model, config, device, device_kind: str, engine_mode: str):
 
     bf16 (``bf16.enabled``, "auto" resolved for the device) is cast on the host first,
     after the fp32 masters were taken there, so the device never holds an fp32 copy of the
-    model. The masters go to the engine, whose host state then holds them."""
+    model. The masters are the fp32 tensors themselves (the cast gives the parameters new
+    bf16 ones); they go to the engine, which takes them out of the dict as it consumes them
+    (the caller drops the dict)."""
     import torch
 
     from zenflow.engine.engine_setup import resolve_bf16
 
     masters = None
-    if resolve_bf16(config.bf16, device_kind) and engine_mode in ("zenflow", "offload", "device"):
-        masters = {n: p.detach().to(torch.float32, copy=True)
+    if resolve_bf16(config.bf16, device_kind) and engine_mode in ("zenflow", "offload", "device",
+                                                                   "lora"):  # fmt: skip
+        # the fp32 tensors themselves (no copy): the cast gives each parameter a new bf16
+        # tensor, so the host never holds two fp32 copies of the model
+        masters = {n: p.detach() if p.dtype == torch.float32 else p.detach().float()
                    for n, p in model.named_parameters() if p.requires_grad}  # fmt: skip
         model = model.to(dtype=torch.bfloat16)
     return model.to(device), masters
@@ -152,19 +157,26 @@ def run_length(spec, train_rows: int, micro_batch: int, gas: int, world: int) ->
 def build_engine(spec, model, config, *, steps_per_epoch: int, device_kind: str, par,
                  masters: dict | None):  # fmt: skip
     """The run's engine: ``ZenFlowEngine`` in ``spec.engine_mode``, or DeepSpeed's own
-    (``zenflow.train.deepspeed_engine``) for ``--engine deepspeed``."""
+    (``zenflow.train.deepspeed_engine``) for ``--engine deepspeed``; ``--engine lora`` is
+    the device mode's AdamW over the adapters and head (``zenflow.train.lora``)."""
     if spec.engine_mode == "deepspeed":
         from zenflow.train.deepspeed_engine import DeepSpeedAdapter
 
         return DeepSpeedAdapter(model, config, steps_per_epoch=steps_per_epoch)
     from zenflow.engine import ZenFlowEngine
 
-    return ZenFlowEngine(
-        model, config, mode=spec.engine_mode, steps_per_epoch=steps_per_epoch,
-        accelerator=device_kind, ranks_per_node=par.local_world, masters=masters,
-        sim_profile=spec.sim_profile,
+    lora = spec.engine_mode == "lora"
+    engine = ZenFlowEngine(
+        model, config, mode="device" if lora else spec.engine_mode,
+        steps_per_epoch=steps_per_epoch, accelerator=device_kind,
+        ranks_per_node=par.local_world, masters=masters, sim_profile=spec.sim_profile,
         device_budget_bytes=spec.device_mem if device_kind == "sim" else None,
     )  # fmt: skip
+    if lora:
+        from zenflow.train.lora import lora_resolved
+
+        engine.resolved.update(lora_resolved(model))
+    return engine
 
 
 def engine_notes(spec, config, engine, total_steps: int) -> list[str]:
@@ -181,6 +193,10 @@ def engine_notes(spec, config, engine, total_steps: int) -> list[str]:
         )
     if spec.engine_mode == "zenflow":
         notes += run_length_notes(config.zenflow, total_steps)
+    if spec.engine_mode == "lora":
+        from zenflow.train.lora import lora_note
+
+        notes.append(lora_note(engine.resolved["lora"]))
     if spec.engine_mode == "deepspeed":
         from zenflow.train.deepspeed_engine import unsupported_notes
 

@@ -24,6 +24,14 @@ boundary has not been reached when it fires (a long forward, a long evaluation),
 interrupted there, as by a second Ctrl-C. The timer never interrupts a protected phase; it
 fires again shortly after that phase ends (and not at all once the stop has begun).
 
+Data parallel (``agreed=True``): the ranks stop together at an agreed step boundary
+(``zenflow.train.parallel.agree_stop``; ``agree`` takes the agreed signal, so a SIGTERM to
+one rank gives every rank the exit status 143). A rank must never leave a step alone: the
+others would wait in a collective with it (or meet it in a different one). So a further
+signal is only acknowledged, whatever the phase, and SIGTERM arms no grace timer; the run
+stops at the next boundary, and kill -9 (or a scheduler's SIGKILL after its grace) aborts it
+with the last complete checkpoint kept.
+
 ``notify(message)`` runs inside the signal handler, so it must be safe there: the CLI
 writes the line with one ``os.write`` to stderr (a buffered stream may be in the middle of
 a write the handler interrupted). Every notice is also kept in ``notices``.
@@ -55,6 +63,7 @@ class StopRequests:
         self,
         term_grace_s: float | None = None,
         notify: Callable[[str], None] | None = None,
+        agreed: bool = False,
     ):
         self.requested: str | None = None  # "SIGINT" or "SIGTERM" once asked to stop
         self.stopping: int | None = None  # the step whose checkpoint the stop is finishing
@@ -63,6 +72,7 @@ class StopRequests:
         self._what = ""  # what the innermost protected block is finishing (for notices)
         self._grace = TERM_GRACE_S if term_grace_s is None else term_grace_s
         self._notify = notify
+        self._agreed = agreed  # data parallel: every stop is at an agreed boundary
         self._old: dict[int, object] = {}
         self._installed = False
 
@@ -105,6 +115,12 @@ class StopRequests:
             self._protected -= 1
             self._what = outer
 
+    def agree(self, name: str) -> None:
+        """The stop the ranks agreed on (data parallel): its signal decides the exit status;
+        a SIGTERM this rank got stays (its status is 143 whatever the others got)."""
+        if self.requested != "SIGTERM":
+            self.requested = name
+
     def begin_stop(self, step: int) -> None:
         """The stop has begun: the checkpoint of ``step`` is written next; from now on
         every signal is only acknowledged, and the grace timer is off."""
@@ -120,6 +136,11 @@ class StopRequests:
     def _on_signal(self, signum, frame) -> None:
         name = _NAMES.get(signum, str(signum))
         first = self.requested is None
+        if self._agreed:  # a rank never stops alone
+            self.requested = "SIGTERM" if name == "SIGTERM" else (self.requested or name)
+            if not first:
+                self._say(self._agreed_notice())
+            return
         if name == "SIGTERM" and self.requested != "SIGTERM" and self.stopping is None:
             # also after a Ctrl-C: the scheduler's clock runs from its SIGTERM
             signal.setitimer(signal.ITIMER_REAL, max(self._grace, 1e-3))
@@ -140,6 +161,16 @@ class StopRequests:
                 "already stopping at the next step boundary, within the grace period "
                 "(kill -9 to abort)"
             )
+
+    def _agreed_notice(self) -> str:
+        if self.stopping is not None:
+            return f"already stopping: finishing checkpoint {self.stopping} (kill -9 to abort)"
+        if self.protected:
+            return f"already stopping: finishing {self._what} (kill -9 to abort)"
+        return (
+            "already stopping at the next step boundary: the ranks of a data-parallel job "
+            "stop together (kill -9 to abort)"
+        )
 
     def _on_grace_over(self, signum, frame) -> None:
         if self.stopping is not None:

@@ -2,9 +2,12 @@
 
 ``check_paths`` refuses run locations that cannot work before anything is loaded;
 ``read_hw_json`` reads the hardware probe a run keeps; ``resolve_resume`` finds the run
-directory and checkpoints of ``--resume``; ``merge_resumed_spec`` takes the
-trajectory-defining fields from the saved run (and refuses conflicting ones);
-``resume_command`` is the command line that continues a run.
+directory and checkpoints of ``--resume`` (``--resume auto``: ``run_match.find_resumable``);
+``merge_resumed_spec`` takes the trajectory-defining fields from the saved run (and refuses
+conflicting ones; a data file that moved with the same sha256, and a new ``--lr`` for a run
+that diverged, are accepted); ``resume_command`` is the command line that continues a run,
+``restart_hint`` what to do with a run that has no checkpoint. ``spec_record`` saves local
+paths absolute, so a run resumes from any folder.
 """
 
 from __future__ import annotations
@@ -19,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from zenflow.errors import UserInputError
-from zenflow.train import runs
+from zenflow.train import run_match, runs
 
-ENGINE_MODES = ("zenflow", "offload", "device", "deepspeed")
+ENGINE_MODES = ("zenflow", "offload", "device", "deepspeed", "lora")
 
 
 @dataclass(frozen=True)
@@ -33,7 +36,7 @@ class RunSpec:
     config: Any  # zenflow.config.Config
     init: str = "pretrained"  # pretrained | random
     data_dir: str | None = None  # GLUE root holding <task>/train.tsv; None: the hub
-    engine_mode: str = "zenflow"  # zenflow | offload | device | deepspeed
+    engine_mode: str = "zenflow"  # zenflow | offload | device | deepspeed | lora
     max_steps: int | None = None  # stop after this many optimizer steps
     epochs: float | None = None  # or after this many epochs; neither: 1 epoch; both: first hit
     micro_batch: int | None = None  # None: config.train_micro_batch_size_per_gpu, else 8
@@ -161,11 +164,11 @@ def resume_or_new(spec: RunSpec) -> tuple[RunSpec, str | None]:
     run (``resume`` None then) and the note that says so, else ``spec`` unchanged and None."""
     if spec.resume != "auto":
         return spec, None
-    if runs.latest_run(spec.runs_root, spec.model, spec.task, with_checkpoint=True) is not None:
+    if run_match.find_resumable(spec) is not None:
         return spec, None
     note = (
-        f"no earlier run of {spec.model} on {spec.task} under {spec.runs_root} to resume; "
-        "starting a new run"
+        f"no earlier run of {spec.model} on {run_match.describe(spec)} under "
+        f"{spec.runs_root} to resume; starting a new run"
     )
     return dataclasses.replace(spec, resume=None), note
 
@@ -174,12 +177,12 @@ def resolve_resume(spec: RunSpec) -> tuple[Path, list[Path], bool]:
     """(run_dir, checkpoints to try newest first, whether one file was named) for
     ``spec.resume``; UserInputError when there is none."""
     if spec.resume == "auto":
-        run_dir = runs.latest_run(spec.runs_root, spec.model, spec.task, with_checkpoint=True)
+        run_dir = run_match.find_resumable(spec)
         if run_dir is None:  # resume_or_new made this a new run
             raise UserInputError(
-                f"--resume auto: no run of {spec.model!r} on {spec.task} with a checkpoint "
-                f"under {spec.runs_root}. Start a new run (omit --resume) or pass --resume "
-                "RUN_DIR."
+                f"--resume auto: no run of {spec.model!r} on {run_match.describe(spec)} with a "
+                f"checkpoint under {spec.runs_root}. Start a new run (omit --resume) or pass "
+                "--resume RUN_DIR."
             )
         return run_dir, runs.checkpoints(run_dir)[::-1], False
     p = Path(spec.resume).expanduser()
@@ -198,8 +201,9 @@ def resolve_resume(spec: RunSpec) -> tuple[Path, list[Path], bool]:
         ckpts = runs.checkpoints(p)[::-1]
         if not ckpts:
             raise UserInputError(
-                f"--resume {p}: the run directory has no checkpoint in {p / 'checkpoints'}. "
-                "Start a new run, or pass --resume auto to pick the latest resumable run."
+                f"--resume {p}: the run directory has no checkpoint in {p / 'checkpoints'} "
+                f"(it stopped before its first one), so there is nothing to resume. "
+                f"{restart_hint(p)}"
             )
         return p, ckpts, False
     raise UserInputError(
@@ -208,12 +212,16 @@ def resolve_resume(spec: RunSpec) -> tuple[Path, list[Path], bool]:
     )
 
 
-def merge_resumed_spec(spec: RunSpec, run_dir: Path) -> RunSpec:
-    """Take the trajectory fields from the saved run; refuse explicit conflicting values."""
+def merge_resumed_spec(spec: RunSpec, run_dir: Path, notes: list[str] | None = None) -> RunSpec:
+    """Take the trajectory fields from the saved run; refuse explicit conflicting values.
+    What was accepted though it differs (a moved data file, a diverged run's new --lr) is
+    said in ``notes``."""
     saved_cfg = runs.read_json(run_dir / runs.CONFIG_FILE) or {}
     saved = saved_cfg.get("run") or {}
     if not saved:
         raise UserInputError(f"{run_dir / runs.CONFIG_FILE} has no run spec; cannot resume it.")
+    notes = [] if notes is None else notes
+    accepted = _accepted_changes(spec, run_dir, saved_cfg, notes)
     changes: dict[str, Any] = {"run_dir": run_dir}
     conflicts = []
     for name in _TRAJECTORY_FIELDS:
@@ -221,8 +229,15 @@ def merge_resumed_spec(spec: RunSpec, run_dir: Path) -> RunSpec:
         mine, theirs = getattr(spec, name), saved.get(name, _DEFAULTS[name])
         if isinstance(theirs, list):  # a tuple, as JSON saved it
             theirs = tuple(theirs)
+        if name in accepted:
+            changes[name] = mine
+            continue
         if name == "model" and runs.same_model(theirs, mine):
             continue
+        if name == "data_dir" and mine is not None and run_match.same_path(theirs, mine):
+            continue
+        if name == "task" and _derived_name(spec, saved, accepted):
+            mine = theirs  # --data without --task: the run keeps its own name
         if mine != theirs and mine is not None and mine != _DEFAULTS[name]:
             conflicts.append(f"{name}: {_saved_setting(saved, name)}, given {mine!r}")
         changes[name] = theirs
@@ -238,6 +253,10 @@ def merge_resumed_spec(spec: RunSpec, run_dir: Path) -> RunSpec:
             "resumed run continues exactly; omit those options or pass the run's values "
             "(its config.json 'run' section), or start a new run."
         )
+    for role in run_match.DATA_ROLES:  # taken from the run (not given): still there?
+        missing = run_match.missing_data_file(run_dir, role, changes[role])
+        if getattr(spec, role) is None and missing is not None:
+            raise missing
     from zenflow.config import load_config
 
     if saved.get("config_input") is not None:
@@ -255,6 +274,42 @@ def merge_resumed_spec(spec: RunSpec, run_dir: Path) -> RunSpec:
     return dataclasses.replace(spec, **changes)
 
 
+def _accepted_changes(spec: RunSpec, run_dir: Path, saved_cfg: dict, notes: list[str]) -> set:
+    """The trajectory fields ``spec`` may change though they differ from the run's: a data
+    file that moved (the sha256 the run saved), and --lr when the run diverged (its last
+    good checkpoint goes on at a lower lr). Each is said in ``notes``."""
+    accepted = set()
+    for role, (old, new) in run_match.moved_data_files(spec, saved_cfg).items():
+        flag = "--data" if role == "data_file" else "--eval-data"
+        notes.append(f"{flag} {old} moved to {new} (the same sha256 the run saved); read there")
+        accepted.add(role)
+    theirs = (saved_cfg.get("run") or {}).get("lr")
+    if spec.lr is not None and spec.lr != theirs:
+        try:
+            summary = runs.read_json(run_dir / runs.SUMMARY_FILE)
+        except (UserInputError, OSError):
+            summary = None
+        if isinstance(summary, dict) and summary.get("status") == "diverged":
+            was = f"the run's {theirs:g}" if theirs is not None else "the config's lr"
+            notes.append(
+                f"--lr {spec.lr:g} replaces {was}: the run diverged at step "
+                f"{(summary.get('divergence') or {}).get('step')}, and goes on from its last "
+                "good checkpoint at the new lr"
+            )
+            accepted.add("lr")
+    return accepted
+
+
+def _derived_name(spec: RunSpec, saved: dict, accepted: set) -> bool:
+    """Whether ``spec.task`` is only the name a --data run gets from its file (no --task
+    given) and the file is the run's (the same path, or moved): not a change of task."""
+    data, theirs = spec.data_file, saved.get("data_file")
+    if data is None or theirs is None:
+        return False
+    same = "data_file" in accepted or run_match.same_path(data, theirs)
+    return same and spec.task == run_match.data_run_name(data)
+
+
 def _saved_setting(saved: dict, name: str) -> str:
     """What the saved run had for ``name``, in words (never "run has None")."""
     if name not in saved:
@@ -262,6 +317,14 @@ def _saved_setting(saved: dict, name: str) -> str:
     if saved[name] is None:
         return "the run did not set it (it took the config's value)"
     return f"run has {saved[name]!r}"
+
+
+def restart_hint(run_dir: Path) -> str:
+    """What to do with a run that stopped before its first checkpoint."""
+    return (
+        f"Start it again in that folder with --run-dir {run_dir} --overwrite (it removes only "
+        "the files zfctl wrote there), or start a new run in another folder."
+    )
 
 
 def resume_command(spec: RunSpec, run_dir: Path) -> str:
@@ -330,21 +393,11 @@ DEFAULT_LABEL_FIELD = "label"
 def data_digests(spec: RunSpec) -> dict[str, str]:
     """sha256 of each ``--data`` / ``--eval-data`` file, by path (saved with the run: a
     resumed run continues exactly only on the same rows)."""
-    import hashlib
-
-    from zenflow.train.data import hub_fingerprint, is_hub_id
-
-    out = {}
-    for path in (spec.data_file, spec.eval_file):
-        if path is not None and is_hub_id(path):
-            out[str(path)] = hub_fingerprint(path)
-        elif path is not None:
-            h = hashlib.sha256()
-            with open(path, "rb") as f:
-                for block in iter(lambda f=f: f.read(1 << 20), b""):
-                    h.update(block)
-            out[str(path)] = h.hexdigest()
-    return out
+    return {
+        str(path): run_match.data_digest(str(path))
+        for path in (spec.data_file, spec.eval_file)
+        if path is not None
+    }
 
 
 def _stamp(path: str) -> tuple[int, int]:
@@ -387,9 +440,8 @@ def _check_files_unchanged(spec: RunSpec) -> None:
 
     if not spec.resume or spec.run_dir is None:
         return
-    saved = (runs.read_json(Path(spec.run_dir) / runs.CONFIG_FILE) or {}).get("data_files")
-    now = data_digests(spec)
-    changed = [p for p, digest in (saved or {}).items() if now.get(p) != digest]
+    saved = runs.read_json(Path(spec.run_dir) / runs.CONFIG_FILE) or {}
+    changed = run_match.changed_data_files(spec, saved)  # by role: a moved file too
     if changed:
         raise DataError(
             f"{', '.join(changed)} changed since the run in {spec.run_dir} started (its "
@@ -434,4 +486,4 @@ def spec_record(spec: RunSpec) -> dict:
         out[f.name] = str(v) if isinstance(v, Path) else v
     out["config_input"] = dict(spec.config.raw)
     out["config_source"] = spec.config.source
-    return out
+    return run_match.record_paths(out)  # absolute: the run resumes from any folder

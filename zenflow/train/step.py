@@ -131,21 +131,24 @@ class OptimizerStep:
     def elapsed_ms(self, a, b) -> float:
         return self.accel.elapsed_ms(a, b) if self.accel is not None else (b - a) * 1e3
 
-    def run(self, step: int) -> tuple[StepStats, float]:
+    def run(self, step: int, held: contextlib.ExitStack | None = None) -> tuple[StepStats, float]:
         """Optimizer step ``step + 1`` -> (its stats, numbered ``step + 1``, with the loss
         averaged over the ranks and the phase times; its wall milliseconds). The gradients
-        are zeroed for the next step."""
+        are zeroed for the next step. ``held``: the caller's stack, which keeps the step's
+        signal protection (from its first backward) until the caller has recorded the step's
+        boundary, and then clears ``in_engine_step``; without it both end here."""
         t_step = time.perf_counter()
         marks = []
         losses = []
-        with contextlib.ExitStack() as held:
+        with contextlib.ExitStack() as own:
             for i in range(self.gas):
-                mark, loss = self._micro_batch(i, step, held)
+                mark, loss = self._micro_batch(i, step, own if held is None else held)
                 marks.append(mark)
                 losses.append(loss)
             mean_loss = self.torch.stack(losses).mean()
             stats = self.engine.step(mean_loss)
-        self.in_engine_step = False
+        if held is None:
+            self.in_engine_step = False
         # the step's one read waited for backward: the marks are complete
         fwd_ms = sum(self.elapsed_ms(a, b) for a, b, _ in marks)
         bwd_ms = sum(self.elapsed_ms(b, c) for _, b, c in marks)

@@ -85,7 +85,8 @@ def run_header(run, start_step: int, start_counts: dict | None = None) -> dict:
         "seed": run.spec.seed,
         # Counts of the steps before start_step (a resumed run's dashboard goes on).
         "start_counts": start_counts or {},
-        "notes": list(run.notes),
+        # the run's notes, and the run directory's (what --overwrite kept; rank 0 only)
+        "notes": list(run.notes) + list(getattr(run.dir, "notes", None) or ()),
     }
 
 
@@ -106,6 +107,15 @@ def _device_bytes_per_param(steps: list[dict], params: int, key: str = "device_b
     """The largest ``key`` (bytes) of the steps per parameter; None where not reported."""
     seen = [int(m[key]) for m in steps if m.get(key)]
     return max(seen) / params if seen and params else None
+
+
+def _host_peak(run, steps: list[dict]) -> int | None:
+    """The engine's whole-run host peak (its accelerator's accounting, which the final
+    checkpoint is included in), else the most a step reported."""
+    accel = getattr(run.engine, "accel", None)
+    if accel is not None and hasattr(accel, "host_peak_bytes"):
+        return int(accel.host_peak_bytes())
+    return _most(steps, "host_peak_bytes")
 
 
 def _most(steps: list[dict], key: str) -> int | None:
@@ -225,6 +235,10 @@ def _memory(run, steps: list[dict]) -> dict:
         "pinned_host_bytes_per_param": _device_bytes_per_param(
             steps, run.params, "pinned_host_bytes"
         ),
+        # the whole run's peak: the engine's host allocations (set-up, selections,
+        # checkpoints included), and the device's largest step peak
+        "host_peak_bytes": _host_peak(run, steps),
+        "device_peak_bytes": _most(steps, "device_peak_bytes"),
         # the sync counter: the most full device syncs / device-to-host reads in one step
         "full_syncs_max": _most(steps, "full_syncs"),
         "d2h_reads_max": _most(steps, "d2h_reads"),

@@ -44,6 +44,7 @@ and a stop request is agreed so all ranks stop at the same step boundary.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
 import time
@@ -64,16 +65,19 @@ from zenflow.train.events import (
     RunInterrupted,
     RunStarted,
 )
+from zenflow.train.lora import TrainableWeights, lora_counts, merged_for_export, wrap_lora
 from zenflow.train.metrics import MetricsLog, StepMeter
 from zenflow.train.monitors import MonitorSink
 from zenflow.train.objective import objective_for
 from zenflow.train.parallel import (
     Parallel,
-    any_rank,
+    agree_stop,
     barrier,
     broadcast_object,
     device_for,
     init_parallel,
+    peer_lost,
+    rank_lost,
     shutdown,
 )
 from zenflow.train.resume import RunCheckpoints, write_run_files
@@ -96,6 +100,7 @@ from zenflow.train.spec import (
     merge_resumed_spec,
     read_hw_json,
     resolve_resume,
+    restart_hint,
     resume_command,
     resume_or_new,
 )
@@ -150,7 +155,7 @@ class _Run:
         self.hw = read_hw_json(spec) if not spec.resume or spec.hw_json else None
         if spec.resume:
             run_dir, self.candidates, self.explicit_checkpoint = resolve_resume(spec)
-            spec = merge_resumed_spec(spec, run_dir)
+            spec = merge_resumed_spec(spec, run_dir, self.notes)
         for name in ("max_steps", "micro_batch", "eval_every", "max_eval_samples", "seq_len"):
             v = getattr(spec, name)
             if v is not None and v < 1:
@@ -205,13 +210,18 @@ class _Run:
         self.encoded = data.encoded  # the rows the batcher takes
         self.notes += data.notes
         self.device = device_for(self.device_kind, self.par)
+        model, lora = data.model, spec.engine_mode == "lora"
+        if lora:  # adapters before placement: the fp32 masters and the bf16 cast cover them
+            model = wrap_lora(model, self.config.engine.lora, self.objective.name, spec.seed)
         self.model, self.masters = place_model(
-            data.model, self.config, self.device, self.device_kind, spec.engine_mode
+            model, self.config, self.device, self.device_kind, spec.engine_mode
         )
         self.objective.placed(self.model, self.encoded)
         if spec.gradient_checkpointing:
             enable_gradient_checkpointing(self.model)
-        self.params = count_params(self.model)
+        # what a checkpoint holds of the model: a LoRA run's trainable weights only
+        self.weights = TrainableWeights(self.model) if lora else self.model
+        self.params = lora_counts(self.model).base if lora else count_params(self.model)
         length = run_length(spec, len(self.task_data.train), self.micro_batch, self.gas,
                             self.par.world)  # fmt: skip
         self.global_micro, self.spe, self.epoch_samples, self.total_steps = length
@@ -232,7 +242,7 @@ class _Run:
         self.masters = None  # the engine's host state holds them now
         self.notes += engine_notes(spec, self.config, self.engine, self.total_steps)
         self.metrics = MetricsLog(self.par)
-        self.checkpoints = RunCheckpoints(self.torch, spec, self.par, self.model, self.engine,
+        self.checkpoints = RunCheckpoints(self.torch, spec, self.par, self.weights, self.engine,
                                           self.metrics, self.on_event)  # fmt: skip
         self.cadence = Cadence(spec.eval_every, spec.checkpoint_every, self.total_steps)
         try:
@@ -250,7 +260,7 @@ class _Run:
                 f"The last good checkpoint, {self.checkpoints.last}, is kept; once that is "
                 f"fixed, continue with: {resume_command(self.spec, self.run_dir)}"
             )
-        return "No checkpoint was written yet; start the run again once that is fixed."
+        return f"No checkpoint was written yet; once that is fixed: {restart_hint(self.run_dir)}"
 
     def _start_session(self) -> tuple[int, int, int, float]:
         """Create or reopen the run dir; returns (start step, epoch, index, prior wall s)."""
@@ -299,8 +309,12 @@ class _Run:
         return self.wall_before + time.perf_counter() - self.t_session
 
     def _stop_now(self, stops: StopRequests) -> bool:
-        """A stop request, agreed: every rank stops at the same step boundary."""
-        return any_rank(bool(stops.requested), self.par)
+        """A stop request, agreed: every rank stops at the same step boundary, on the same
+        signal (a SIGTERM to any rank is every rank's 143)."""
+        agreed = agree_stop(stops.requested, self.par)
+        if agreed is not None:
+            stops.agree(agreed)
+        return agreed is not None
 
     # -- the loop
     def _train(self) -> dict:
@@ -312,7 +326,8 @@ class _Run:
                             self.epoch_samples, epoch, index)  # fmt: skip
         # The consistent state at the last step boundary (what a checkpoint holds).
         self.boundary = StepBoundary(step, epoch, index, rng_state(self.torch, self.device))
-        stops = StopRequests(notify=getattr(self.on_event, "signal_notice", None))
+        stops = StopRequests(notify=getattr(self.on_event, "signal_notice", None),
+                             agreed=self.par.enabled)  # fmt: skip
         # The training forward goes through DeepSpeed's engine (its backward hooks need it).
         forward = getattr(self.engine, "train_module", self.model)
         steps = OptimizerStep(self.engine, forward, self.objective, cursor, stops, gas=self.gas,
@@ -343,12 +358,16 @@ class _Run:
         if self.redo_eval:  # due at the checkpoint's step; the stop came before it
             self.evaluate(step)
         while step < self.total_steps:
-            stats, wall_ms = steps.run(step)
-            step = stats.step
-            record, event = meter.step(stats, wall_ms, cursor.fractional_epoch)
-            self.metrics.write(record)
-            rng = rng_state(self.torch, self.device)
-            self.boundary = StepBoundary(step, cursor.epoch, cursor.index, rng)
+            # protected from the step's first backward until its boundary is recorded: a
+            # signal in between would otherwise save the old boundary with the new state
+            with contextlib.ExitStack() as held:
+                stats, wall_ms = steps.run(step, held)
+                step = stats.step
+                record, event = meter.step(stats, wall_ms, cursor.fractional_epoch)
+                self.metrics.write(record)
+                rng = rng_state(self.torch, self.device)
+                self.boundary = StepBoundary(step, cursor.epoch, cursor.index, rng)
+                steps.in_engine_step = False
             self.on_event(event)
             if watch.observe(stats):
                 raise Diverging(step, watch.reason())
@@ -415,10 +434,12 @@ class _Run:
         return metrics
 
     def save_final_model(self) -> None:
-        """Save the fine-tuned model (and tokenizer) in Hugging Face format under model/."""
+        """Save the fine-tuned model (and tokenizer) in Hugging Face format under model/ (a
+        LoRA run's adapters merged into the base: plain transformers loads it)."""
         from zenflow.train.models import save_model
 
-        save_model(self.model, self.tokenizer, self.run_dir / runs.MODEL_DIR)
+        model = merged_for_export(self.model) if self.spec.engine_mode == "lora" else self.model
+        save_model(model, self.tokenizer, self.run_dir / runs.MODEL_DIR)
 
     # -- header / summary (zenflow.train.summary)
     def header(self, start_step: int, start_counts: dict | None = None) -> dict:
@@ -453,8 +474,16 @@ class _Run:
             skipped = summary["skipped_steps"]
             with runs.writing(self.run_dir / runs.SUMMARY_FILE):
                 runs.write_json_atomic(self.run_dir / runs.SUMMARY_FILE, summary)
+        lr = self.config.optimizer.lr
+        lower = float(f"{lr / 10:.3g}") if lr else None  # a tenth: the usual first retry
+        cmd = (  # from the last good checkpoint, at the lower lr (spec.merge_resumed_spec)
+            resume_command(dataclasses.replace(self.spec, lr=lower), self.run_dir)
+            if self.checkpoints.last is not None and lower is not None
+            else None
+        )
         event = RunDiverged(why.step, why.reason, last_good_step, skipped,
-                            self.checkpoints.last, self.config.optimizer.lr)  # fmt: skip
+                            self.checkpoints.last, lr, resume_command=cmd,
+                            restart=restart_hint(self.run_dir))  # fmt: skip
         self.on_event(event)
         raise event
 
@@ -511,7 +540,13 @@ def run_finetune(spec: RunSpec, on_event: Callable[[object], None] = _noop) -> d
         result = run.run()
         finished = True
         return result
+    except (RunInterrupted, RunDiverged):
+        finished = True  # agreed at a step boundary: every rank leaves the group together
+        raise
     except Exception as exc:
+        if run.par.enabled and peer_lost(exc):  # another rank ended: not this rank's bug
+            hint = run._recovery_hint() if run.par.main and hasattr(run, "checkpoints") else ""
+            raise rank_lost(run.par, hint) from exc
         known = (UserInputError, RunInterrupted, RunDiverged)
         if not isinstance(exc, known) and run.run_dir is not None:
             attach_log_dir(exc, run.run_dir)

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from zenflow.engine.accelerator.reads import DeviceReader
 from zenflow.errors import EngineError
 
 
@@ -92,6 +93,11 @@ class DoneEvent:
 DONE = DoneEvent()
 
 
+# The reused pinned buffer device-to-host reads go through (checkpoints, hand-overs): a
+# bucket of 4M fp32 elements; the zenflow mode sets it to its bucket's bytes.
+READ_BUFFER_BYTES = 16 << 20
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -111,6 +117,11 @@ class Accelerator:
         self._held: dict[str, int] = defaultdict(int)  # holder tag -> device bytes
         self._host: dict[str, int] = defaultdict(int)  # holder tag -> host bytes
         self._pinned = 0
+        self._caching_pinned = 0
+        self._pinned_tags: dict[str, int] = defaultdict(int)  # holder tag -> locked bytes
+        self._host_peak = 0
+        self.read_buffer_bytes = READ_BUFFER_BYTES
+        self._read_buf: torch.Tensor | None = None
         self._peak = 0
         self._peak_held: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -186,28 +197,62 @@ class Accelerator:
         return self.empty(shape, dtype, tag).zero_()
 
     # ---------------------------------------------------------------- host memory
-    def _pin(self, t_shape, dtype) -> torch.Tensor:
-        return torch.empty(t_shape, dtype=dtype)
+    def _pin(self, shape, dtype) -> torch.Tensor:
+        """A host tensor whose pages are locked (cuda: registered) or modelled so (sim)."""
+        return torch.empty(shape, dtype=dtype)
+
+    def _pinned_size(self, nbytes: int) -> int:
+        """Bytes locked for a pinned request of ``nbytes`` (cuda: whole pages)."""
+        return nbytes
 
     def host_empty(self, shape, dtype=torch.float32, pin: bool = False, tag: str = "host"):
         """An uninitialised host tensor, accounted under ``tag``; pinned (page-locked) when
-        ``pin`` and the backend pins (cuda) or models pinning (sim). Pin only what crosses
-        the link: staging, images, landing buffers; never the master or the moments."""
+        ``pin`` and the backend pins (cuda: pageable memory registered with the driver, so
+        what is locked is what was asked, to the page) or models pinning (sim). Pin what
+        the device reads or writes directly: staging, the compact master, landing buffers,
+        the read buffer; never the moments."""
         pinned = pin and self.models_pinning
         t = self._pin(shape, dtype) if pinned else torch.empty(shape, dtype=dtype)
         n = _nbytes(t)
-        with self._lock:
-            self._host[tag] += n
-            if pinned:
-                self._pinned += n
-        weakref.finalize(t, self._host_free, tag, n, pinned)
+        locked = self._pinned_size(n) if pinned else 0
+        self._host_add(tag, n, locked)
+        # on the storage: freed when the last tensor on it (views included) is gone
+        weakref.finalize(t.untyped_storage(), self._host_free, tag, n, locked)
         return t
 
-    def _host_free(self, tag: str, n: int, pinned: bool) -> None:
+    def adopt_host(self, t: torch.Tensor, tag: str) -> torch.Tensor:
+        """Account a host tensor the engine was given (the masters taken at set-up) under
+        ``tag`` until it is freed, so the host peak sees it."""
+        n = _nbytes(t)
+        self._host_add(tag, n, 0)
+        weakref.finalize(t.untyped_storage(), self._host_free, tag, n, 0)
+        return t
+
+    def _host_add(self, tag: str, n: int, locked: int) -> None:
+        with self._lock:
+            self._host[tag] += n
+            self._pinned += locked
+            self._pinned_tags[tag] += locked
+            self._host_peak = max(self._host_peak, sum(self._host.values()))
+
+    def _host_free(self, tag: str, n: int, locked: int) -> None:
         with self._lock:
             self._host[tag] -= n
-            if pinned:
-                self._pinned -= n
+            self._pinned -= locked
+            self._pinned_tags[tag] -= locked
+
+    def count_caching_pinned(self, t: torch.Tensor, tag: str) -> None:
+        """Account a buffer from torch's caching pinned allocator (``pin_memory=True``) at
+        the size it locks: the next power of two (its block rounding), kept for the
+        process (the allocator caches freed blocks)."""
+        n = _nbytes(t)
+        locked = 1 << max(0, (n - 1).bit_length())
+        with self._lock:
+            self._host[tag] += locked
+            self._pinned += locked
+            self._pinned_tags[tag] += locked
+            self._caching_pinned += locked
+            self._host_peak = max(self._host_peak, sum(self._host.values()))
 
     def host_zeros(self, shape, dtype=torch.float32, pin: bool = False, tag: str = "host"):
         return self.host_empty(shape, dtype, pin, tag).zero_()
@@ -217,10 +262,35 @@ class Accelerator:
         with self._lock:
             return {k: v for k, v in self._host.items() if v}
 
+    def host_peak_bytes(self) -> int:
+        """The largest total of ``host_held`` since the accelerator was made (the whole run:
+        set-up, steps, hand-overs, checkpoints)."""
+        with self._lock:
+            return self._host_peak
+
     def pinned_bytes(self) -> int:
-        """Page-locked host bytes (modelled on sim)."""
+        """Page-locked host bytes as locked (cuda: registered pages, and the caching
+        allocator's power-of-two blocks; modelled on sim)."""
         with self._lock:
             return self._pinned
+
+    def pinned_held(self) -> dict[str, int]:
+        """Of ``pinned_bytes``, what each holder locks."""
+        with self._lock:
+            return {k: v for k, v in self._pinned_tags.items() if v}
+
+    def caching_pinned_bytes(self) -> int:
+        """Of ``pinned_bytes``, what came from torch's caching pinned allocator."""
+        with self._lock:
+            return self._caching_pinned
+
+    def read_buffer(self) -> torch.Tensor:
+        """The one reused pinned host buffer (bytes) device-to-host reads go through
+        (checkpoints, hand-overs): made on first use, ``read_buffer_bytes`` long."""
+        if self._read_buf is None:
+            self._read_buf = self.host_empty((self.read_buffer_bytes,), torch.uint8, True,
+                                             "read_buffer")  # fmt: skip
+        return self._read_buf
 
     # ---------------------------------------------------------------- copies
     def copy_d2h(self, dst: torch.Tensor, src: torch.Tensor, after=None):
@@ -233,16 +303,19 @@ class Accelerator:
         raise NotImplementedError
 
     def to_host(self, src: torch.Tensor) -> torch.Tensor:
-        """A new host tensor holding device ``src``, waited for (checkpoints, hand-over)."""
-        dst = torch.empty(src.shape, dtype=src.dtype)
-        self.copy_d2h(dst, src).synchronize()
-        return dst
+        """A new host tensor holding device ``src``, waited for (checkpoints, set-up), read
+        through the reused pinned read buffer."""
+        return self.reader(counted=False).read([src])[0]
 
     def read_tensor(self, src: torch.Tensor) -> torch.Tensor:
         """A device tensor on the host, waited for, counted as a device-to-host read (the
-        training thread's wait for the device): a re-selection's hand-over, once."""
-        self.syncs.reads += 1
-        return self.to_host(src)
+        training thread's wait for the device)."""
+        return self.reader(counted=True).read([src])[0]
+
+    def reader(self, counted: bool = True):
+        """A ``DeviceReader`` batching device-to-host reads through the read buffer
+        (``counted``: each wait is a device-to-host read in ``syncs.reads``)."""
+        return DeviceReader(self, counted)
 
     def to_device(self, src: torch.Tensor, tag: str) -> torch.Tensor:
         """A new accounted device tensor holding host ``src``, ready for device work."""

@@ -1,17 +1,54 @@
 """The ``cuda`` backend: torch.cuda.
 
 Copies run on two dedicated copy streams (one per direction), ordered against the compute
-stream by events; host buffers are pinned; events the host waits on block instead of
-spinning; phases are timed with CUDA events, never with a full synchronize. Device memory is
-read from the caching allocator's counters. Of the backends only this one calls torch.cuda,
-``pin_memory`` or ``non_blocking``; it must not import the sim or its guards.
+stream by events; host buffers the device reads or writes are pinned; events the host waits
+on block instead of spinning; phases are timed with CUDA events, never with a full
+synchronize. Device memory is read from the caching allocator's counters. Of the backends
+only this one calls torch.cuda, ``pin_memory`` or ``non_blocking``; it must not import the
+sim or its guards.
+
+Pinned memory is what it says: a pinned buffer is pageable memory (``torch.empty``)
+registered with the driver (``cudaHostRegister``) over whole pages of its own, and
+unregistered by a finalizer before it is freed, so what is locked is what was asked (to the
+page), never the power-of-two block torch's caching pinned allocator would round it up to
+and keep for the process. Only the model inputs' small buffers still come from that
+allocator, and are counted at its rounded size.
 """
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from zenflow.engine.accelerator.base import Accelerator, _nbytes
+
+PAGE = 4096
+
+
+def _unregister(ptr: int) -> None:
+    """Unlock a registered range (finalizer; before its memory is freed)."""
+    torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+def registered_empty(shape, dtype) -> torch.Tensor:
+    """An uninitialised host tensor on pages of its own, registered with the driver (pinned:
+    ``is_pinned()`` is True and non_blocking copies from/to it are asynchronous)."""
+    numel = 1
+    for s in shape:
+        numel *= int(s)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    locked = max(PAGE, -(-numel * itemsize // PAGE) * PAGE)
+    storage = torch.UntypedStorage(locked + PAGE)  # room to start on a page boundary
+    start = -storage.data_ptr() % PAGE
+    ptr = storage.data_ptr() + start
+    err = int(torch.cuda.cudart().cudaHostRegister(ptr, locked, 0))
+    if err != 0:
+        raise RuntimeError(f"cudaHostRegister of {locked:,} bytes failed (cudaError {err})")
+    # the storage dies (and the finalizer unlocks its pages before they are freed) only
+    # once the last tensor on it is gone, views included
+    weakref.finalize(storage, _unregister, ptr)
+    return torch.empty(0, dtype=dtype).set_(storage, start // itemsize, tuple(shape))
 
 
 class CudaEvent:
@@ -53,7 +90,10 @@ class CudaAccelerator(Accelerator):
         self._input_pool: dict[tuple, torch.Tensor] = {}
 
     def _pin(self, shape, dtype) -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype, pin_memory=True)
+        return registered_empty(shape, dtype)
+
+    def _pinned_size(self, nbytes: int) -> int:
+        return max(PAGE, -(-nbytes // PAGE) * PAGE)
 
     def bind_thread(self) -> None:
         torch.cuda.set_device(self.device)
@@ -87,11 +127,6 @@ class CudaAccelerator(Accelerator):
     def copy_h2d(self, dst, src, after=None):
         return self._copy(dst, src, "h2d", after, dst)
 
-    def to_host(self, src: torch.Tensor) -> torch.Tensor:
-        dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
-        self.copy_d2h(dst, src).synchronize()
-        return dst
-
     def to_device_input(self, t: torch.Tensor, key: str = "") -> torch.Tensor:
         # A pageable host->device copy waits for the compute stream (a hidden sync per
         # micro-batch); from a pinned buffer it is queued. The buffer is reused once the
@@ -102,8 +137,9 @@ class CudaAccelerator(Accelerator):
         if entry is not None:
             entry[1].synchronize()
             buf = entry[0]
-        else:
+        else:  # small and few (one per input name and shape): the caching allocator's
             buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self.count_caching_pinned(buf, "inputs")
         buf.copy_(t)
         out = buf.to(self.device, non_blocking=True)
         done = _cuda_event()

@@ -41,6 +41,9 @@ class SimProfile:
     # on one stream (~1-2 us of DMA set-up; the ~5 us launch is paid by the issuing host
     # thread, beside the previous copy, not by the copy engine)
     latency_s: float = 2e-6
+    # dense bf16 peak from the datasheet (FLOP/s): `zfctl estimate --gpu` predicts a step's
+    # compute at a stated share of it (zenflow.hardware.predict); 0: matmul_flops
+    peak_flops: float = 0.0
 
 
 # Figures: H100 SXM 80GB, 798 TFLOP/s measured on an 8192^3 bf16 product on a lent H100 of
@@ -48,14 +51,29 @@ class SimProfile:
 # is 64 GB/s raw per direction, ~50 GB/s for large pinned copies. A100 80GB PCIe: 312
 # TFLOP/s peak bf16, ~280 achieved, 1.9 TB/s; PCIe 4.0 x16 ~25 GB/s. RTX 4090: 165 TFLOP/s
 # dense bf16 (fp32 accumulate), ~150 achieved, 1.0 TB/s; PCIe 4.0 x16 ~25 GB/s.
+# Datasheet dense bf16 peaks (no sparsity): H100 SXM5 989, A100 (40 and 80 GB) 312, L40S
+# 362, RTX 4090 165 TFLOP/s; achieved matmul rates for the boxes not measured here are ~90%
+# of peak. HBM: A100 40GB 1.56, 80GB 2.0, L40S 0.86 TB/s. h100-sxm names the box
+# h100-pcie5 was measured on (an SXM5 part; its host link is PCIe 5.0 x16 either way).
 PROFILES: dict[str, SimProfile] = {
     p.name: p
     for p in (
-        SimProfile("h100-pcie5", "NVIDIA H100 on PCIe 5.0 x16", 798e12, 50e9, 3.35e12),
-        SimProfile("a100-pcie4", "NVIDIA A100 80GB on PCIe 4.0 x16", 280e12, 25e9, 1.9e12),
-        SimProfile("rtx4090", "NVIDIA RTX 4090 on PCIe 4.0 x16", 150e12, 25e9, 1.0e12),
+        SimProfile("h100-pcie5", "NVIDIA H100 on PCIe 5.0 x16", 798e12, 50e9, 3.35e12,
+                   peak_flops=989e12),
+        SimProfile("h100-sxm", "NVIDIA H100 SXM5 80GB, host link PCIe 5.0 x16", 798e12, 50e9,
+                   3.35e12, peak_flops=989e12),
+        SimProfile("a100-pcie4", "NVIDIA A100 80GB on PCIe 4.0 x16", 280e12, 25e9, 1.9e12,
+                   peak_flops=312e12),
+        SimProfile("a100-40g", "NVIDIA A100 40GB, PCIe 4.0 x16", 280e12, 25e9, 1.56e12,
+                   peak_flops=312e12),
+        SimProfile("a100-80g", "NVIDIA A100 80GB, PCIe 4.0 x16", 280e12, 25e9, 2.0e12,
+                   peak_flops=312e12),
+        SimProfile("l40s", "NVIDIA L40S 48GB, PCIe 4.0 x16", 325e12, 25e9, 0.86e12,
+                   peak_flops=362e12),
+        SimProfile("rtx4090", "NVIDIA RTX 4090 on PCIe 4.0 x16", 150e12, 25e9, 1.0e12,
+                   peak_flops=165e12),
     )
-}
+}  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -155,6 +155,9 @@ class _CopyEngine:
                 if isinstance(e, SourceChanged):
                     sim.guard_violations.append(str(e))
             event._set()
+            # the copy's tensors are not the engine's to keep: a device tensor held here
+            # until the next copy would stay in the device accounting (and the host's)
+            item = dst = src = after = None
 
     def drain(self) -> None:
         """Block until every copy queued before this call has run."""

@@ -17,6 +17,7 @@ import torch
 
 from zenflow.engine.host import ColumnSteps
 from zenflow.engine.selection import column_scores, select_topk, split_handover
+from zenflow.engine.zenflow.host_layout import SelectionPlan, entering, first_compact, relayout
 from zenflow.engine.zenflow.state import ZfWeight
 
 
@@ -32,6 +33,8 @@ class Handover:
         self.last_select_step = 0
         self.selections = 0  # first selection and re-selections so far (the doubling gap)
         self.selection_steps: list[int] = []  # this process's selections (not checkpointed)
+        # the first selection made in the hooks this step, per weight (until the step)
+        self.first_plans: dict[int, SelectionPlan] = {}
 
     def gap(self) -> int:
         """Steps from the last selection to the next re-selection (taken at the first window
@@ -78,82 +81,171 @@ class Handover:
         """(Re)select columns and hand ownership over by index.
 
         Preconditions: no host step in flight and the device holds every host result
-        (first selection: the master was just copied from the weights; reselection: runs
-        right after a synchronous window end). Columns leaving the device write their fp32
-        values, moments and counts into the host state BY INDEX; columns entering take the
-        host's. Moments are carried, not restarted (a restarted column would take a
-        full-size first Adam step), and so are the counts (bias correction).
+        (first selection: the host holds the initial values; reselection: runs right after
+        a synchronous window end). Columns leaving the device bring their fp32 values,
+        moments and counts into the host's compact arrays; columns entering take the host's.
+        Moments are carried, not restarted (a restarted column would take a full-size first
+        Adam step), and so are the counts (bias correction). Weight by weight: the leaving
+        columns are read through the accelerator's one read buffer (several weights per
+        fill while they fit), and each weight's host arrays are re-laid as soon as its
+        columns are in (``host_layout.relayout``).
         """
         e = self.e
         dp = e.dp
         t0 = time.perf_counter()
-        leaving: list = []
+        self._wait_return_copies()
+        reader = e.accel.reader(counted=True)
+        plans: dict[int, tuple] = {}
         for w, s in zip(self.m.zweights, scores, strict=True):
             if dp.enabled:  # the owner scores the averaged gradient; the others add zeros
                 if not w.owned:
                     s.zero_()
                 dp.allreduce_scores_(s, w.spec.param.numel())
-            e.rec.moved += self._hand_over(w, select_topk(s, w.k), leaving)
-        self._write_leaving(leaving)
+            new = select_topk(s, w.k)
+            plan, leaving = self._hand_over(w, new)
+            e.rec.moved += int(plan.in_cols.numel() + plan.out_cols.numel())
+            if leaving is None:
+                self._relayout(w, plan, None)
+                continue
+            plans[w.position] = (w, plan)
+            reader.add(w.position, leaving)
+            for pos, host in reader.ready():
+                self._relayout(*plans.pop(pos), host)
+        for pos, host in reader.finish():
+            self._relayout(*plans.pop(pos), host)
         self.selected = True
         self.last_select_step = t
         self.selections += 1
         self.selection_steps.append(t)
         e.rec.stall_s += time.perf_counter() - t0
 
-    def _write_leaving(self, leaving: list) -> None:
-        """The leaving columns' device values, moments, counts and indices (gathered by
-        ``_hand_over``) into their host state by index, fetched in ONE device-to-host read
-        for all weights (counted): float64 holds fp32 values and integer counts exactly."""
-        if not leaving:
-            return
-        flat = torch.cat([t.reshape(-1).to(torch.float64) for _, tensors in leaving
-                          for t in tensors])  # fmt: skip
-        flat = self.e.accel.read_tensor(flat)
-        off = 0
-        for w, tensors in leaving:
-            vals = []
-            for t in tensors:
-                vals.append(flat[off : off + t.numel()].view(t.shape))
-                off += t.numel()
-            cols_h = vals[4].to(torch.int64)
-            host, cd = w.host, w.cd
-            for dst, v in zip((host.master, host.exp_avg, host.exp_avg_sq), vals[:3],
-                              strict=True):  # fmt: skip
-                dst.index_copy_(cd, cols_h, v.to(torch.float32))
-            host.steps.counts[cols_h] = vals[3].to(torch.int64)
-            host.steps.recheck()  # the counts changed after _hand_over's recheck
+    # ------------------------------------------------------------------ in the hooks
+    def select_in_hook(self, w: ZfWeight, g: torch.Tensor | None) -> None:
+        """The first selection of ``w`` in its gradient hook (streamed, no host-summed
+        micro-batches, no warm-up, one rank): top-k of the column scores of ``g`` as it
+        becomes final (fp32, on the device; None: unused this step, zero scores), the
+        device state of the selected columns taken from the host's initial values; the
+        step then routes ``g`` like any split step. No whole gradient lands on the host.
+        The host's compact state is made at the step (``finish_first``), unless the step
+        is skipped (``undo_first``: the next step selects from its own gradient)."""
+        if g is None:
+            scores = torch.zeros(w.n_cols, dtype=torch.float32, device=self.e.device)
+        else:
+            scores = column_scores(g, w.cd)
+            w.scores_first = scores  # the auto interval's masses of the step come from them
+        plan, _ = self._hand_over(w, select_topk(scores, w.k))
+        self.e.rec.moved += int(plan.in_cols.numel())
+        self.first_plans[w.position] = plan
+        if w.owned:
+            w.window_buffers(self.m)
 
-    def _hand_over(self, w: ZfWeight, new: torch.Tensor, leaving: list) -> int:
-        """Make ``new`` (sorted) the selected columns of ``w``; returns the columns moved.
-        The leaving columns' device state is gathered into ``leaving`` (written to the host
-        by ``_write_leaving``, one read for all weights)."""
+    def finish_first(self, t: int) -> None:
+        """The step of a first selection made in the hooks was not skipped: every weight
+        (one whose hook did not fire: from zero scores) gets its compact host state, from
+        the masters taken at set-up or its device weight, weight by weight."""
+        for w in self.m.zweights:
+            if w.position not in self.first_plans:
+                self.select_in_hook(w, None)
+            self._relayout(w, self.first_plans.pop(w.position), None)
+        self.selected = True
+        self.last_select_step = t
+        self.selections += 1
+        self.selection_steps.append(t)
+
+    def undo_first(self) -> None:
+        """A skipped step selected nothing: the weights selected in its hooks go back to no
+        selection (their host side was never made; the device state is made again)."""
+        for w in self.m.zweights:
+            if self.first_plans.pop(w.position, None) is not None:
+                w.clear_selection()
+        self.e.rec.moved = 0
+
+    def _wait_return_copies(self) -> None:
+        """The host->device copies that read the host state (the last applied host step's
+        result) are done before a hand-over re-lays and frees it."""
+        job = self.m.window.last_applied
+        if job is not None:
+            for ev in job.copies:
+                ev.synchronize()
+
+    def _relayout(self, w: ZfWeight, plan: SelectionPlan, host: list | None) -> None:
+        """``w``'s host arrays in the new layout (the owner's): the compact state made at the
+        first selection, re-laid at a re-selection with the leaving columns' ``host``
+        values (fp32 master, moments, counts: ``_hand_over``'s order)."""
+        if not w.owned:
+            return
+        mode = self.m
+        if plan.old_nonsel is None:
+            first_compact(w, mode, plan)
+        else:
+            leaving = None
+            if host is not None:
+                leaving = dict(zip(("master", "exp_avg", "exp_avg_sq", "counts"), host,
+                                   strict=True))  # fmt: skip
+            relayout(w, mode, plan, leaving)
+        w.window_buffers(mode)
+
+    def read_columns(self, w: ZfWeight, out: torch.Tensor) -> None:
+        """The device weight's non-selected columns into ``out`` (host, fp32, compact): an
+        fp32 weight's initial values at its first selection, piece by piece through the
+        copy buckets (the device never holds more than a bucket of them)."""
+        accel, tr = self.e.accel, self.m.transport
+        p = w.spec.param.detach()
+        if tr is None:  # shared memory: the weight is host memory
+            torch.index_select(p, w.cd, w.nonsel_dev, out=out.view(w.compact_shape()))
+            return
+        flat, events = out.view(-1), []
+        for pc in w.pieces:
+            i, bucket = tr.take_bucket(pc.shape)
+            src, dim, idx = pc.select(p, w.nonsel_dev)
+            torch.index_select(src, dim, idx, out=bucket)
+            ev = accel.copy_d2h(pc.of(flat), bucket)
+            tr.buckets.mark(i, ev)
+            events.append(ev)
+        for ev in events:
+            ev.synchronize()
+
+    def _hand_over(self, w: ZfWeight, new: torch.Tensor):
+        """Make ``new`` (sorted, on the device) the selected columns of ``w`` on the device
+        -> (the host plan, the leaving columns' device state to read: fp32 master, moments,
+        counts, or None). Entering columns take their host values (``host_layout.entering``)
+        from the owner (broadcast to the other ranks)."""
         accel, dp = self.e.accel, self.e.dp
         p = w.spec.param.data
-        cd, host = w.cd, w.host
+        cd = w.cd
         old = w.sel_dev if w.sel_dev is not None else new[:0]
         stay_o, stay_n, in_pos, in_cols, out_pos, out_cols = split_handover(old, new)
+        new_host = new.cpu()
+        plan = SelectionPlan.make(w.sel_host, new_host, w.n_cols)
+        leaving = None
         if out_cols.numel() and w.owned:  # device -> host, by index (gathered now)
             src = p.index_select(cd, out_cols) if w.master_sel is None else \
                 w.master_sel.index_select(cd, out_pos)  # fmt: skip
-            leaving.append((w, (src, w.exp_avg_dev.index_select(cd, out_pos),
-                                w.exp_avg_sq_dev.index_select(cd, out_pos),
-                                w.steps_dev.counts[out_pos], out_cols)))  # fmt: skip
-        in_h = in_cols.cpu()
+            leaving = [
+                src.float(),
+                w.exp_avg_dev.index_select(cd, out_pos),
+                w.exp_avg_sq_dev.index_select(cd, out_pos),
+                w.steps_dev.counts[out_pos],
+            ]
         n_in = int(in_cols.numel())
         shape_in = list(w.shape_k)
         shape_in[cd] = n_in
+        host_in = entering(w, plan.in_cols) if w.owned and n_in else {}
 
-        def incoming(read_host, shape, dtype):
+        def incoming(name, shape, dtype):
             """The entering columns' host values, on this rank's device (from the owner)."""
             if w.owned:
-                t = accel.to_device(read_host(), "handover")
+                t = accel.to_device(host_in[name], "handover")
             else:
                 t = accel.empty(shape, dtype, "handover")
             if dp.enabled:
                 dp.broadcast_(t, w.owner)
             return t
 
+        # the same on every rank (all take part in the same broadcasts): the host holds a
+        # master unless this is an fp32 weight's first selection without masters (its
+        # device weight is the master); a bf16 weight always has one
+        has_master = plan.old_nonsel is not None or w.host_master_at_start
         fields = [("exp_avg_dev", "exp_avg"), ("exp_avg_sq_dev", "exp_avg_sq")]
         if w.master_sel is not None:
             fields.append(("master_sel", "master"))
@@ -162,20 +254,16 @@ class Handover:
             new_t = accel.empty(w.shape_k, torch.float32, "optimizer")
             new_t.index_copy_(cd, stay_n, old_t.index_select(cd, stay_o))
             if n_in:
-                vals = incoming(lambda h=host_name: getattr(host, h).index_select(cd, in_h),
-                                shape_in, torch.float32)  # fmt: skip
-                new_t.index_copy_(cd, in_pos, vals)
+                new_t.index_copy_(cd, in_pos, incoming(host_name, shape_in, torch.float32))
             setattr(w, name, new_t)
         steps = accel.empty((w.k,), torch.int64, "optimizer")
         steps[stay_n] = w.steps_dev.counts[stay_o]
         if n_in:
-            steps[in_pos] = incoming(lambda: host.steps.counts[in_h], (n_in,), torch.int64)
-            master_in = incoming(lambda: host.master.index_select(cd, in_h), shape_in,
-                                 torch.float32)  # fmt: skip
-            p.index_copy_(cd, in_cols, master_in.to(p.dtype))  # equal already; explicit
+            steps[in_pos] = incoming("counts", (n_in,), torch.int64)
+            if has_master:  # equal already (the apply put the master into W); explicit
+                p.index_copy_(cd, in_cols, incoming("master", shape_in, torch.float32)
+                              .to(p.dtype))  # fmt: skip
         w.steps_dev = ColumnSteps(steps, None)
         w.steps_dev.recheck()
-        if w.owned:
-            host.steps.recheck()
-        w.set_selection(new)
-        return int(in_cols.numel() + out_cols.numel())
+        w.set_selection(new, new_host)
+        return plan, leaving

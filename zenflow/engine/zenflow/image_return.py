@@ -1,9 +1,13 @@
-"""The image return: the result of a host step back into the device weights.
+"""The result return: a host step's result back into the device weights.
 
-Owns the host->device leg: ONLY the non-selected columns, by index, in the training dtype
-(the fp32 master is never overwritten), either at the end of a step (``apply``) or, with
-overlap, piece by piece during the window-end step's backward (``apply_in_backward``, two
-device buckets of its own); which weights already went back this step; the staleness
+Owns the host->device leg: ONLY the non-selected columns, by index. The device reads the
+compact fp32 master itself (pinned where the backend pins; no image of it exists), piece
+by piece into fp32 device buckets of its own, and casts as it scatters them into W by index
+(bf16: round to nearest even, what the host kernel's bf16 image was; the fp32 master is
+never overwritten), either at the end of a step (``apply``) or, with overlap, during the
+window-end step's backward (``apply_in_backward``). The master is stable from the host
+step's end until the next one is submitted, which waits for these copies first
+(``window``). Also owns which weights already went back this step and the staleness
 figure. Must not touch the window sums, the host job or the worker (``window``), nor the
 selected columns (the device step's).
 
@@ -32,16 +36,21 @@ class ImageReturn:
     def __init__(self, mode):
         self.m = mode
         self.e = mode.e
-        # With overlap, the window-end step's backward brings the previous host step's
-        # result back (``apply_in_backward``): two device buckets of their own, so its
-        # host->device copies run beside the backward's device->host ones
+        # fp32 device buckets the master's pieces come back into: two of their own when the
+        # training dtype is not fp32 or, with overlap, when the window-end step's backward
+        # brings the previous host step's result back (``apply_in_backward``: its
+        # host->device copies run beside the backward's device->host ones); else the
+        # transport's fp32 buckets
         self.h2d: DeviceBuckets | None = None
+        self.in_backward = False
         self._h2d_queue: deque = deque()  # (bucket index, bucket, copy event, weight, piece)
         self.applied_early: set[int] = set()  # weights the window end need not apply
         self.applied_in_backward = 0  # weights applied so, over the run (stats, tests)
         self.max_staleness = 0
-        if mode.transport is not None and mode.overlap and not mode.e.dp.enabled:
-            self.h2d = DeviceBuckets(mode.e.accel, mode.bucket_elems, mode.e.dtype, 2)
+        if mode.transport is not None:
+            self.in_backward = mode.overlap and not mode.e.dp.enabled
+            if self.in_backward or mode.e.dtype != torch.float32:
+                self.h2d = DeviceBuckets(mode.e.accel, mode.bucket_elems, torch.float32, 2)
 
     def apply_in_backward(self, w: ZfWeight, job: HostJob) -> None:
         """The window-end step applies ``job`` at its end; its columns of ``w`` go back now,
@@ -57,11 +66,12 @@ class ImageReturn:
         if w.position not in job.meta.get("ready", ()) or not w.owned:
             return
         t0 = time.perf_counter()
+        master = w.host.master.view(-1)
         for pc in w.pieces:
             if len(self._h2d_queue) >= 2:
                 self._finish_h2d()
             i, bucket = self.h2d.take(pc.shape)
-            ev = self.e.accel.copy_h2d(bucket, pc.of(w.image))
+            ev = self.e.accel.copy_h2d(bucket, pc.of(master))
             job.copies.append(ev)
             self._h2d_queue.append((i, bucket, ev, w, pc))
         self.applied_early.add(w.position)
@@ -74,7 +84,7 @@ class ImageReturn:
         accel = self.e.accel
         accel.compute_wait(ev)
         dst, dim, idx = pc.select(w.spec.param.data, w.nonsel_dev)
-        dst.index_copy_(dim, idx, bucket)
+        dst.index_copy_(dim, idx, bucket.to(dst.dtype))
         self.h2d.mark(i, accel.record_compute())
 
     def finish(self) -> None:
@@ -91,35 +101,14 @@ class ImageReturn:
         whose columns went back in this step's backward are skipped."""
         e = self.e
         t0 = time.perf_counter()
-        dp = e.dp
         early, self.applied_early = self.applied_early, set()
         for w in self.m.zweights:
-            p = w.spec.param.data
             if w.position in early:  # went back during this step's backward
                 continue
-            if not self.m.zero_copy:
-                for pc in w.pieces:
-                    i, bucket = self.m.transport.take_bucket(pc.shape)
-                    if w.owned:
-                        ev = e.accel.copy_h2d(bucket, pc.of(w.image))
-                        job.copies.append(ev)
-                        e.accel.compute_wait(ev)
-                    if dp.enabled:  # the owner's result to every rank's device
-                        dp.broadcast_(bucket, w.owner)
-                    dst, dim, idx = pc.select(p, w.nonsel_dev)
-                    dst.index_copy_(dim, idx, bucket)
-                    self.m.transport.buckets.mark(i, e.accel.record_compute())
-            else:  # shared memory: the gather is the copy (counted at the weight's dtype)
-                if w.owned:
-                    vals = w.host.master.index_select(w.cd, w.nonsel_host).to(p.dtype)
-                    e.accel.traffic.h2d_bytes += vals.numel() * p.element_size()
-                else:
-                    shape = list(p.shape)
-                    shape[w.cd] = w.n_cols - w.k
-                    vals = torch.empty(shape, dtype=p.dtype, device=p.device)
-                if dp.enabled:
-                    dp.broadcast_(vals, w.owner)
-                p.index_copy_(w.cd, w.nonsel_dev, vals)
+            if self.m.zero_copy:
+                self._apply_shared(w)
+            else:
+                self._apply_pieces(w, job)
         job.applied_step = t
         # Staleness: the oldest gradient in this update is from job.window_start; the device
         # sees it at the end of step t. With overlap t is the end of the NEXT window, so
@@ -127,3 +116,41 @@ class ImageReturn:
         self.max_staleness = max(self.max_staleness, t - job.window_start + 1)
         e.rec.host_update = True
         e.rec.stall_s += time.perf_counter() - t0
+
+    def _apply_pieces(self, w: ZfWeight, job: HostJob) -> None:
+        """``w``'s result through fp32 buckets, piece by piece (data parallel: the owner's
+        to every rank)."""
+        e, dp = self.e, self.e.dp
+        p = w.spec.param.data
+        if self.h2d is not None:
+            take, buckets = self.h2d.take, self.h2d
+        else:  # an fp32 model without overlap: the transport's own (fp32) buckets
+            take, buckets = self.m.transport.take_bucket, self.m.transport.buckets
+        master = w.host.master.view(-1) if w.owned else None
+        for pc in w.pieces:
+            i, bucket = take(pc.shape)
+            if w.owned:
+                ev = e.accel.copy_h2d(bucket, pc.of(master))
+                job.copies.append(ev)
+                e.accel.compute_wait(ev)
+            if dp.enabled:  # the owner's result to every rank's device
+                dp.broadcast_(bucket, w.owner)
+            dst, dim, idx = pc.select(p, w.nonsel_dev)
+            dst.index_copy_(dim, idx, bucket.to(p.dtype))
+            buckets.mark(i, e.accel.record_compute())
+
+    def _apply_shared(self, w: ZfWeight) -> None:
+        """A CPU device: the compact master scattered into W (the scatter is the copy,
+        counted at W's dtype; data parallel: the owner's to every rank)."""
+        e, dp = self.e, self.e.dp
+        p = w.spec.param.data
+        if w.owned:
+            vals = w.host.master.to(p.dtype)
+            e.accel.traffic.h2d_bytes += vals.numel() * p.element_size()
+        else:
+            shape = list(p.shape)
+            shape[w.cd] = w.n_cols - w.k
+            vals = torch.empty(shape, dtype=p.dtype, device=p.device)
+        if dp.enabled:
+            dp.broadcast_(vals, w.owner)
+        p.index_copy_(w.cd, w.nonsel_dev, vals)

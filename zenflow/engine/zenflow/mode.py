@@ -22,11 +22,14 @@ from zenflow.engine.selection import column_scores, num_selected
 from zenflow.engine.transport import Transport
 from zenflow.engine.zenflow.device_step import DeviceStep
 from zenflow.engine.zenflow.handover import Handover
+from zenflow.engine.zenflow.host_layout import full_state
 from zenflow.engine.zenflow.image_return import ImageReturn
 from zenflow.engine.zenflow.route import GradRoute
 from zenflow.engine.zenflow.state import StepPlan, ZfWeight
 from zenflow.engine.zenflow.warmup import Warmup
 from zenflow.engine.zenflow.window import AUTO_INTERVAL_MAX, Window
+
+READ_BUFFER_MIN = 1 << 20
 
 
 class _InRoom:
@@ -77,6 +80,12 @@ class ZenFlowMode:
         self.auto_ratio = float(zf.auto_ratio)
         self.update_interval = None if zf.update_interval == "auto" else int(zf.update_interval)
         self.select_every = engine.select_every
+        self.host_state = engine.host_state  # zfctl.host_state: "exact" or "compact"
+        # what crosses the device->host link (pieces) and what the window sum is kept in:
+        # the training dtype and fp32, or bf16 for both with the compact host state
+        compact = self.host_state == "compact"
+        self.link_dtype = torch.bfloat16 if compact else engine.dtype
+        self.sum_dtype = torch.bfloat16 if compact else torch.float32
         self.slots = 1  # one window sum: the next window's first write waits (ZfWeight.free)
         self.streaming = engine.stream_grads
         # A CPU device without streaming sums the gradient where autograd writes it.
@@ -85,11 +94,19 @@ class ZenFlowMode:
             self.slots = 2
         gas = engine.gas
         self.host_gas = gas > 1 and engine.grad_accumulation == "host" and not self.zero_copy
+        # The first selection in each weight's gradient hook (no whole gradient on the host):
+        # streamed, no micro-batches summed on the host, no warm-up, one rank (several: the
+        # averaged gradient's scores need the averaged gradient, which lands on its owner)
+        self.hook_select = (self.streaming and not self.host_gas and self.warmup_rounds == 0
+                            and not engine.dp.enabled and not self.zero_copy)  # fmt: skip
         zspecs = [s for s in engine.specs if s.is_zenflow]
         self.bucket_elems = bucket_elems_for(
             [s.param.numel() for s in zspecs] or [1], [max(s.param.shape) for s in zspecs],
             engine.bucket_request,
         )  # fmt: skip
+        # device-to-host reads (checkpoints, hand-overs) go through one fp32 bucket's bytes
+        # (at least 1 MiB: a small model's hand-over is one read)
+        accel.read_buffer_bytes = max(4 * self.bucket_elems, READ_BUFFER_MIN)
         self.zweights = self._make_weights(zspecs, masters)
         self.by_name = {w.spec.name: w for w in self.zweights}
         self.kernels = engine.kernels()
@@ -108,14 +125,21 @@ class ZenFlowMode:
         dp = self.e.dp
         owners = dp.owners([s.param.numel() for s in zspecs]) if dp.enabled else [0] * len(zspecs)
         weights = []
+        accel = self.e.accel
         for s, owner in zip(zspecs, owners, strict=True):
             owned = not dp.enabled or dp.owns(owner)
+            init = masters.pop(s.name, None)  # the tensor itself, held until the selection
+            if init is not None and owned:
+                accel.adopt_host(init, "masters")
             weights.append(
-                ZfWeight(s, num_selected(s.n_cols, self.topk_ratio), self,
-                         masters[s.name] if owned else None, owner, owned)
+                ZfWeight(s, num_selected(s.n_cols, self.topk_ratio), self, init, owner, owned)
             )  # fmt: skip
+            del init
         for i, w in enumerate(weights):
             w.position = i
+            if w.owned and self.warmup_rounds > 0:  # warm-up updates every column
+                w.host = full_state(w, accel)
+                w.host_layout = "full"
         return weights
 
     def _make_transport(self) -> Transport | None:
@@ -129,7 +153,7 @@ class ZenFlowMode:
             sum(w.compact_numel for w in self.zweights),
             self.bucket_elems,
         )
-        return Transport(engine, self.bucket_elems, count, self.kernels)
+        return Transport(engine, self.bucket_elems, count, self.kernels, self.link_dtype)
 
     # ------------------------------------------------------------------ resolved values
     def resolved(self) -> dict:
@@ -160,6 +184,7 @@ class ZenFlowMode:
             "overlap_step": self.overlap,
             "auto_ratio": self.auto_ratio,
             "window_lr": self.e.window_lr,
+            "host_state": self.host_state,
             "grad_path": path,
             "bucket_elems": None if self.zero_copy else self.bucket_elems,
             "zenflow_weights": len(self.zweights),
@@ -181,15 +206,18 @@ class ZenFlowMode:
             self.transport.accumulator.check()
         window = self.window
         t = self.e.global_step + 1
-        whole = t <= self.warmup_rounds or not self.handover.selected
+        selected = self.handover.selected
+        whole = t <= self.warmup_rounds or (not selected and not self.hook_select)
         # A re-selection follows a window end once select_every steps have passed; with a
         # fixed interval the window end is known now, with "auto" it may end any step.
         due = self.handover.due(t)
         ends = self.update_interval is None or window.window_len + 1 >= self.update_interval
-        self.plan = StepPlan(t, whole, (not whole) and due and ends, StepGate(), window.slot)
+        poke = self.transport.accumulator.poke if self.transport is not None else None
+        self.plan = StepPlan(t, whole, selected and not whole and due and ends, StepGate(poke),
+                             window.slot, first=not whole and not selected)  # fmt: skip
         # A fixed window ends with this step: its end applies the in-flight host step, whose
         # columns can go back during the backward (auto windows end on a vote after it)
-        if (self.image_return.h2d is not None and not whole and window.inflight is not None
+        if (self.image_return.in_backward and not whole and window.inflight is not None
                 and self.update_interval is not None and ends):  # fmt: skip
             self.plan.apply = window.inflight
         self.image_return.applied_early = set()
@@ -234,6 +262,8 @@ class ZenFlowMode:
                 self.handover.select(t, [column_scores(w.grad(), w.cd) for w in self.zweights])
         elif self.plan.whole:  # the first selection, from the whole gradient on the host
             self.warmup.first_selection(t, coef)
+        elif self.plan.first:  # the first selection, made in the hooks: the host side now
+            self.handover.finish_first(t)
         else:
             self.grad_route.fold_step_sums()
             if self.plan.score:  # before the clipping scales the selected gradient
@@ -258,6 +288,8 @@ class ZenFlowMode:
         step would have started stay fresh; whole-gradient copies are discarded."""
         self.image_return.applied_early = set()  # applied again, same values, at the real end
         self.grad_route.skip_step()
+        if self.plan is not None and self.plan.first:
+            self.handover.undo_first()
 
     def select_gap(self) -> int:
         return self.handover.gap()

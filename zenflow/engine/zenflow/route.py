@@ -44,13 +44,6 @@ class GradRoute:
         self.e = mode.e
         self.image_return = image_return
         self.handover = handover
-        self.staging = None  # pinned host staging of the pieces: views of each weight's link
-        if mode.transport is not None:
-            self.staging = mode.transport.staging(
-                "pieces",
-                views={(w.position, pi): pc.of(w.stage) for w in mode.zweights if w.owned
-                       for pi, pc in enumerate(w.pieces)},
-            )  # fmt: skip
         self.first_touch: list[ZfWeight] = []  # weights whose slot this step made non-fresh
         self.landing: dict[str, torch.Tensor] = {}  # whole-gradient steps: host copies
         self.landing_events: list = []
@@ -68,6 +61,9 @@ class GradRoute:
         if self.m.plan.whole:
             self._route_whole(w, g, n, last)
         else:
+            if self.m.plan.first and w.sel_dev is None:  # the first selection, here
+                w.norm_whole = grad_norm(g)  # the step's norm as a whole-gradient step has it
+                self.handover.select_in_hook(w, g)
             self._route_split(w, g, n, last)
         w.contrib += 1
 
@@ -88,12 +84,12 @@ class GradRoute:
         # per column first, as the whole gradient's scores would be)
         scoring = plan.score or self.m.update_interval is None
         overwrite_acc = w.owned and w.fresh[plan.slot]
-        for pi, pc in enumerate(w.pieces):
+        for pc in w.pieces:
             i, bucket = tr.take_bucket(pc.shape)
             src, dim, idx = pc.select(g, w.nonsel_dev)
             torch.index_select(src, dim, idx, out=bucket)
 
-            def onward(w=w, pi=pi, pc=pc, i=i, bucket=bucket):
+            def onward(w=w, pc=pc, i=i, bucket=bucket):
                 if dp.enabled and w.owned:
                     bucket.mul_(1.0 / dp.world)
                 if stats_on_device and w.owned:
@@ -109,12 +105,11 @@ class GradRoute:
                     if last:
                         stat = ("sq", w.spec.name)
                         w.stat_done = True
-                    tr.send_piece(i, bucket, self.staging, (w.position, pi),
-                                  pc.of(w.step_buf), None, n == 0, stat)  # fmt: skip
+                    tr.send_piece(i, bucket, pc.of(w.step_buf), None, n == 0, stat)
                 else:
-                    tr.send_piece(i, bucket, self.staging, (w.position, pi),
-                                  pc.of(w.acc[plan.slot]), plan.gate, overwrite_acc,
-                                  wait=w.free if overwrite_acc else None)  # fmt: skip
+                    tr.send_piece(i, bucket, pc.of(w.acc[plan.slot]), plan.gate, overwrite_acc,
+                                  wait=w.free if overwrite_acc else None,
+                                  store=pc.of(w.store))  # fmt: skip
 
             if dp.enabled:
                 tr.after_reduce(dp.reduce_async(bucket, w.owner), i, onward)
@@ -146,48 +141,27 @@ class GradRoute:
         sq_out = None
         if dp.enabled and not self.m.host_gas:
             sq_out = self.whole_sq.setdefault(name, [])
-        if self.m.host_gas:
-            staging = self._whole_staging(w) if w.owned else None
+        if self.m.host_gas:  # through the staging ring into the fp32 landing
             if last:
                 w.stat_done = True
-            tr.send_whole(g, w.chunks, w.owner, sums=land, staging=staging, first=n == 0,
+            tr.send_whole(g, w.chunks, w.owner, sums=land, first=n == 0,
                           stat=("sq", name) if last else None)  # fmt: skip
         else:
             tr.send_whole(g, w.chunks, w.owner, landing=land, sq_out=sq_out,
                           events=self.landing_events)  # fmt: skip
 
     def _landing_of(self, w: ZfWeight) -> torch.Tensor:
-        """Where a whole gradient of ``w`` lands on the host (flat, every element): on the
-        weight's own buffers, which no step uses before the first selection (bf16: the
-        window sum viewed as bf16; fp32: the link buffer; micro-batch sums: the fp32 sums),
-        when they are large enough (at most half the columns selected); else a buffer of
-        its own, freed after the first selection."""
+        """Where a whole gradient of ``w`` lands on the host (flat, every element, pinned: the
+        device writes it): a buffer of its own, allocated for the whole-gradient steps only
+        (warm-up, the first selection) and freed after the first selection; fp32 when
+        micro-batches are summed there."""
         name = w.spec.name
         if name not in self.landing:
-            numel = w.spec.param.numel()
-            if self.m.host_gas:
-                room = w.sums
-            elif self.e.dtype == torch.bfloat16:
-                room = w.acc[0].view(torch.bfloat16)
-            else:
-                room = w.link
-            if room.numel() >= numel:
-                self.landing[name] = room[:numel]
-            else:
-                dtype = torch.float32 if self.m.host_gas else self.e.dtype
-                self.landing[name] = self.e.accel.host_empty((numel,), dtype, False, "landing")
+            dtype = torch.float32 if self.m.host_gas else self.e.dtype
+            self.landing[name] = self.e.accel.host_empty(
+                (w.spec.param.numel(),), dtype, self.e.pin_link, "landing"
+            )
         return self.landing[name]
-
-    def _whole_staging(self, w: ZfWeight):
-        """Micro-batches summed on the host, whole-gradient steps: pinned staging per chunk,
-        on the weight's link buffer when it is large enough."""
-        numel = w.spec.param.numel()
-        views = None
-        if w.link.numel() >= numel:
-            views = {c: w.link[c[0] : c[1]] for c in w.chunks}
-        return self.m.transport.staging(f"whole:{w.spec.name}", {c: (c[1] - c[0],)
-                                      for c in w.chunks}, tag="landing",
-                                      views=views)  # fmt: skip
 
     def wait_landing(self) -> None:
         """Wait until the step's whole gradients have landed on the host (counted stall)."""
@@ -202,17 +176,10 @@ class GradRoute:
     def drop_landing(self) -> None:
         """A skipped step: its whole-gradient copies are waited for and discarded."""
         self.wait_landing()
-        if self.m.host_gas and self.m.transport is not None:
-            for w in self.m.zweights:
-                self.m.transport.drop_staging(f"whole:{w.spec.name}")
 
     def release_landing(self) -> None:
-        """After the first selection: the landing buffers of their own go back to the
-        allocator, and so do the whole-gradient stagings."""
+        """After the first selection: the landing buffers go back to the allocator."""
         self.landing.clear()
-        if self.m.transport is not None:
-            for w in self.m.zweights:
-                self.m.transport.drop_staging(f"whole:{w.spec.name}")
 
     def fold_step_sums(self) -> None:
         """Host gas: each weight's step sum (its micro-batches) into the window sum, scaled
@@ -264,8 +231,8 @@ class GradRoute:
         lead = not dp.enabled or dp.rank == 0
         terms = []
         for w in self.m.zweights:
-            if self.m.plan.whole:
-                if w.norm_whole is not None:
+            if self.m.plan.whole or self.m.plan.first:  # per whole gradient (the first
+                if w.norm_whole is not None:  # selection in the hooks too)
                     terms.append(w.norm_whole)
                 elif self.whole_sq.get(w.spec.name):
                     terms.append(torch.stack(self.whole_sq[w.spec.name]).sum().sqrt())
@@ -303,6 +270,10 @@ class GradRoute:
         zero = torch.zeros((), dtype=torch.float32, device=self.e.device)
         out = []
         for w in self.m.zweights:
+            if self.m.plan.first:  # the first selection in the hooks: from its scores
+                sc = w.scores_first
+                out += [zero, zero] if sc is None else [sc[w.sel_dev].sum(), sc[w.nonsel_dev].sum()]
+                continue
             out.append(column_scores(w.grad_sel, w.cd).sum() if lead else zero)
             if self.m.host_gas or not w.owned:
                 out.append(zero)  # host gas: from the host sums (see auto_host_masses)

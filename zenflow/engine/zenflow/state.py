@@ -2,10 +2,12 @@
 on the device and on the host) and ``StepPlan`` (how the current step routes gradients).
 
 Owns the buffers and their layout; the rooms beside it (route, device step, window, image
-return, hand-over, warm-up) decide when they are written. Must not touch the engine's
-schedule, the copy pipeline or the worker: nothing here moves data or starts work.
+return, hand-over, warm-up) decide when they are written, ``host_layout`` makes and
+re-lays the host arrays. Must not touch the engine's schedule, the copy pipeline or the
+worker: nothing here moves data or starts work.
 
-Per ZenFlow weight W ([out, in] for nn.Linear, columns along ``cd``), k selected columns:
+Per ZenFlow weight W ([out, in] for nn.Linear, columns along ``cd``), k selected columns,
+n = n_cols - k non-selected ones:
 
 | where | what |
 |---|---|
@@ -13,10 +15,16 @@ Per ZenFlow weight W ([out, in] for nn.Linear, columns along ``cd``), k selected
 |        | computes it: each gradient is routed as soon as it is final and freed |
 | device | selected columns: the step's gradient (training dtype), fp32 master slice (bf16    |
 |        | only: fp32 W is its own master), exp_avg, exp_avg_sq, int64 step count per column |
-| host   | fp32 master, exp_avg, exp_avg_sq of the whole weight, step count per column       |
-| host   | fp32 window sum of the non-selected columns, compact (2 slots with overlap)       |
-| host   | pinned: staging for one step's pieces and the image of the non-selected columns   |
-|        | in the training dtype (what goes back to the device), both compact                |
+| host   | the non-selected columns only, compact (``host_layout``): fp32 master (pinned where |
+|        | the backend pins), exp_avg, exp_avg_sq, int64 count per column                    |
+| host   | the window sum of the non-selected columns, compact (CPU device: full shape, where |
+|        | autograd writes, 2 slots with overlap)                                           |
+| host   | the step store: one step's pieces in the link's dtype while the step's gate is    |
+|        | not set (the link's pinned staging is the transport's bounded ring)               |
+
+Before the first selection the host holds warm-up's full-shape state, or only the masters
+taken at set-up (``init_master``; none for an fp32 weight on a separate device: the device
+weight holds its values).
 
 Step counts: the device counts steps, the host counts windows; each column keeps its own
 count and carries it across a hand-over with its moments, so bias correction stays right
@@ -51,15 +59,18 @@ class StepPlan:
     # the in-flight host step whose result this step applies at its end (a window end with
     # overlap): its non-selected columns go back during this step's backward instead
     apply: HostJob | None = None
+    first: bool = False  # the first selection is made in the hooks (``Handover``)
 
 
 class ZfWeight:
     """Engine-owned state of one ZenFlow weight (never glued onto the Parameter).
 
     ``mode``: the ZenFlowMode being built; its engine and its settings (``zero_copy``,
-    ``bucket_elems``, ``slots``, ``host_gas``) decide which buffers exist."""
+    ``bucket_elems``, ``slots``, ``host_gas``, ``warmup_rounds``) decide which buffers
+    exist. ``init_master``: the fp32 initial values taken at set-up (the tensor itself, held
+    until the first selection), or None (an fp32 weight: the device weight holds them)."""
 
-    def __init__(self, spec: ParamSpec, k: int, mode, master_init,
+    def __init__(self, spec: ParamSpec, k: int, mode, init_master,
                  owner: int = 0, owned: bool = True):  # fmt: skip
         p = spec.param
         self.spec = spec
@@ -72,7 +83,8 @@ class ZfWeight:
         # data parallel: the rank holding this weight's host state (every rank: one rank)
         self.owner = owner
         self.owned = owned
-        # per-column layout for the native op: element i is in column (i // inner) % n_cols
+        # per-column layout for the native op: element i is in column (i // inner) % C; the
+        # same for the full shape and the compact one (C = n_cols or n)
         self.col_inner = 1 if self.cd == p.dim() - 1 else p.shape[-1]
         self.sel_dev: torch.Tensor | None = None
         self.sel_host: torch.Tensor | None = None
@@ -87,11 +99,18 @@ class ZfWeight:
         if not mode.zero_copy:
             self.pieces = plan_pieces(tuple(p.shape), self.cd, self.n_nonsel, mode.bucket_elems)
         self.chunks = plan_chunks(p.numel(), mode.bucket_elems)
+        # the host state: "none" (the masters taken at set-up, or the device weight), "full"
+        # (warm-up's full-shape state) or "compact" (after the first selection)
         self.host: HostState | None = None
+        self.host_layout = "none"
+        self.init_master = init_master if owned else None
+        # the host holds a master before the first selection (masters taken at set-up, or
+        # warm-up's full state): the same on every rank
+        self.host_master_at_start = init_master is not None or mode.warmup_rounds > 0
         self.acc: list[torch.Tensor] = []  # window sums: compact flat (full shape zero-copy)
         self.fresh: list[bool] = []  # a slot's next add overwrites it (window start)
-        self.image: torch.Tensor | None = None  # compact flat, training dtype
         self.step_buf: torch.Tensor | None = None  # a step's micro-batch sum (host gas)
+        self.store: torch.Tensor | None = None  # a step's pieces until its gate (link dtype)
         self._step_fields()
         self.position = 0  # index among the mode's weights
         # auto update interval statistics of the current window (python floats)
@@ -102,11 +121,12 @@ class ZfWeight:
         # event per host step, taken by each add when it is queued: an add queued before
         # the host step was made never waits for that step.
         self.free = _SET
-        self.sums = self.link = self.stage = None
         if not owned:
             return
-        self._host_buffers(mode, master_init)
         self.fresh = [True] * mode.slots
+        if mode.zero_copy:  # summed where autograd writes (host memory already)
+            self.acc = [mode.e.accel.zeros(p.shape, torch.float32, "optimizer")
+                        for _ in range(mode.slots)]  # fmt: skip
 
     def _device_buffers(self, mode) -> None:
         """The selected columns' optimizer state and gradient buffer on the device."""
@@ -127,12 +147,12 @@ class ZfWeight:
         """Per step: device scalars of this weight's streamed gradient and its flags."""
         self.sq_ns: torch.Tensor | None = None  # squared norm of the non-selected part
         self.scores_ns: torch.Tensor | None = None  # column scores of the non-selected part
-        self.scores_full: torch.Tensor | None = None  # first selection: all columns (host)
         self.norm_whole: torch.Tensor | None = None  # whole-gradient step: its norm
         self.contrib = 0  # gradients routed this step
         self.stat_done = False  # host gas: the step sum's squares were totalled in-line
         self.sel_reduced = False  # data parallel: the selected gradient's all-reduce started
         self.scores_sel: torch.Tensor | None = None  # column scores of the selected part
+        self.scores_first: torch.Tensor | None = None  # first selection in the hook: scores
 
     def start_step(self) -> None:
         """A new step: nothing of it routed yet."""
@@ -142,46 +162,32 @@ class ZfWeight:
         self.sq_ns = None
         self.scores_ns = None
         self.scores_sel = None
+        self.scores_first = None
         self.norm_whole = None
 
-    def _host_buffers(self, mode, master_init) -> None:
-        """The owner's host state (fp32 master and moments, per-column counts), its window
-        sums and its pinned link buffer (image and staging)."""
-        accel = mode.e.accel
-        p = self.spec.param
-        pin, dtype = mode.e.pin_link, mode.e.dtype
-        master = accel.host_empty(p.shape, torch.float32, False, "host_state")
-        master.copy_(master_init)  # the initial fp32 weights: not a step, not counted
-        self.host = HostState(
-            master,
-            accel.host_zeros(p.shape, torch.float32, False, "host_state"),
-            accel.host_zeros(p.shape, torch.float32, False, "host_state"),
-            ColumnSteps.zeros(self.n_cols, "cpu"),
-        )
-        if mode.zero_copy:  # summed where autograd writes (host memory already)
-            self.acc = [accel.zeros(p.shape, torch.float32, "optimizer")
-                        for _ in range(mode.slots)]  # fmt: skip
+    def window_buffers(self, mode) -> None:
+        """The owner's window sum and the step's pieces (the step store while the step's
+        gate is not set; with micro-batches summed on the host, their fp32 step sum), all
+        compact: made with the compact state (the first selection)."""
+        if mode.zero_copy or self.acc:
             return
+        accel = mode.e.accel
         n = self.compact_numel
-        # fp32 window sum (and with micro-batches summed on the host, the step's sum
-        # right after it: one buffer, so a whole-gradient step can land in both)
-        sums = accel.host_empty((2 * n if mode.host_gas else n,), torch.float32, False,
-                                "window_sums")  # fmt: skip
-        self.acc = [sums[:n]]
+        # separate allocations: a checkpoint saves each, and a view would drag its storage
+        self.acc = [accel.host_empty((n,), mode.sum_dtype, False, "window_sums")]
         if mode.host_gas:
-            self.step_buf = sums[n:]
-        self.sums = sums
-        # pinned, in the training dtype: the image of the updated columns (host->device)
-        # and the staging of a step's pieces (device->host), one buffer
-        self.link = accel.host_empty((2 * n,), dtype, pin, "link")
-        self.image = self.link[:n]
-        self.stage = self.link[n:]
+            self.step_buf = accel.host_empty((n,), torch.float32, False, "window_sums")
+        else:
+            self.store = accel.host_empty((n,), mode.link_dtype, False, "step_pieces")
 
-    def set_selection(self, sel_dev: torch.Tensor) -> None:
+    def set_selection(self, sel_dev: torch.Tensor, sel_host: torch.Tensor | None = None) -> None:
         self.sel_dev = sel_dev
-        self.sel_host = sel_dev.cpu()
+        self.sel_host = sel_dev.cpu() if sel_host is None else sel_host
         self.nonsel_dev = complement(sel_dev, self.n_cols)
-        self.nonsel_host = self.nonsel_dev.cpu()
+        self.nonsel_host = complement(self.sel_host, self.n_cols)
+
+    def clear_selection(self) -> None:
+        self.sel_dev = self.sel_host = self.nonsel_dev = self.nonsel_host = None
 
     def compact_shape(self) -> tuple[int, ...]:
         shape = list(self.spec.param.shape)
@@ -193,9 +199,3 @@ class ZfWeight:
         if g is None:  # unused this step: a zero gradient (keeps the schedule uniform)
             return torch.zeros_like(self.spec.param)
         return g.detach()
-
-    def pack_image(self) -> None:
-        """Host: the non-selected columns of the master in the training dtype, compact (an
-        fp32 weight's image; a bf16 image is written by the Adam pass itself)."""
-        cols = self.host.master.index_select(self.cd, self.nonsel_host)
-        self.image.view(self.compact_shape()).copy_(cols)

@@ -69,17 +69,15 @@ class Warmup:
         return land.view(w.spec.param.shape)
 
     def _warmup_image(self, w: ZfWeight) -> torch.Tensor | None:
-        """Where a bf16 weight's warm-up result is written for the device: the weight's
-        link buffer when it is large enough (a bf16 whole gradient lands on the window sum,
-        never on the link: ``GradRoute._landing_of``), else its own buffer."""
+        """Where a bf16 weight's warm-up result is written for the device: a pinned buffer of
+        its own, kept for the warm-up steps and freed after the first selection."""
         p = w.spec.param
         if p.dtype != torch.bfloat16:
             return None
-        if w.link.numel() >= p.numel():
-            return w.link[: p.numel()].view(p.shape)
         if w.spec.name not in self.images:
-            self.images[w.spec.name] = self.e.accel.host_empty(p.shape, p.dtype, False,
-                                                                "landing")  # fmt: skip
+            self.images[w.spec.name] = self.e.accel.host_empty(
+                p.shape, p.dtype, self.e.pin_link, "landing"
+            )
         return self.images[w.spec.name]
 
     def first_selection(self, t: int, coef: float) -> None:
@@ -116,6 +114,8 @@ class Warmup:
                 e.accel.compute_wait(e.accel.copy_h2d(w.grad_sel, sel))
                 ns = self._compact_out(w, g)
                 torch.index_select(g, w.cd, w.nonsel_host, out=ns.view(w.compact_shape()))
+                if ns.dtype != self.m.link_dtype:  # as the pieces cross the link (compact)
+                    ns = ns.to(self.m.link_dtype)
                 acc.add(DONE, ns, w.acc[0], self.m.plan.gate, True, None)
                 acc.drain()  # the window sum is written before the next weight's landing
                 w.fresh[0] = False
@@ -125,17 +125,12 @@ class Warmup:
 
     def _compact_out(self, w: ZfWeight, g: torch.Tensor) -> torch.Tensor:
         """A flat buffer of N elements in ``g``'s dtype that overlaps neither ``g`` (the
-        landing) nor the window sum: the compacted non-selected columns go there before
-        they are scaled into the window sum."""
-        n = w.compact_numel
-        acc = w.acc[0]
-        on_acc = g.untyped_storage().data_ptr() == acc.untyped_storage().data_ptr()
-        if g.dtype == torch.float32 and not on_acc:
-            return acc  # scaled in place afterwards
-        link = w.link if g.dtype == w.link.dtype else w.link.view(g.dtype)
-        if link.numel() >= n:
-            return link[:n]
-        return torch.empty(n, dtype=g.dtype)
+        landing) nor, in another dtype, the window sum: the compacted non-selected columns
+        go there before they are scaled into the window sum (an fp32 gradient: the window
+        sum itself, scaled in place; else one weight's temporary)."""
+        if g.dtype == w.acc[0].dtype:
+            return w.acc[0]
+        return torch.empty(w.compact_numel, dtype=g.dtype)
 
     def _release_landing(self) -> None:
         """Landing buffers live while whole-gradient steps remain (warm-up, the first

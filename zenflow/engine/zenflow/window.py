@@ -9,12 +9,13 @@ accumulation where autograd wrote the gradient. Must not touch the gradient rout
 ``image_return`` only.
 
 At the end of a window (every S steps, or the auto trigger) the host AdamW step of the
-window's mean gradient runs on the worker, over the non-selected columns only, writing the
-image of the updated columns in the same pass; with ``overlap_step`` it runs while the next
-window trains and its result reaches W at the end of that next window (non-selected columns
-lag by at most 2S steps; S without overlap). At most one host step is in flight: the
-previous one is waited for and applied before the next is submitted, and the next waits
-for the copies that read the previous one's image before it writes the image again.
+window's mean gradient runs on the worker, over the non-selected columns only (the compact
+host state: one contiguous kernel call per weight); with ``overlap_step`` it runs while the
+next window trains and its result reaches W at the end of that next window (non-selected
+columns lag by at most 2S steps; S without overlap). At most one host step is in flight:
+the previous one is waited for and applied before the next is submitted, and the next
+waits for the copies that read the previous one's result (the compact master itself)
+before it writes the master again.
 """
 
 from __future__ import annotations
@@ -23,8 +24,6 @@ import dataclasses
 import math
 import threading
 import time
-
-import torch
 
 from zenflow.engine.host import HostJob, HostTask, HostWorker, run_host_tasks
 from zenflow.engine.selection import column_scores
@@ -143,29 +142,26 @@ class Window:
     def _window_tasks(self, n: int) -> tuple[list[HostTask], object, list, set]:
         """The host step of the window just ended (n steps), what it must wait for, the
         events it sets once it has read each weight's window sum, and the set of weights
-        (positions) whose image it has written (filled as it goes)."""
+        (positions) whose result it has written (filled as it goes).
+
+        Each weight's task is one contiguous kernel call over its compact host state (the
+        non-selected columns: ``host_layout``) with the compact window sum as gradient; on a
+        CPU device the sum is full shape where autograd wrote it, and the task gathers its
+        non-selected columns first (on the worker, one weight at a time)."""
         slot = self.slot
         tasks = []
         frees: list[threading.Event] = []
-        ready: set[int] = set()  # weights whose image this host step has written
-        bf16_image = self.e.dtype == torch.bfloat16
+        ready: set[int] = set()  # weights whose result this host step has written
         for w in self.m.zweights:
             w.sel_mass_sum = 0.0
             w.nonsel_mass_acc = 0.0
             if not w.owned:
                 continue
+            if w.n_nonsel == 0:  # every column on the device: nothing for the host
+                w.fresh[slot] = True
+                continue
             if self.m.zero_copy:
-                acc = w.acc[slot]
-
-                def after(acc=acc):
-                    acc.zero_()
-
-                # Selected columns of master/moments are updated too (one flat pass is
-                # faster than gather/scatter) but never observed: they reach the device only
-                # by index (non-selected columns) and a column leaving the device overwrites
-                # its master, moments and count at the hand-over.
-                acc.index_fill_(w.cd, w.sel_dev, 0.0)
-                tasks.append(HostTask(w.host, acc, 1.0 / n, w.col_inner, None, after))
+                tasks.append(self._zero_copy_task(w, slot, n))
                 continue
             fresh = w.fresh[slot]
             w.fresh[slot] = True  # the next window starts by overwriting it, once free
@@ -174,25 +170,20 @@ class Window:
             w.free = threading.Event()  # set by the worker once its host step read the sum
             frees.append(w.free)
 
-            def after(w=w, pack=not bf16_image, free=w.free):
-                if pack:
-                    w.pack_image()
+            def after(w=w, free=w.free):
                 ready.add(w.position)
                 free.set()
 
-            tasks.append(HostTask(
-                w.host, w.acc[slot], 1.0 / n, w.col_inner,
-                w.image if bf16_image else None, after,
-                index=w.nonsel_host, column_dim=w.cd,
-            ))  # fmt: skip
+            tasks.append(HostTask(w.host, w.acc[slot].view(w.compact_shape()), 1.0 / n,
+                                  w.col_inner, None, after))  # fmt: skip
         if not self.m.zero_copy:  # backward's order: the next window's first pieces are the
             tasks.reverse()  # last layers', whose sums the worker then frees first
         before = None
         if self.m.transport is not None:
             fence = self.m.transport.accumulator.fence()
             acc_check = self.m.transport.accumulator.check
-            # the copies that read the last applied job's images must be done before this
-            # job writes the images again (the GPU may run behind the host)
+            # the copies that read the last applied job's result must be done before this
+            # job writes it again (the GPU may run behind the host)
             pending_copies = list(self.last_applied.copies) if self.last_applied else []
 
             def before():
@@ -202,6 +193,21 @@ class Window:
                     ev.synchronize()
 
         return tasks, before, frees, ready
+
+    @staticmethod
+    def _zero_copy_task(w, slot: int, n: int) -> HostTask:
+        """A CPU device's host task: the window's full-shape sum (autograd's) gathered into
+        a compact temporary of its non-selected columns when the worker gets to it, then
+        zeroed for the next window."""
+        acc, cd, nonsel = w.acc[slot], w.cd, w.nonsel_host
+
+        def grad():
+            return acc.index_select(cd, nonsel)
+
+        def after():
+            acc.zero_()
+
+        return HostTask(w.host, grad, 1.0 / n, w.col_inner, None, after)
 
     def host_step_lr(self, hp, n: int):
         """The lr and hyper-parameters of the host AdamW step of an ``n``-step window

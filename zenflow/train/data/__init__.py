@@ -28,7 +28,14 @@ from zenflow.train.data.batching import (
     steps_per_epoch,
 )
 from zenflow.train.data.encoding import Encoded, encode, is_truncated, truncation_line
-from zenflow.train.data.glue import GLUE_TASKS, GlueSource, get_task, load_task, write_sst2_sample
+from zenflow.train.data.glue import (
+    GLUE_TASKS,
+    GlueSource,
+    get_task,
+    load_task,
+    task_files,
+    write_sst2_sample,
+)
 from zenflow.train.data.hub import hub_fingerprint, is_hub_id
 from zenflow.train.data.labels import LabelSet, infer_labels
 from zenflow.train.data.lm_scoring import (
@@ -151,6 +158,7 @@ __all__ = [
     "seeded_split",
     "spearman",
     "steps_per_epoch",
+    "task_files",
     "token_loss_sum",
     "truncation_line",
     "write_sst2_sample",

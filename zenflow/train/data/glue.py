@@ -100,6 +100,16 @@ def _task_dir(task: GlueTask, data_dir: Path) -> tuple[Path | None, list[Path]]:
     return None, candidates
 
 
+def task_files(task: str | GlueTask, data_dir: str | Path | None) -> tuple[Path, ...]:
+    """The files ``load_task`` reads for ``task`` under ``data_dir`` (none: the hub, or
+    nothing found there)."""
+    if data_dir is None:
+        return ()
+    t = task if isinstance(task, GlueTask) else get_task(task)
+    d, _ = _task_dir(t, Path(data_dir).expanduser())
+    return () if d is None else (d / "train.tsv", d / t.dev_file)
+
+
 def load_task(task: str | GlueTask, data_dir: str | Path | None = None) -> TaskData:
     """Load a GLUE task's train and dev rows.
 

@@ -2,7 +2,8 @@
 
 ``METRICS`` names them (a task lists its own, the headline first), ``compute_metrics``
 scores a task's predictions, ``metrics_for`` picks a table task's by its label count.
-Plain Python over lists of ids or values; empty or unequal inputs are a ``ValueError``.
+Plain Python over lists of ids or values; empty or unequal inputs are a ``ValueError``. A
+correlation of one pair is undefined: None (JSON null), never a made-up 0.0.
 
 Owns: the formulas. Must not: import torch or run a model (``evaluate`` does).
 """
@@ -50,10 +51,13 @@ def matthews(preds: Sequence[int], labels: Sequence[int]) -> float:
     return 0.0 if denom == 0 else (tp * tn - fp * fn) / denom
 
 
-def pearson(xs: Sequence[float], ys: Sequence[float]) -> float:
-    """Pearson correlation; 0.0 when either side is constant."""
+def pearson(xs: Sequence[float], ys: Sequence[float]) -> float | None:
+    """Pearson correlation; 0.0 when either side is constant; None for a single pair (no
+    correlation is defined)."""
     _same_length(xs, ys)
     n = len(xs)
+    if n < 2:
+        return None
     mx, my = sum(xs) / n, sum(ys) / n
     cov = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
     vx = sum((x - mx) ** 2 for x in xs)
@@ -76,8 +80,8 @@ def _ranks(xs: Sequence[float]) -> list[float]:
     return ranks
 
 
-def spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
-    """Spearman rank correlation (Pearson of average ranks)."""
+def spearman(xs: Sequence[float], ys: Sequence[float]) -> float | None:
+    """Spearman rank correlation (Pearson of average ranks); None for a single pair."""
     _same_length(xs, ys)
     return pearson(_ranks(xs), _ranks(ys))
 
@@ -96,9 +100,13 @@ METRICS = {
 }
 
 
-def compute_metrics(task: GlueTask, preds: Sequence, labels: Sequence) -> dict[str, float]:
-    """The task's metrics, keyed by name, in the table's order."""
-    return {name: float(METRICS[name](preds, labels)) for name in task.metrics}
+def compute_metrics(task: GlueTask, preds: Sequence, labels: Sequence) -> dict[str, float | None]:
+    """The task's metrics, keyed by name, in the table's order (None where undefined)."""
+    out: dict[str, float | None] = {}
+    for name in task.metrics:
+        value = METRICS[name](preds, labels)
+        out[name] = None if value is None else float(value)
+    return out
 
 
 def metrics_for(num_labels: int) -> tuple[str, ...]:

@@ -143,7 +143,7 @@ def check_packing_support(model, seq_len: int | None = None) -> None:
     config = model.config
     model_type = getattr(config, "model_type", None)
     attn = getattr(config, "_attn_implementation", None) or "eager"
-    fix = "Train without packing (pack=False), which works with every causal LM."
+    fix = "Train without packing (drop --pack), which works with every causal LM."
     if model_type not in PACKING_MODEL_TYPES:
         raise EngineError(
             f"Packing is not supported for model type {model_type!r}: it is proven only for "
@@ -161,6 +161,6 @@ def check_packing_support(model, seq_len: int | None = None) -> None:
     if window and seq_len is not None and seq_len > window:
         raise EngineError(
             f"Packing replaces the model's sliding-window mask ({window} tokens) with its "
-            f"own, which differs for rows longer than that (seq_len {seq_len}). Use seq_len "
-            f"<= {window}, or: {fix}"
+            f"own, which differs for rows longer than that (--seq-len {seq_len}). Use "
+            f"--seq-len {window} or less, or: {fix}"
         )

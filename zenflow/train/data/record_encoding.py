@@ -19,8 +19,10 @@ Contract:
   mapped by tokenising the prefixes, which must then be token prefixes too. No reliance on
   ``{% generation %}``. The ids equal ``apply_chat_template(messages, tokenize=True)``.
 - Truncation: an example longer than ``seq_len`` keeps its first ``seq_len`` tokens (the
-  end is cut off). Those are counted; the ones left without any loss token are dropped
-  and counted under their own reason, never silently.
+  end is cut off). A text (or a message's content) far longer than that is clipped by
+  characters before it is tokenised (``encoding.clip_text``: the same tokens, without the
+  cost of tokenising the part that is cut). Those are counted; the ones left without any
+  loss token are dropped and counted under their own reason, never silently.
 
 Owns: tokenising a record and its loss labels. Must not: read files (``records``) or put
 examples into rows (``packing``).
@@ -32,6 +34,7 @@ from collections import Counter
 from typing import NamedTuple
 
 from zenflow.errors import DataError
+from zenflow.train.data.encoding import clip_text
 from zenflow.train.data.readers import kind_of, plural
 from zenflow.train.data.records import CHAT, PROMPT_COMPLETION, TEXT, Records, check_messages
 from zenflow.train.data.reports import SFTCounts
@@ -61,7 +64,8 @@ def eos_ids(tokenizer) -> list[int]:
     if tokenizer.eos_token_id is None:
         raise DataError(
             "The tokenizer has no end-of-sequence token, so examples cannot end with one. "
-            "Set tokenizer.eos_token, or pass add_eos=False."
+            "Fine-tune a model whose tokenizer defines one, or set tokenizer.eos_token and "
+            "save the tokenizer into the model folder (tokenizer.save_pretrained)."
         )
     return [int(tokenizer.eos_token_id)]
 
@@ -161,6 +165,14 @@ def encode_chat(
             header = render(messages[:i], gen=True)
             if upto.startswith(header) and len(header) >= start:
                 start = len(header)
+        if start >= len(upto) and m["content"].strip():
+            raise DataError(
+                f"{where}: the tokenizer's chat template renders nothing for the assistant's "
+                f"turn (message {i + 1}), so no record has anything to learn from. Fine-tune "
+                "a model whose chat template renders assistant turns (an instruction-tuned "
+                "one's), set tokenizer.chat_template to one that does, or write the records "
+                "as prompt/completion pairs."
+            )
         spans.append((start, len(upto)))
     ids, loss = _token_loss_mask(tokenizer, full, spans, where)
     labels = [t if on else IGNORE for t, on in zip(ids, loss, strict=True)]
@@ -217,7 +229,7 @@ def encode_records(
 ) -> tuple[list[Tokenised], SFTCounts]:
     """Every record tokenised and truncated to ``seq_len``; the kept ones and the counts."""
     if seq_len < 2:
-        raise DataError(f"seq_len must be at least 2 for next-token loss, got {seq_len}.")
+        raise DataError(f"--seq-len must be at least 2 for next-token loss, got {seq_len}.")
     f, kind, path = records.fields, records.kind, records.path
     if kind == CHAT:
         require_chat_template(tokenizer, f"{path}: the records")
@@ -229,7 +241,8 @@ def encode_records(
     for where, rec in records.items:
         at = f"{path}, {where}"
         if kind == CHAT:
-            ex = encode_chat(tokenizer, rec[f.messages], at, f.messages)
+            ex = encode_chat(tokenizer, _clipped(rec[f.messages], tokenizer, seq_len), at,
+                             f.messages)  # fmt: skip
         else:
             names = (f.text,) if kind == TEXT else (f.prompt, f.completion)
             values = [rec[n] for n in names]
@@ -247,6 +260,7 @@ def encode_records(
             if not blank.strip():
                 dropped[f"empty {names[-1]!r}"] += 1
                 continue
+            values = [clip_text(v, tokenizer, seq_len) for v in values]  # never tokenise a cut
             if kind == TEXT:
                 ex = encode_text(tokenizer, values[0], add_eos=add_eos, prefix=prefix)
             else:
@@ -265,7 +279,28 @@ def encode_records(
     if not kept:
         raise DataError(
             f"{path}: all {plural(counts.read, 'record')} were dropped "
-            f"({', '.join(f'{n} {r}' for r, n in dropped.items())}). Raise seq_len, shorten "
-            "the prompts, or fill in the empty fields."
+            f"({', '.join(f'{n} {r}' for r, n in dropped.items())}). {_all_dropped_fix(dropped)}"
         )
     return kept, counts
+
+
+def _clipped(messages, tokenizer, seq_len: int):
+    """The conversation with each content clipped (``encoding.clip_text``); anything that is
+    not a well-formed message is left for ``check_messages`` to name."""
+    if not isinstance(messages, list):
+        return messages
+    return [{**m, "content": clip_text(m["content"], tokenizer, seq_len)}
+            if isinstance(m, dict) and isinstance(m.get("content"), str) else m
+            for m in messages]  # fmt: skip
+
+
+def _all_dropped_fix(dropped: Counter[str]) -> str:
+    """The fixes for the reasons the records were dropped, and only those."""
+    fixes = []
+    if any("after truncation" in r for r in dropped):
+        fixes.append("raise --seq-len or shorten the prompts")
+    if any(r.startswith(("missing", "empty")) for r in dropped):
+        fixes.append("fill in the empty fields")
+    if any(r.startswith("with no") and "truncation" not in r for r in dropped):
+        fixes.append("give each record text to learn from")
+    return "Fix: " + "; ".join(fixes) + "." if fixes else "Check the records."

@@ -31,7 +31,13 @@ from typing import Any
 
 from zenflow.errors import DataError
 from zenflow.train.data.hub import hub_records, is_hub_id
-from zenflow.train.data.readers import json_objects, jsonl_objects, kind_of, read_text
+from zenflow.train.data.readers import (
+    check_input_file,
+    json_objects,
+    jsonl_objects,
+    kind_of,
+    read_text,
+)
 
 TEXT, PROMPT_COMPLETION, CHAT = "text", "prompt/completion", "chat"
 ROLES = ("system", "user", "assistant", "tool")
@@ -74,6 +80,7 @@ def read_records(path: str | Path, fields: RecordFields = RecordFields()) -> Rec
             raise DataError(f"The dataset {path} has no rows.")
         return Records(Path(path), _check_kinds(Path(path), items, fields), items, fields)
     path = Path(path).expanduser()
+    check_input_file(path, FORMATS)
     suffix = path.suffix.lower()
     if suffix not in FORMATS:
         raise DataError(
@@ -132,13 +139,14 @@ def _kind_of_record(path: Path, where: str, rec: dict, fields: RecordFields) -> 
         )
         raise DataError(
             f"{path}, {where}: the record has {have!r} but no {lack!r}; a prompt/completion "
-            f"record needs both. Add the field, or name it with the {lack}_field setting."
+            f"record needs both. Add the field, or name the file's field with "
+            f"--{'prompt' if lack == fields.prompt else 'completion'}-field."
         )
     raise DataError(
         f"{path}, {where}: none of the known fields; the record has "
         f"{', '.join(repr(k) for k in rec) or 'no fields'}. Expected {_example(fields)} "
-        "(field names can be set with text_field, prompt_field, completion_field, "
-        "messages_field)."
+        "(field names can be set with --text-field, --prompt-field, --completion-field, "
+        "--messages-field)."
     )
 
 

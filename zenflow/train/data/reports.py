@@ -17,7 +17,7 @@ from pathlib import Path
 
 from zenflow.train.data.hub import shown_name
 from zenflow.train.data.labels import LabelSet
-from zenflow.train.data.readers import plural
+from zenflow.train.data.readers import EVAL_IS_TRAIN, plural, same_file
 from zenflow.train.data.records import CHAT, PROMPT_COMPLETION, TEXT
 
 
@@ -54,6 +54,8 @@ class TableReport:
         out = [self.train.line()]
         if self.eval is not None:
             out.append(self.eval.line())
+            if same_file(self.train.path, self.eval.path):
+                out.append(EVAL_IS_TRAIN)
         else:
             held, seed = self.split or (0, 0)
             out.append(

@@ -31,6 +31,7 @@ from zenflow.errors import DataError
 from zenflow.train.data.batching import seeded_split
 from zenflow.train.data.hub import shown_name
 from zenflow.train.data.packing import SFTData
+from zenflow.train.data.readers import EVAL_IS_TRAIN, same_file
 from zenflow.train.data.record_encoding import encode_records, pad_token_id
 from zenflow.train.data.records import (
     PROMPT_COMPLETION,
@@ -148,6 +149,8 @@ def load_lm_data(
                 "records; give both files records of one kind."
             )
         source = f"records: {data_file} (train), {eval_file} (eval)"
+        if same_file(data_file, eval_file):
+            lines.append(EVAL_IS_TRAIN)
     else:
         kept, held = seeded_split(train.items, EVAL_FRACTION, seed)
         train, dev = (Records(train.path, train.kind, items, fields) for items in (kept, held))

@@ -54,6 +54,7 @@ from zenflow.train.data.labels import (
 from zenflow.train.data.metrics import metrics_for
 from zenflow.train.data.readers import (
     RecordList,
+    check_input_file,
     csv_file_records,
     json_objects,
     jsonl_objects,
@@ -112,6 +113,8 @@ def read_rows(
             f"Give one or two text fields (--text-field), got {len(text_fields)}: "
             f"{', '.join(text_fields) or 'none'}."
         )
+    if not hub:
+        check_input_file(path, tuple(FORMATS))
     fmt = "jsonl" if hub else FORMATS.get(path.suffix.lower())
     if fmt is None:
         raise DataError(

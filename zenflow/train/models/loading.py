@@ -1,6 +1,8 @@
 """What every model resolution shares: the result (``ResolvedModel``), the Auto class and
-label count for the head, the errors that mean "these weight files are bad" and their reason
-in words, and ``_finish`` (fp32, train mode, a pad token the classifier can pool by).
+label count for the head, loading saved weights without transformers' raw load report
+(``load_weights``: the layers that are new or not used, in words for the run header), the
+errors that mean "these weight files are bad" and their reason in words, and ``_finish``
+(fp32, train mode, a pad token the classifier can pool by).
 
 Knows nothing of where a model comes from (``zenflow.train.models.resolve`` decides that);
 imports transformers and torch only inside functions.
@@ -49,9 +51,34 @@ def _load_reason(exc: BaseException) -> str:
     if "ignore_mismatched_sizes" in text or "size mismatch" in text:
         return (
             "the saved weights' shapes do not match the model's config.json (weights and "
-            "config come from different models; the report above lists the tensors)"
+            "config come from different models)"
         )
     return text.rstrip(".")
+
+
+def load_weights(cls, where, **kwargs):
+    """``cls.from_pretrained(where, **kwargs)`` without transformers' load report and
+    progress bar; returns ``(model, info)``: ``info`` is transformers' loading info
+    (missing, unexpected and mismatched keys), ``new_layers(info, seed)`` words it."""
+    with _quiet_transformers():
+        return cls.from_pretrained(where, output_loading_info=True, **kwargs)
+
+
+def new_layers(info: dict, seed: int | None = None) -> str | None:
+    """The run header's sentence for the layers a load did not take from the files (a new
+    classification head, its size changed or missing) and the saved ones it did not use;
+    None when every layer came from the files and every saved one was used."""
+    parts = []
+    resized = [f"{k} (saved {list(old)}, now {list(new)})"
+               for k, old, new in sorted(info.get("mismatched_keys") or ())]  # fmt: skip
+    missing = sorted(info.get("missing_keys") or ())
+    init = "random init" + (f" (seed {seed})" if seed is not None else "")
+    if resized or missing:
+        parts.append(f"new classification head: {', '.join(resized + missing)}, {init}")
+    unused = sorted(info.get("unexpected_keys") or ())
+    if unused:
+        parts.append(f"saved layers not used (this model has no such layer): {', '.join(unused)}")
+    return "; ".join(parts) or None
 
 
 def _model_class(task_num_labels: int):

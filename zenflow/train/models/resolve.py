@@ -10,6 +10,7 @@ finish), ``tokenizer``, ``sources`` (hub / cache / offline), ``packaged`` (the w
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from zenflow.config.architectures import (
@@ -30,6 +31,8 @@ from zenflow.train.models.loading import (
     _model_class,
     _quiet_transformers,
     _set_labels,
+    load_weights,
+    new_layers,
 )
 from zenflow.train.models.packaged import PackagedModel, packaged_model, packaged_model_dir
 from zenflow.train.models.sources import _fix_hint, _hub_source, _where, pretrained_source
@@ -37,6 +40,7 @@ from zenflow.train.models.tokenizer import (
     _load_tokenizer,
     _packaged_tokenizer_source,
     _rehearsal_tokenizer,
+    local_tokenizer,
     packaged_gpt2_tokenizer,
 )
 
@@ -110,8 +114,8 @@ def _resolve_local(local: Path, *, task_num_labels: int, init: str, seed: int) -
     sources["config"] = f"local directory: {local}"
     torch.manual_seed(seed)  # a new classification head is initialised from it
     if init == "pretrained":
-        model = _local_weights(local, config, task_num_labels)
-        sources["model"] = f"local directory: {local}"
+        model, info = _local_weights(local, config, task_num_labels)
+        sources["model"] = _with_new_layers(f"local directory: {local}", info, seed)
     else:
         _set_labels(config, task_num_labels)
         model = _model_class(task_num_labels).from_config(config)
@@ -121,12 +125,18 @@ def _resolve_local(local: Path, *, task_num_labels: int, init: str, seed: int) -
     return ResolvedModel(model=model, tokenizer=tokenizer, sources=sources)
 
 
+def _with_new_layers(source: str, info: dict, seed: int) -> str:
+    """A model source and, after it, the layers that did not come from the files."""
+    note = new_layers(info, seed)
+    return source if note is None else f"{source}; {note}"
+
+
 def _local_weights(local: Path, config, task_num_labels: int):
-    """The directory's pretrained weights; ModelSourceError when they do not load."""
+    """The directory's pretrained weights and transformers' loading info; ModelSourceError
+    when they do not load."""
     try:
-        return _model_class(task_num_labels).from_pretrained(
-            local, **_labels_kwargs(config, task_num_labels)
-        )
+        return load_weights(_model_class(task_num_labels), local,
+                            **_labels_kwargs(config, task_num_labels))  # fmt: skip
     except _load_errors() as exc:
         raise ModelSourceError(
             f"Could not load weights from the local directory {local}: "
@@ -137,20 +147,9 @@ def _local_weights(local: Path, config, task_num_labels: int):
 
 
 def _local_tokenizer(local: Path, config):
-    """(tokenizer, its source): the directory's own, else for a GPT-2 directory the packaged
-    GPT-2 BPE (said); any other model type without tokenizer files is refused."""
-    family = "gpt2" if getattr(config, "model_type", None) == "gpt2" else None
-    try:
-        return _load_tokenizer(local), f"local directory: {local}"
-    except (OSError, ValueError, TypeError) as exc:
-        if family is None:
-            raise ModelSourceError(
-                f"The local directory {local} holds no tokenizer files and its model "
-                f"type {getattr(config, 'model_type', '?')!r} has no packaged fallback. "
-                "Save the tokenizer into the directory (tokenizer.save_pretrained)."
-            ) from exc
-        tokenizer = packaged_gpt2_tokenizer()
-        return tokenizer, _packaged_tokenizer_source() + f" (none in {local})"
+    """(tokenizer, its source): ``tokenizer.local_tokenizer`` (the directory's own; a GPT-2
+    directory without tokenizer files: the packaged GPT-2 BPE, said)."""
+    return local_tokenizer(local, getattr(config, "model_type", None))
 
 
 # ------------------------------------------------------------------ a built-in architecture
@@ -232,8 +231,9 @@ def _resolve_hub(name_or_path: str, *, task_num_labels: int, init: str, seed: in
         config_error = exc
 
     if init == "pretrained":
-        model = _hub_weights(name_or_path, config, config_error, where, task_num_labels, seed)
-        sources["model"] = _hub_source(name_or_path, model)
+        model, info = _hub_weights(name_or_path, config, config_error, where, task_num_labels,
+                                   seed)  # fmt: skip
+        sources["model"] = _with_new_layers(_hub_source(name_or_path, model), info, seed)
     else:
         if config is None:
             config = _gpt2_table_config(name_or_path, family, where, config_error, sources)
@@ -250,8 +250,9 @@ def _resolve_hub(name_or_path: str, *, task_num_labels: int, init: str, seed: in
 
 def _hub_weights(name_or_path: str, config, config_error, where: str, task_num_labels: int,
                  seed: int):  # fmt: skip
-    """The hub id's pretrained weights (a new head seeded by ``seed``); ModelSourceError
-    when its config was not found or its weights do not load."""
+    """The hub id's pretrained weights (a new head seeded by ``seed``) and transformers'
+    loading info; ModelSourceError when its config was not found or its weights do not
+    load."""
     import torch
 
     if config is None:
@@ -260,9 +261,8 @@ def _hub_weights(name_or_path: str, config, config_error, where: str, task_num_l
         ) from config_error
     torch.manual_seed(seed)
     try:
-        return _model_class(task_num_labels).from_pretrained(
-            name_or_path, **_labels_kwargs(config, task_num_labels)
-        )
+        return load_weights(_model_class(task_num_labels), name_or_path,
+                            **_labels_kwargs(config, task_num_labels))  # fmt: skip
     except _load_errors() as exc:
         raise ModelSourceError(
             f"The config of {name_or_path!r} was found but its weights could not be "
@@ -299,6 +299,13 @@ def _hub_tokenizer(name_or_path: str, family: str | None, where: str):
         tokenizer = _load_tokenizer(name_or_path)
         return tokenizer, _hub_source(name_or_path, tokenizer)
     except (OSError, ValueError, TypeError) as exc:
+        if isinstance(exc, json.JSONDecodeError | UnicodeDecodeError):
+            # found but not readable (a damaged file in the cache): never replaced silently
+            raise ModelSourceError(
+                f"The tokenizer of {name_or_path!r} in {where} does not load: "
+                f"{_load_reason(exc)}. Its files there are damaged: remove the model's folder "
+                "from the Hugging Face cache and download it again."
+            ) from exc
         if family is None:
             raise ModelSourceError(
                 f"The tokenizer of {name_or_path!r} is not in {where}. " + _fix_hint(name_or_path)

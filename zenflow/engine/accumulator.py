@@ -1,0 +1,238 @@
+"""The host accumulator: a thread adding gradient pieces, as they arrive from the device,
+into fp32 (or, for the compact host state, bf16) sums, and the step gate its adds wait on.
+
+A step's pieces arrive during backward, before the step's clipping coefficient and skip
+decision are known (the global norm needs the whole step). Each piece lands in a slot of
+the link's bounded pinned staging ring (``copies.StagingRing``); the accumulator gives the
+slot back at once: it adds the piece straight away when the step's gate is already set,
+else it moves the piece into the weight's step store (pageable, one step's non-selected
+gradient in the link's dtype, ``store``) and defers the add until the gate is set
+(``StepGate.set`` pokes the thread). So the training thread waits for a ring slot only
+while the accumulator copies; it never waits for the gate, which the training thread
+itself sets after backward. A deferred add into a sum a host step still reads waits for
+that step (``wait``), without holding up the pieces behind it.
+
+Owns ``StepGate``, ``Accumulator`` and ``reraise``; must not touch the host state, the
+window's job or the copies themselves (``transport``).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+import torch
+
+
+def reraise(exc: BaseException):
+    """Re-raise a worker's exception in the caller: same type and message, chained to the
+    original (which carries the worker's traceback)."""
+    try:
+        again = type(exc)(*exc.args)
+    except Exception:  # exotic constructor: re-raise the original object
+        raise exc from None
+    raise again from exc
+
+
+class StepGate:
+    """One step's clipping coefficient and skip decision, set by the training thread once
+    the step's norm is known. The accumulator waits on it before it adds that step's
+    pieces into a window sum (they arrive during backward, before the norm exists);
+    ``on_set`` (the accumulator's ``poke``) wakes it for its deferred adds."""
+
+    __slots__ = ("_set", "coef", "skip", "_on_set")
+
+    def __init__(self, on_set: Callable[[], None] | None = None) -> None:
+        self._set = threading.Event()
+        self.coef = 1.0
+        self.skip = False
+        self._on_set = on_set
+
+    def set(self, coef: float, skip: bool) -> None:
+        self.coef = float(coef)
+        self.skip = bool(skip)
+        self._set.set()
+        if self._on_set is not None:
+            self._on_set()
+
+    def wait(self) -> None:
+        self._set.wait()
+
+    def is_set(self) -> bool:
+        return self._set.is_set()
+
+
+def _ready(gate, wait) -> bool:
+    return (gate is None or gate.is_set()) and (wait is None or wait.is_set())
+
+
+class Accumulator:
+    """A thread adding gradient pieces into sums (compact layout), in order.
+
+    ``add(event, src, dst, gate, overwrite, release, stat, wait, store)``: wait for the copy
+    ``event``; then, once ``wait`` (the host step reading ``dst``) and ``gate`` (None: no
+    coefficient, e.g. a micro-batch into its step's sum) are set, ``dst = coef * src``
+    (``overwrite``) or ``dst += coef * src`` on ``threads`` host threads, and
+    ``release()`` (the staging slot back to its ring). With a ``store`` (the piece's place in
+    its weight's step store) an add that cannot run yet copies ``src`` there, releases, and
+    runs from the store later (in order). A skipped step's pieces are dropped. ``stat``: a
+    key under which the sum of squares of ``dst`` after the add is totalled (``sums``: a
+    step's host-side share of the global norm). ``call(fn)`` runs ``fn`` in order;
+    ``fence()`` returns an event set once everything queued before it has run (deferred
+    adds included). A failure is kept and re-raised by ``check()`` / the fence's waiters.
+    """
+
+    def __init__(self, accumulate, threads: int = 1, bind: Callable[[], None] | None = None):
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._accumulate = accumulate
+        self.threads = max(1, int(threads))
+        self._bind = bind
+        self.error: BaseException | None = None
+        self.sums: dict = {}
+        self.busy_s = 0.0  # time spent adding (throughput figures)
+        self.elements = 0
+        self.deferred_max = 0  # most adds waiting for their gate at once (tests, figures)
+        self._deferred: deque = deque()  # (store, dst, gate, overwrite, stat, wait)
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="zenflow-accum", daemon=True)
+        self._thread.start()
+
+    def add(self, event, src, dst, gate, overwrite, release, stat=None, wait=None,
+            store=None) -> None:  # fmt: skip
+        """Queue an add; ``wait``: an event to wait for before ``dst`` is written (the host
+        step still reading the window sum); ``store``: where the piece waits for its gate."""
+        self._q.put(("add", event, src, dst, gate, overwrite, release, stat, wait, store))
+
+    def poke(self) -> None:
+        """Wake the thread: a gate was set, deferred adds may run."""
+        self._q.put(("poke",))
+
+    def call(self, fn: Callable[[], None]) -> None:
+        self._q.put(("call", fn))
+
+    def fence(self) -> threading.Event:
+        done = threading.Event()
+        self._q.put(("fence", done))
+        return done
+
+    def _run(self) -> None:
+        if self._bind is not None:
+            self._bind()
+        torch.set_num_threads(self.threads)
+        while True:
+            item = self._q.get()
+            if item is None:
+                self._progress(block=False)
+                self._deferred.clear()
+                return
+            kind = item[0]
+            try:
+                if kind == "add":
+                    self._add(*item[1:])
+                elif kind == "poke":
+                    self._progress(block=False)
+                else:
+                    self._progress(block=True)
+                    if kind == "call" and self.error is None:
+                        item[1]()
+            except BaseException as e:  # kept; the training thread re-raises it
+                if self.error is None:
+                    self.error = e
+            finally:
+                if kind == "fence":
+                    item[1].set()
+
+    def _add(self, event, src, dst, gate, overwrite, release, stat, wait, store) -> None:
+        try:
+            if self.error is not None:
+                return
+            event.synchronize()
+            if store is None or (not self._deferred and _ready(gate, wait)):
+                self._progress(block=True)  # in order: the adds deferred before this one
+                self._apply(src, dst, gate, overwrite, stat, wait)
+                return
+            self._make_room(store)
+            store.copy_(src)
+            self._deferred.append((store, dst, gate, overwrite, stat, wait))
+            self.deferred_max = max(self.deferred_max, len(self._deferred))
+        finally:
+            if release is not None:
+                release()
+
+    def _make_room(self, store: torch.Tensor) -> None:
+        """Run the deferred adds up to the last one still reading ``store`` (an earlier
+        step's piece: its gate is set, so this waits at most for a host step's read)."""
+        ptr = store.data_ptr()
+        last = -1
+        for i, item in enumerate(self._deferred):
+            if item[0].data_ptr() == ptr:
+                last = i
+        for _ in range(last + 1):
+            self._run_deferred()
+
+    def _progress(self, block: bool) -> None:
+        """Run the deferred adds in order: all of them (``block``: waiting for their gates
+        and host steps), or those that are ready now."""
+        while self._deferred:
+            _, _, gate, _, _, wait = self._deferred[0]
+            if not block and not _ready(gate, wait):
+                return
+            self._run_deferred()
+
+    def _run_deferred(self) -> None:
+        store, dst, gate, overwrite, stat, wait = self._deferred.popleft()
+        if self.error is None:
+            self._apply(store, dst, gate, overwrite, stat, wait)
+
+    def _apply(self, src, dst, gate, overwrite, stat, wait) -> None:
+        if wait is not None:
+            wait.wait()
+        scale = 1.0
+        if gate is not None:
+            gate.wait()
+            scale = gate.coef
+        if gate is not None and gate.skip:
+            return
+        t0 = time.perf_counter()
+        sq = self._accumulate(dst, src, scale, overwrite, stat is not None, self.threads)
+        self.busy_s += time.perf_counter() - t0
+        self.elements += dst.numel()
+        if stat is not None:
+            self.sums[stat] = self.sums.get(stat, 0.0) + sq
+
+    def check(self) -> None:
+        if self.error is not None:
+            reraise(self.error)
+
+    def squares(self, buffers: dict) -> float:
+        """The step's host share of the squared norm: the squares totalled in-line by adds
+        (``stat`` keys ("sq", name)) plus those of ``buffers`` (name -> fp32 tensor, totalled
+        here, after the adds queued before), in float64. Waits for the accumulator; the
+        in-line totals are consumed."""
+        for name, buf in buffers.items():
+            key = ("sq", name)
+
+            def total(buf=buf, key=key):
+                self.sums[key] = float(buf.double().square().sum())
+
+            self.call(total)
+        self.drain()
+        keys = [k for k in self.sums if isinstance(k, tuple) and k[0] == "sq"]
+        return sum(self.sums.pop(k) for k in keys)
+
+    def drain(self) -> None:
+        """Block until every queued item has run (then ``check``). After close() there is
+        nothing left to add."""
+        if not self._closed:
+            self.fence().wait()
+        self.check()
+
+    def close(self) -> None:
+        """Run what is queued, then stop the thread (idempotent)."""
+        if not self._closed:
+            self._closed = True
+            self._q.put(None)
+            self._thread.join(timeout=60)

@@ -1,0 +1,96 @@
+"""The compact host state (``zfctl.host_state: "compact"``): one ZenFlow weight's
+non-selected columns with 8-bit Adam moments.
+
+Per weight, in the compact layout of its non-selected columns (``host_layout``): the fp32
+master (pinned where the backend pins), ``exp_avg`` in 8 bits (format "m": sign, 4-bit
+exponent, 3-bit mantissa) and ``u = sqrt(exp_avg_sq)`` in 8 bits (format "u": 4-bit
+exponent, 4-bit mantissa), each with one fp32 scale per block of 256 elements of the flat
+tensor (``zenflow.ops``: ``Q8_BLOCK``; block absmax / the format's largest value), and the
+per-column counts. 2 bytes per element for both moments plus 8/256 for the scales, where
+the exact state holds 8.
+
+Why these formats: Adam's moments span many orders of magnitude inside a block (a column
+that barely moves beside one that moves a lot); a logarithmic code keeps ~2-3 significant
+bits at every magnitude where a linear code would flush the small ones to zero. Storing
+``sqrt(exp_avg_sq)`` halves the exponent range the "u" code must span. 256 elements per
+scale: small enough that a block's absmax tracks its neighbourhood, large enough that the
+scales cost 1/64 of a byte per moment (bitsandbytes uses 256 or 2048).
+
+The host step is the native ``adamw_q8_step_`` (dequantise, the exact fp32 AdamW element
+arithmetic, requantise, in one pass). Whenever the moments are re-laid (a hand-over, the
+first selection) they are dequantised (``v = u * u``), moved as fp32 and quantised again
+(``u = sqrt(v)`` correctly rounded), exactly as the reference schedule states it
+(``zenflow.engine.reference_schedule``). Must not touch the device state or the window.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zenflow.engine.host import ColumnSteps
+from zenflow.ops import q8_num_blocks
+from zenflow.ops.q8_reference import sqrt_rounded
+
+MOMENT_KEYS = ("m_codes", "m_scales", "u_codes", "u_scales")
+
+
+class Q8HostState:
+    """The compact host state of one weight with 8-bit moments (see the module docstring).
+    ``kernels``: the ``HostKernels`` whose (de)quantisation it uses."""
+
+    def __init__(self, master: torch.Tensor, moments: dict, steps: ColumnSteps, kernels):
+        self.master = master
+        self.m_codes = moments["m_codes"]
+        self.m_scales = moments["m_scales"]
+        self.u_codes = moments["u_codes"]
+        self.u_scales = moments["u_scales"]
+        self.steps = steps
+        self.kernels = kernels
+
+    @classmethod
+    def empty(cls, accel, shape, n_cols: int, pin: bool, kernels) -> Q8HostState:
+        numel = 1
+        for s in shape:
+            numel *= s
+        blocks = q8_num_blocks(numel)
+        moments = {
+            "m_codes": accel.host_empty((numel,), torch.uint8, False, "host_state"),
+            "m_scales": accel.host_empty((blocks,), torch.float32, False, "host_state"),
+            "u_codes": accel.host_empty((numel,), torch.uint8, False, "host_state"),
+            "u_scales": accel.host_empty((blocks,), torch.float32, False, "host_state"),
+        }
+        master = accel.host_empty(shape, torch.float32, pin, "host_state")
+        steps = ColumnSteps(accel.host_empty((n_cols,), torch.int64, False, "host_state"), None)
+        return cls(master, moments, steps, kernels)
+
+    def moment_tensors(self) -> dict[str, torch.Tensor]:
+        """The moments as named tensors (what a checkpoint saves)."""
+        return {k: getattr(self, k) for k in MOMENT_KEYS}
+
+    def load_moments(self, saved: dict) -> None:
+        for k in MOMENT_KEYS:
+            getattr(self, k).copy_(saved[k])
+
+    def zero_moments(self) -> None:
+        """Both moments zero (what quantising zeros gives: code 0, scale 0)."""
+        for k in MOMENT_KEYS:
+            getattr(self, k).zero_()
+
+    def moments_fp32(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(exp_avg, exp_avg_sq) dequantised, fp32, in the master's shape (``v = u * u``)."""
+        m = torch.empty(self.master.shape, dtype=torch.float32)
+        u = torch.empty(self.master.shape, dtype=torch.float32)
+        self.kernels.dequantize(self.m_codes, self.m_scales, m, fmt="m")
+        self.kernels.dequantize(self.u_codes, self.u_scales, u, fmt="u")
+        return m, u * u
+
+    def set_moments(self, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+        """Quantise fp32 moments (the master's layout) into the codes and scales."""
+        self.kernels.quantize(exp_avg.contiguous(), self.m_codes, self.m_scales, fmt="m")
+        u = sqrt_rounded(exp_avg_sq.contiguous())
+        self.kernels.quantize(u, self.u_codes, self.u_scales, fmt="u")
+
+    def step(self, grad: torch.Tensor, **kw) -> None:
+        """One host AdamW step (``adamw_q8_step_``'s keywords)."""
+        self.kernels.q8(self.master.view(-1), grad.reshape(-1), self.m_codes, self.m_scales,
+                        self.u_codes, self.u_scales, **kw)  # fmt: skip
