@@ -122,3 +122,23 @@ def test_import_zenflow_is_light():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_the_native_op_is_loaded_at_set_up_not_in_a_step(monkeypatch):
+    """Issue 31 item 7: a first build (or a wait for another process's build) takes a
+    minute. The engine loads the native op while it is constructed, so that minute is
+    set-up time, never the first host step's stall (before, the build ran inside the first
+    host op a step called)."""
+    from zenflow.ops import loader
+
+    calls = []
+    monkeypatch.setenv("ZENFLOW_OPS", "native")
+    monkeypatch.setattr(loader, "load_native", lambda: calls.append("load"))
+    monkeypatch.setattr("zenflow.ops.load_native", loader.load_native)
+    cfg = make_config({"topk_ratio": 0.5, "update_interval": 2})
+    with ZenFlowEngine(MLP(), cfg, host_kernel="native") as e:
+        assert calls == ["load"] and e.kernel_name == "native"
+    monkeypatch.setenv("ZENFLOW_OPS", "reference")  # the plain ops: nothing to load
+    calls.clear()
+    with ZenFlowEngine(MLP(), cfg, host_kernel="native"):
+        assert calls == []

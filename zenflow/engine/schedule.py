@@ -205,11 +205,17 @@ class ZenFlowEngine:
         return ZenFlowMode(self, masters)
 
     def kernels(self):
-        """The host ops (CPU Adam, its compact twin, the accumulate), resolved on first use:
-        the native ops build lazily."""
+        """The host ops (CPU Adam, its compact twin, the accumulate), resolved on first use,
+        which is the engine's set-up (``resolved_settings``): the native op is built or
+        loaded there, so a first build's minute is set-up time, never a step's stall."""
         if self._kernel is None:
             self._kernel = resolve_kernel(self._host_kernel_arg)
             self.kernel_name = self._kernel.name
+            if self.kernel_name == "native":
+                from zenflow.ops import load_native, ops_mode
+
+                if ops_mode() == "native":
+                    load_native()
         return self._kernel
 
     # ------------------------------------------------------------------ mode internals
