@@ -8,8 +8,8 @@ lives in the same process: weights, gradients, the selected columns' state, buck
 summary.json), the host peak = RSS peak - device peak, and the engine's own whole-run host
 accounting (summary.json ``host_peak_bytes``); then, per host state, the slope in bytes per
 parameter between the two models (the process's constant part - Python, torch, the data -
-cancels). Owns nothing else; must not import the engine (it measures the CLI, as a user
-runs it).
+cancels). Each run's checkpoints and model are deleted once read (summary.json stays).
+Owns nothing else; must not import the engine (it measures the CLI, as a user runs it).
 
     .venv/bin/python bench/host_memory.py [--models gpt2 gpt2-medium] [--states exact compact]
         [--steps 8] [--out DIR]
@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -55,6 +56,8 @@ def run_one(model: str, state: str, steps: int, out: Path) -> dict:
         raise SystemExit(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stderr[-3000:]}")
     rss_kb = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", r.stderr).group(1))
     summary = json.loads((run_dir / "summary.json").read_text())
+    for bulky in ("checkpoints", "model"):  # gpt2-medium's fp32 checkpoints are 5 GB each
+        shutil.rmtree(run_dir / bulky, ignore_errors=True)
     params = int(summary["params"])
     device_peak = int(summary.get("device_peak_bytes") or
                       summary["device_peak_bytes_per_param"] * params)  # fmt: skip

@@ -23,6 +23,7 @@ import torch
 from conftest import gpt2_batches, make_config, tiny_gpt2, train_engine
 
 from zenflow import ZenFlowEngine
+from zenflow.engine import EngineError
 
 ZF = {"topk_ratio": 0.1, "update_interval": 2, "overlap_step": True,
       "select_strategy": "step", "select_interval": 4}  # fmt: skip
@@ -108,6 +109,29 @@ def test_a_checkpoint_copies_no_host_state(state):
             if h["grad_accum_sum"] is not None:
                 assert h["grad_accum_sum"].numel() == w.compact_numel
         assert shared >= 5 * len(e.zweights)
+
+
+@pytest.mark.parametrize("state", ["exact", "compact"])
+def test_the_host_state_is_released_before_the_final_save(state):
+    """At the end of a run (flushed, checkpointed) ``release_host_state`` drops the host
+    state, the window sums and the step store: the final model save's host copies never
+    sit beside them (issue 27: the final save was the compact state's host peak). The
+    weights are the flushed ones, and the engine refuses a checkpoint afterwards."""
+    model, e = _engine(state, bf16=False)
+    train_engine(e, model, gpt2_batches(5))
+    e.flush()
+    flushed = {n: p.detach().clone() for n, p in model.named_parameters()}
+    held = e.accel.host_held()
+    assert held["host_state"] > 0 and held["window_sums"] > 0 and held["step_pieces"] > 0
+    e.release_host_state()
+    left = e.accel.host_held()
+    for tag in ("host_state", "window_sums", "step_pieces"):
+        assert left.get(tag, 0) == 0, (tag, left)
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), flushed[n]), n
+    with pytest.raises(EngineError, match="released"):
+        e.state_dict(share_host=True)
+    e.close()  # the trainer closes it again: a no-op
 
 
 def test_pinned_bytes_are_what_was_asked():

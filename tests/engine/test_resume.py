@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import MLP, make_config, mlp_batches, train_engine
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -131,8 +132,6 @@ def test_resume_in_fresh_process(tmp_path, zf, first, second, dtype):
 
 
 def _engine(accel: str = "sim", state: str = "exact", n: int = 7):
-    from conftest import MLP, make_config
-
     from zenflow import ZenFlowEngine
 
     torch.manual_seed(0)
@@ -171,7 +170,6 @@ def _format4(sd: dict, engine) -> dict:
 def test_a_format4_checkpoint_resumes_exactly():
     """A checkpoint of format 4 (full-shape host state) loads into the compact layout and
     continues bit for bit like the straight run."""
-    from conftest import mlp_batches, train_engine
 
     n = 7
     batches = mlp_batches(2 * n)
@@ -193,7 +191,6 @@ def test_a_format4_checkpoint_resumes_exactly():
 
 @pytest.mark.parametrize("saved,loading", [("exact", "compact"), ("compact", "exact")])
 def test_a_checkpoint_resumes_only_with_its_host_state(saved, loading):
-    from conftest import mlp_batches, train_engine
 
     from zenflow.errors import EngineError
 

@@ -190,10 +190,10 @@ ENGINE_FIELD_DOCS: dict[str, str] = {
     'about 16 bytes per non-selected parameter plus a step\'s pieces) or "compact" (fp32 '
     "master, the two moments in 8 bits per element with a scale per 256-element block as in "
     "8-bit AdamW, the window sum and the pieces that cross the link in bf16: about 8 bytes "
-    "per non-selected parameter plus a step's pieces in bf16, so a 7B model fits a 64 GB "
-    "host). The selected columns' device state stays fp32 either way. Opt-in: it changes "
-    "the host step's arithmetic; a checkpoint resumes only with the state it was written "
-    "with.",
+    "per non-selected parameter plus a step's pieces in bf16: about half the exact state; "
+    "`zfctl estimate` says whether a whole run fits). The selected columns' device state "
+    "stays fp32 either way. Opt-in: it changes the host step's arithmetic; a checkpoint "
+    "resumes only with the state it was written with.",
     "copy_buckets": "Device buffers the streamed gradient pieces wait in for the copy engine, "
     "each 1/64 of the offloaded elements (at most 4M) in the training dtype: an integer >= 2 "
     'or "auto" (2; 4 with data parallelism: the least device memory). Backward produces a '

@@ -415,6 +415,11 @@ class _Run:
         self.engine.flush()
         self.evaluate(step)
         check_finite_params(self.torch, self.model, self.par, step)  # the last host work
+        # the host optimizer state is done with (flushed, checkpointed): dropped before the
+        # model is saved, whose host copies would otherwise sit beside it (issue 27)
+        release = getattr(self.engine, "release_host_state", None)
+        if release is not None:
+            release()
         if self.par.main:
             self.save_final_model()
 

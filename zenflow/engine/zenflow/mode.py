@@ -305,6 +305,15 @@ class ZenFlowMode:
         self.window.drain()
 
     # ------------------------------------------------------------------ lifecycle
+    def release_host(self) -> None:
+        """Drop every weight's host state, window sums, step store and set-up master (the
+        engine is closed: nothing reads them again)."""
+        for w in self.zweights:
+            for name in ("host", "store", "step_buf", "init_master"):
+                if hasattr(w, name):
+                    setattr(w, name, None)
+            w.acc = []
+
     def close(self) -> BaseException | None:
         """Join the threads (an in-flight result stays unapplied); return a failure not yet
         reported."""
