@@ -211,7 +211,8 @@ def test_topk_memory_bound_binds():
     assert c.topk_ratio == 0.3 and c.topk["binds"] == "memory"
     assert c.topk["time_bound"] == 1.0
     assert "the memory bound binds" in c.reasons["topk_ratio"]
-    assert "device headroom 0.00 GiB holds topk <= 0.3" in c.reasons["topk_ratio"]
+    # human units (issue 31): the 300 bytes left, not "0.00 GiB"
+    assert "device headroom 300 B holds topk <= 0.3" in c.reasons["topk_ratio"]
     # 700k params at 9M/s = 77.8 ms over 30 ms -> S = 3.
     assert c.update_interval == 3
 

@@ -43,6 +43,8 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from zenflow.hardware.estimate import human_bytes
+
 GIB = 2**30
 TOPK_MIN = 0.01
 TOPK_MAX = 1.0
@@ -156,7 +158,7 @@ def memory_bound(table: tuple[TopkMemory, ...], budget: MemoryBudget, bf16: bool
                    "shared": budget.shared}  # fmt: skip
         return Bound(None, False, figures,
                      f"does not fit even at topk {first.topk:g}: the {where} needs "
-                     f"{need / GIB:.2f} GiB of {have / GIB:.2f} GiB ({budget.source}); "
+                     f"{human_bytes(need)} of {human_bytes(have)} ({budget.source}); "
                      f"`zfctl estimate` shows the layout ({levers} may fit)")  # fmt: skip
     row = ok[-1]
     room = headroom(row, budget)
@@ -174,9 +176,9 @@ def memory_bound(table: tuple[TopkMemory, ...], budget: MemoryBudget, bf16: bool
         "shared": budget.shared,
     }
     why = (
-        f"{where} headroom {room / GIB:.2f} GiB holds topk <= {row.topk:g} (selected columns' "
-        f"fp32 state {row.selected_bytes / GIB:.2f} GiB): {total / GIB:.2f} GiB "
-        f"({budget.source}) minus {(total - room) / GIB:.2f} GiB of {others}"
+        f"{where} headroom {human_bytes(room)} holds topk <= {row.topk:g} (selected columns' "
+        f"fp32 state {human_bytes(row.selected_bytes)}): {human_bytes(total)} "
+        f"({budget.source}) minus {human_bytes(total - room)} of {others}"
     )
     return Bound(row.topk, True, figures, why)
 
