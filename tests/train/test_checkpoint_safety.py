@@ -229,42 +229,46 @@ def test_final_checkpoint_is_written_before_the_flush_from_the_engines_state(
     tiny_gpt2_dir, sample_dir, tmp_path, monkeypatch
 ):
     """The end-of-run checkpoint is the engine as an uninterrupted longer run would have it:
-    written before the final flush changes the host state, straight from that state (no
-    second copy of the optimizer state in host memory), and before the final evaluation."""
+    written before the final flush changes the host state, and before the final evaluation.
+    Every checkpoint, periodic ones included, is written straight from the host state (no
+    second copy of the optimizer state in host memory). The host state is released after
+    the evaluation and before the final model is saved (issue 27)."""
+    import inspect
+
     from zenflow import ZenFlowEngine
     from zenflow.train import trainer
     from zenflow.train.resume import RunCheckpoints
 
     order, shared = [], []
     real_state = RunCheckpoints.state
-    real_save = RunCheckpoints.save
-    real_flush = ZenFlowEngine.flush
-    real_eval = trainer._Run.evaluate
+    default = inspect.signature(real_state).parameters["share_host"].default
+    spied = {
+        (RunCheckpoints, "save"): "save",
+        (ZenFlowEngine, "flush"): "flush",
+        (trainer._Run, "evaluate"): "eval",
+        (ZenFlowEngine, "release_host_state"): "release",
+        (trainer._Run, "save_final_model"): "model",
+    }
 
-    def state_spy(self, *a, share_host=False, **kw):
-        shared.append(share_host)
-        return real_state(self, *a, share_host=share_host, **kw)
+    def state_spy(self, *a, **kw):
+        shared.append(kw.get("share_host", default))
+        return real_state(self, *a, **kw)
 
-    def save_spy(self, *a, **kw):
-        order.append("save")
-        return real_save(self, *a, **kw)
+    def spy(name, real):
+        def wrapper(self, *a, **kw):
+            order.append(name)
+            return real(self, *a, **kw)
 
-    def flush_spy(self):
-        order.append("flush")
-        return real_flush(self)
-
-    def eval_spy(self, *a, **kw):
-        order.append("eval")
-        return real_eval(self, *a, **kw)
+        return wrapper
 
     monkeypatch.setattr(RunCheckpoints, "state", state_spy)
-    monkeypatch.setattr(RunCheckpoints, "save", save_spy)
-    monkeypatch.setattr(ZenFlowEngine, "flush", flush_spy)
-    monkeypatch.setattr(trainer._Run, "evaluate", eval_spy)
+    for (cls, attr), name in spied.items():
+        monkeypatch.setattr(cls, attr, spy(name, getattr(cls, attr)))
     run_finetune(make_spec(tiny_gpt2_dir, sample_dir, tmp_path, engine_mode="zenflow",
-                           max_steps=2))  # fmt: skip
-    assert order[-3:] == ["save", "flush", "eval"]
-    assert shared[-1] is True
+                           max_steps=3, checkpoint_every=1))  # fmt: skip
+    assert order[-5:] == ["save", "flush", "eval", "release", "model"]
+    # the periodic checkpoints (every step) and the final one: each shares the host state
+    assert len(shared) == order.count("save") >= 3 and all(shared), shared
 
 
 # ------------------------------------------------------------- permissions (issue 31)
