@@ -45,7 +45,6 @@ from dataclasses import dataclass
 
 from zenflow.hardware.estimate import human_bytes
 
-GIB = 2**30
 TOPK_MIN = 0.01
 TOPK_MAX = 1.0
 TOPK_GRID = tuple(i / 100 for i in range(1, 101))  # 0.01 steps, the grid topk is rounded to
