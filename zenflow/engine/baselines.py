@@ -235,6 +235,18 @@ class OffloadMode:
         return None
 
 
+def _chunks(numels: list[int]) -> list[list[int]]:
+    """Consecutive parameter indices in groups of at most the largest one's elements."""
+    cap, chunks, total = max(numels, default=0), [], 0
+    for i, n in enumerate(numels):
+        if not chunks or total + n > cap:
+            chunks.append([])
+            total = 0
+        chunks[-1].append(i)
+        total += n
+    return chunks
+
+
 def _adamw_class(hp):
     return torch.optim.AdamW if hp.adamw_mode else torch.optim.Adam
 
@@ -254,6 +266,7 @@ class DeviceMode:
                 self.masters.append(engine.accel.track(master, "optimizer"))
         else:
             self.masters = self.params
+        self.chunks = _chunks([p.numel() for p in self.params])
         cls = _adamw_class(hp)
         kw = dict(lr=hp.lr, betas=(hp.beta1, hp.beta2), eps=hp.eps, weight_decay=hp.weight_decay)
         try:
@@ -283,13 +296,9 @@ class DeviceMode:
         for group in self.optimizer.param_groups:
             group["lr"] = hp.lr
         if self.mixed:
-            for m, p in zip(self.masters, self.params, strict=True):
-                m.grad = None if p.grad is None else p.grad.detach().float()
-        self.optimizer.step()
-        if self.mixed:
-            for m, p in zip(self.masters, self.params, strict=True):
-                m.grad = None
-                p.data.copy_(m.data)
+            self._mixed_step()
+        else:
+            self.optimizer.step()
         state = sum(
             v.numel() * v.element_size()
             for st in self.optimizer.state.values()
@@ -298,6 +307,25 @@ class DeviceMode:
         )
         self.e.accel.set_held("optimizer_state", state)
         self.e.rec.devopt_s += time.perf_counter() - t0
+
+    def _mixed_step(self) -> None:
+        """The fused step reads fp32 gradients. They are made one chunk of parameters at a
+        time (at most the largest parameter's elements), each half-precision gradient freed
+        as soon as it is converted, and the optimizer stepped on that chunk alone (torch
+        skips a parameter without a gradient): the step holds one chunk of fp32 gradients
+        (4 B x the largest parameter), never a second, fp32 copy of every gradient. Per
+        element the same update as one step over all of them."""
+        track = self.e.accel.track
+        for chunk in self.chunks:
+            for i in chunk:
+                g = self.params[i].grad
+                self.masters[i].grad = None if g is None else track(g.detach().float(), "grads")
+                self.params[i].grad = None
+                del g
+            self.optimizer.step()
+            for i in chunk:
+                self.masters[i].grad = None
+                self.params[i].data.copy_(self.masters[i].data)
 
     def resolved(self) -> dict:
         return {"device_adamw": f"torch.optim.{type(self.optimizer).__name__} ({self.impl})"}

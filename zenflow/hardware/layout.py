@@ -229,6 +229,10 @@ def _device_engine(b: _Buffers) -> None:
     """Plain mixed-precision AdamW, everything on the device."""
     P, dt, dn = b.P, b.dt, b.dn
     b.dev("grads", f"gradients ({dn})", P * dt, f"P*{dt}")
+    if b.s.bf16:  # the fused step reads fp32 gradients, made one chunk at a time
+        L = b.census.largest_numel
+        b.dev("grads", "fp32 gradients, one chunk at the step",
+              L * 4, "L*4")  # fmt: skip
     b.dev("optimizer", "exp_avg + exp_avg_sq (fp32)", P * 8, "P*8")
     if b.s.bf16:
         b.dev("optimizer", "master weights (fp32)", P * 4, "P*4")
@@ -243,6 +247,11 @@ def _lora_engine(b: _Buffers) -> None:
     b.dev("weights", f"LoRA adapters (rank {r}) + the head's trained copy ({dn})", A * dt,
           f"A*{dt}")  # fmt: skip
     b.dev("grads", f"adapters' and head's gradients ({dn})", A * dt, f"A*{dt}")
+    if b.s.bf16:  # as in _device_engine: fp32, one chunk at a time, at the step
+        c = b.census  # the largest trainable tensor: the head, or one adapter's r x max(in, out)
+        La = max([c.lora_head] + [r * max(i, o) for i, o in c.lora_linear])
+        b.dev("grads", "fp32 gradients, one chunk at the step",
+              La * 4, "La*4")  # fmt: skip
     b.dev("optimizer", "adapters' and head's exp_avg + exp_avg_sq (fp32)", A * 8, "A*8")
     if b.s.bf16:
         b.dev("optimizer", "adapters' and head's master weights (fp32)", A * 4, "A*4")

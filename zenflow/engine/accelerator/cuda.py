@@ -17,6 +17,8 @@ allocator, and are counted at its rounded size.
 
 from __future__ import annotations
 
+import mmap
+import warnings
 import weakref
 
 import torch
@@ -31,24 +33,35 @@ def _unregister(ptr: int) -> None:
     torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
-def registered_empty(shape, dtype) -> torch.Tensor:
-    """An uninitialised host tensor on pages of its own, registered with the driver (pinned:
-    ``is_pinned()`` is True and non_blocking copies from/to it are asynchronous)."""
+def page_aligned_empty(shape, dtype) -> torch.Tensor:
+    """An uninitialised (zero-filled) host tensor on pages of its own: an anonymous mapping
+    of whole pages, so its storage starts on a page boundary. torch asks the driver whether
+    a tensor is pinned with its storage's first byte (``is_pinned``), so the registered
+    range must start there, not inside the storage."""
     numel = 1
     for s in shape:
         numel *= int(s)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    locked = max(PAGE, -(-numel * itemsize // PAGE) * PAGE)
-    storage = torch.UntypedStorage(locked + PAGE)  # room to start on a page boundary
-    start = -storage.data_ptr() % PAGE
-    ptr = storage.data_ptr() + start
+    nbytes = max(PAGE, -(-numel * itemsize // PAGE) * PAGE)
+    with warnings.catch_warnings():  # the mapping is writable; torch warns for any buffer
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+    return flat[: numel * itemsize].view(dtype).view(tuple(shape))
+
+
+def registered_empty(shape, dtype) -> torch.Tensor:
+    """An uninitialised host tensor on pages of its own, registered with the driver (pinned:
+    ``is_pinned()`` is True and non_blocking copies from/to it are asynchronous)."""
+    t = page_aligned_empty(shape, dtype)
+    storage = t.untyped_storage()
+    ptr, locked = storage.data_ptr(), storage.nbytes()
     err = int(torch.cuda.cudart().cudaHostRegister(ptr, locked, 0))
     if err != 0:
         raise RuntimeError(f"cudaHostRegister of {locked:,} bytes failed (cudaError {err})")
-    # the storage dies (and the finalizer unlocks its pages before they are freed) only
+    # the storage dies (and the finalizer unlocks its pages before they are unmapped) only
     # once the last tensor on it is gone, views included
     weakref.finalize(storage, _unregister, ptr)
-    return torch.empty(0, dtype=dtype).set_(storage, start // itemsize, tuple(shape))
+    return t
 
 
 class CudaEvent:
