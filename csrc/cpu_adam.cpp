@@ -165,6 +165,9 @@ TORCH_LIBRARY(zenflow, m) {
   m.def(
       "accumulate_(Tensor(a!) dst, Tensor src, float scale, bool overwrite, bool sumsq, "
       "int num_threads) -> float");
+  m.def(
+      "compact_merge_(Tensor(a!) data, Tensor drop, Tensor insert_at, Tensor values, "
+      "int column_dim, int num_threads) -> ()");
   // q8_ops.cpp: the compact host state's 8-bit moments.
   m.def(
       "adamw_q8_step_(Tensor(a!) param, Tensor grad, Tensor(b!) m_codes, Tensor(c!) m_scales, "

@@ -40,6 +40,23 @@
 // gradient. Every element is computed with the same instructions as the full-shape op, so
 // the result is bit-identical to adamw_step_ on those elements, for any thread count.
 
+//
+// compact_merge_(data, drop, insert_at, values, column_dim): a hand-over's re-layout of one
+// compact host array, in place. The compact layout holds a weight's non-selected columns in
+// sorted order; at a re-selection m columns enter the device (they leave the host array:
+// their OLD positions `drop`, sorted) and m leave it (they join the host array: their NEW
+// positions `insert_at`, sorted, values `values` in that order, shaped like the compact
+// layout with m columns). The staying columns keep their relative order, so the new array
+// is the old one with `drop` removed, gaps opened at `insert_at` and `values` written
+// there: for each row, a forward pass of memmoves closes the dropped items, a backward pass
+// opens the gaps, then the values are copied in. Each item moves at most twice, in runs as
+// long as the gaps between moved columns, with no new array: the alternative (gather the
+// staying columns into a new array, scatter the values) is a strided gather per element
+// and a new allocation (a re-registration, for a pinned master) every re-selection.
+// column_dim 1 ([rows, n]): every row is a sequence of n one-element items, rows run on
+// the threads; column_dim 0 ([n, inner]): one sequence of n items of `inner` elements. Any
+// dtype (moved as bytes); data and values contiguous, same dtype.
+
 #include "adam_kernel.h"
 
 #include <ATen/core/Tensor.h>
@@ -330,11 +347,88 @@ void adamw_compact_step_(const at::Tensor& param, const at::Tensor& grad,
   }
 }
 
+constexpr const char* kMergeOp = "zenflow::compact_merge_";
+
+// Sorted, distinct positions in [0, n): the op's precondition, checked once.
+const int64_t* sorted_positions(const at::Tensor& t, int64_t n, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kLong && t.dim() == 1 &&
+                  t.is_contiguous(),
+              kMergeOp, ": ", name, " must be a contiguous 1-D Long CPU tensor, got ",
+              t.scalar_type(), " with ", t.dim(), " dims");
+  const int64_t* q = t.data_ptr<int64_t>();
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    TORCH_CHECK(q[i] >= 0 && q[i] < n, kMergeOp, ": ", name, "[", i, "] = ", q[i],
+                " is not a position in [0, ", n, ")");
+    TORCH_CHECK(i == 0 || q[i] > q[i - 1], kMergeOp, ": ", name,
+                " must be sorted and distinct, got ", q[i - 1], " then ", q[i]);
+  }
+  return q;
+}
+
+// One sequence of n items of `item` bytes at `row`: drop the items at `drop`, open gaps at
+// `ins` (both m sorted positions), copy the m items of `vals` (consecutive, `vstride` bytes
+// apart) into them.
+void merge_row(char* row, int64_t n, int64_t item, const int64_t* drop, const int64_t* ins,
+               int64_t m, const char* vals, int64_t vstride) {
+  int64_t w = 0, prev = 0;  // forward: close the dropped items (moves go left)
+  for (int64_t t = 0; t <= m; ++t) {
+    const int64_t end = t < m ? drop[t] : n;
+    const int64_t len = end - prev;
+    if (len > 0 && w != prev) std::memmove(row + w * item, row + prev * item, len * item);
+    w += len;
+    prev = end + 1;
+  }
+  for (int64_t t = m; t >= 0; --t) {  // backward: open the gaps (moves go right by t)
+    const int64_t begin = t > 0 ? ins[t - 1] + 1 : 0;
+    const int64_t end = t < m ? ins[t] : n;
+    if (end > begin && t > 0) {
+      std::memmove(row + begin * item, row + (begin - t) * item, (end - begin) * item);
+    }
+  }
+  for (int64_t t = 0; t < m; ++t) std::memcpy(row + ins[t] * item, vals + t * vstride, item);
+}
+
+void compact_merge_(at::Tensor data, const at::Tensor& drop, const at::Tensor& insert_at,
+                    const at::Tensor& values, int64_t column_dim, int64_t num_threads) {
+  TORCH_CHECK(column_dim == 0 || column_dim == 1, kMergeOp, ": column_dim must be 0 or 1, got ",
+              column_dim);
+  TORCH_CHECK(data.device().is_cpu() && data.is_contiguous() && data.dim() == 2, kMergeOp,
+              ": data must be a contiguous 2-D CPU tensor, got ", data.dim(), " dims");
+  TORCH_CHECK(values.device().is_cpu() && values.is_contiguous() && values.dim() == 2 &&
+                  values.scalar_type() == data.scalar_type(),
+              kMergeOp, ": values must be a contiguous 2-D CPU tensor of data's dtype ",
+              data.scalar_type(), ", got ", values.scalar_type());
+  const int64_t n = data.size(column_dim);
+  const int64_t m = drop.numel();
+  TORCH_CHECK(insert_at.numel() == m, kMergeOp, ": drop has ", m, " positions, insert_at ",
+              insert_at.numel(), " (as many columns join the array as leave it)");
+  const int64_t other = data.size(1 - column_dim);
+  TORCH_CHECK(values.size(column_dim) == m && values.size(1 - column_dim) == other, kMergeOp,
+              ": values must hold the ", m, " joining columns in data's layout, got shape ",
+              values.sizes());
+  const int64_t* dq = sorted_positions(drop, n, "drop");
+  const int64_t* iq = sorted_positions(insert_at, n, "insert_at");
+  if (m == 0 || data.numel() == 0) return;
+  const int64_t es = data.element_size();
+  char* base = static_cast<char*>(data.data_ptr());
+  const char* vals = static_cast<const char*>(values.data_ptr());
+  if (column_dim == 0) {  // one sequence of n rows of `other` elements
+    merge_row(base, n, other * es, dq, iq, m, vals, other * es);
+    return;
+  }
+  const int team = num_threads > 0 ? static_cast<int>(num_threads) : omp_get_max_threads();
+#pragma omp parallel for schedule(static) num_threads(team) if (other > 1)
+  for (int64_t r = 0; r < other; ++r) {  // every row: n one-element items, values row r
+    merge_row(base + r * n * es, n, es, dq, iq, m, vals + r * m * es, es);
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(zenflow, CPU, m) {
   m.impl("adamw_compact_step_", &adamw_compact_step_);
   m.impl("accumulate_", &accumulate_);
+  m.impl("compact_merge_", &compact_merge_);
 }
 
 }  // namespace zenflow

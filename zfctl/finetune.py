@@ -427,9 +427,9 @@ def _preflight(flags: SimpleNamespace, spec, cfg, task: str | None) -> None:
     if f.objective == "causal-lm":  # the records need the tokenizer: read by the run
         num_labels = 2
     elif f.data is not None:  # its labels, read now: a bad file stops before anything starts
-        from zenflow.train.spec import load_spec_table
+        from zenflow.train.spec import load_data
 
-        num_labels = load_spec_table(spec)[0].task.num_labels
+        num_labels = load_data(spec).task.num_labels
     else:
         num_labels = get_task(task).num_labels
     kind = f.device or default_kind()

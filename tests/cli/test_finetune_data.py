@@ -151,16 +151,16 @@ def test_the_table_is_read_once_per_process_until_it_changes(table, monkeypatch)
     calls = []
     real = tables.load_table_task
     monkeypatch.setattr(tables, "load_table_task", lambda *a, **k: calls.append(a) or real(*a, **k))
-    spec_mod._load_table.cache_clear()
+    tables._load_once.cache_clear()
     spec = spec_mod.RunSpec(model="m", task="t", config=None, data_file=str(table),
                             text_fields=("review",), label_field="sentiment")  # fmt: skip
-    first = spec_mod.load_spec_table(spec)
-    assert spec_mod.load_spec_table(spec)[0] is first[0] and len(calls) == 1
+    first = spec_mod.load_data(spec)
+    assert spec_mod.load_data(spec) is first and len(calls) == 1
     with open(table, "a", encoding="utf-8") as f:
         f.write(json.dumps({"review": "one more", "sentiment": "positive"}) + "\n")
     os.utime(table, ns=(1, 1))
-    again = spec_mod.load_spec_table(spec)
-    assert len(calls) == 2 and len(again[0].train) + len(again[0].dev) == 121
+    again = spec_mod.load_data(spec)
+    assert len(calls) == 2 and len(again.train) + len(again.dev) == 121
 
 
 # ----------------------------------------------------------- a hub dataset as --data

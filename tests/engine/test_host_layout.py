@@ -195,3 +195,29 @@ def test_first_selection_in_the_hooks_lands_no_whole_gradient(bf16):
             e.zero_grad()
         assert len(landed) == len(e.zweights)  # the first step's, freed after it
         assert "landing" not in e.accel.host_held()
+
+
+@pytest.mark.parametrize("state", ["exact", "compact"])
+def test_a_re_selection_re_lays_the_host_state_in_place(state):
+    """A re-selection (steps 4 and 8 here) moves columns between the sides without a new
+    host array: every weight keeps the storages of its master, moments and counts (a pinned
+    master is not registered again), and the host's accounted peak does not grow by a
+    weight's state (the old re-layout allocated the new arrays beside the old ones)."""
+    model, e = _engine(state, bf16=False)
+    with e:
+        train_engine(e, model, gpt2_batches(3))  # the first selection, a window end at 2
+        fields = ("master", "m_codes", "u_codes") if state == "compact" else \
+            ("master", "exp_avg", "exp_avg_sq")  # fmt: skip
+        ptrs = {w.spec.name: [getattr(w.host, f).data_ptr() for f in fields]
+                + [w.host.steps.counts.data_ptr()] for w in e.zweights}  # fmt: skip
+        peak, read = e.accel.host_peak_bytes(), e.accel.host_held().get("read_buffer", 0)
+        moved = 0
+        for stats in train_engine(e, model, gpt2_batches(6, seed=3)):  # steps 4..9
+            moved += stats.selection_changed
+        assert moved > 0  # columns did change sides
+        for w in e.zweights:
+            now = [getattr(w.host, f).data_ptr() for f in fields]
+            assert now + [w.host.steps.counts.data_ptr()] == ptrs[w.spec.name], w.spec.name
+        # the one read buffer grows to what the leaving columns need (kept: steady state)
+        grown = e.accel.host_held().get("read_buffer", 0) - read
+        assert e.accel.host_peak_bytes() == peak + grown

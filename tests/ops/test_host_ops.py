@@ -244,3 +244,91 @@ def test_accumulate_rejects_bad_arguments(native):
         accumulate_(torch.zeros(4, 2).t(), torch.zeros(8), 1.0, False)
     with pytest.raises(RuntimeError, match="dst must be contiguous"):
         accumulate_(torch.zeros(4, 2, dtype=torch.bfloat16).t(), torch.zeros(8), 1.0, False)
+
+
+# ------------------------------------------------------------------ compact_merge_ (hand-over)
+def _merge_case(n, other, m, column_dim, dtype, seed):
+    """A compact array, m old positions leaving it, m new positions joining, their values."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (other, n) if column_dim == 1 else (n, other)
+    data = (100 * torch.randn(shape, generator=gen)).to(dtype)
+    drop = torch.randperm(n, generator=gen)[:m].sort().values
+    ins = torch.randperm(n, generator=gen)[:m].sort().values
+    values = (100 * torch.randn(_compact_shape(shape, column_dim, m), generator=gen)).to(dtype)
+    return data, drop, ins, values
+
+
+@pytest.mark.parametrize("column_dim", [0, 1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bfloat16])
+@pytest.mark.parametrize(("n", "other", "m"), [(1, 1, 0), (1, 3, 1), (9, 4, 3), (40, 7, 40),
+                                               (257, 65, 31), (20011, 5, 2000)])  # fmt: skip
+def test_compact_merge_matches_reference(native, column_dim, dtype, n, other, m):
+    """Element-wise (it only moves values: bit for bit) against the gather/scatter
+    reference, including every column leaving (m = n) and none (m = 0)."""
+    from zenflow.ops import compact_merge_, compact_merge_reference_
+
+    data, drop, ins, values = _merge_case(n, other, m, column_dim, dtype, seed=n + m)
+    want = data.clone()
+    compact_merge_reference_(want, drop, ins, values, column_dim)
+    compact_merge_(data, drop, ins, values, column_dim, num_threads=2)
+    assert torch.equal(data, want)
+
+
+def test_compact_merge_is_the_hand_over_of_sorted_columns(native):
+    """What the engine relies on: with the non-selected column ids of a weight sorted
+    before and after a re-selection, the merge gives exactly the new compact layout."""
+    from zenflow.ops import compact_merge_
+
+    gen = torch.Generator().manual_seed(3)
+    rows, cols, k = 6, 50, 9
+    full = torch.randn(rows, cols, generator=gen)
+    old_sel = torch.randperm(cols, generator=gen)[:k].sort().values
+    others = torch.tensor([c for c in range(cols) if c not in old_sel][:5])
+    new_sel = torch.cat([old_sel[:4], others]).sort().values
+
+    def nonsel(sel):
+        keep = torch.ones(cols, dtype=torch.bool)
+        keep[sel] = False
+        return keep.nonzero().flatten()
+
+    old_ns, new_ns = nonsel(old_sel), nonsel(new_sel)
+    entering = new_sel[torch.isin(new_sel, old_ns)]  # leave the host array
+    leaving = old_sel[~torch.isin(old_sel, new_sel)]  # join it
+    host = full.index_select(1, old_ns).contiguous()
+    drop, ins = torch.searchsorted(old_ns, entering), torch.searchsorted(new_ns, leaving)
+    compact_merge_(host, drop, ins, full.index_select(1, leaving), 1)
+    assert torch.equal(host, full.index_select(1, new_ns))
+
+
+def test_compact_merge_threads_bit_identical(native):
+    from zenflow.ops import compact_merge_
+
+    data, drop, ins, values = _merge_case(1001, 37, 150, 1, torch.float32, seed=1)
+    outs = []
+    for threads in THREADS:
+        d = data.clone()
+        compact_merge_(d, drop, ins, values, 1, num_threads=threads)
+        outs.append(d)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+def test_compact_merge_rejects_bad_arguments(native):
+    from zenflow.ops import compact_merge_
+
+    data = torch.zeros(4, 6)
+    good = dict(drop=torch.tensor([1, 3]), ins=torch.tensor([0, 5]), values=torch.ones(4, 2),
+                column_dim=1)  # fmt: skip
+    bad = [
+        (dict(drop=torch.tensor([3, 1])), "sorted and distinct"),
+        (dict(ins=torch.tensor([0, 6])), "not a position in"),
+        (dict(ins=torch.tensor([0])), "as many columns join"),
+        (dict(values=torch.ones(4, 3)), "values must hold the 2 joining columns"),
+        (dict(values=torch.ones(4, 2, dtype=torch.float64)), "of data's dtype"),
+        (dict(column_dim=2), "column_dim must be 0 or 1"),
+    ]
+    for change, message in bad:
+        args = dict(good, **change)
+        with pytest.raises(RuntimeError, match=message) as err:
+            compact_merge_(data, args["drop"], args["ins"], args["values"], args["column_dim"])
+        assert "zenflow::compact_merge_" in str(err.value)
+    assert torch.equal(data, torch.zeros(4, 6))  # a refused call changed nothing

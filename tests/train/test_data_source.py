@@ -112,3 +112,23 @@ def test_a_new_source_is_one_class_the_run_can_batch(tok):
     encoded = encode(data, tok, seq_len=6)
     (_, batch), *_ = batches(encoded.train, 4, seed=0, epoch=0)
     assert batch["input_ids"].shape == (4, 6) and batch["labels"].dtype == torch.long
+
+
+def test_the_run_and_zfctl_eval_take_their_rows_from_the_specs_source(tmp_path, sample_dir):
+    """``spec.data_source``: records for a causal LM, a ``--data`` table, else a GLUE task;
+    ``spec.load_data`` is its ``load`` (the objective, the CLI's preflight and ``zfctl
+    eval`` call nothing else). The objectives the trainer knows are the sources' ones."""
+    from zenflow.train import objective
+    from zenflow.train.spec import RunSpec, data_source, load_data
+
+    table = _jsonl(tmp_path / "t.jsonl", [{"text": f"row {i}", "label": i % 2} for i in range(20)])
+    glue = RunSpec(model="m", task="sst2", config=None, data_dir=str(sample_dir))
+    tab = RunSpec(model="m", task=None, config=None, data_file=str(table), seed=7)
+    lm = RunSpec(model="m", task=None, config=None, data_file=str(table), seq_len=16,
+                 objective="causal-lm")  # fmt: skip
+    assert isinstance(data_source(glue), GlueSource)
+    assert data_source(tab) == TableSource(train_path=str(table), seed=7)
+    assert isinstance(data_source(lm), RecordSource) and data_source(lm).seq_len == 16
+    assert load_data(glue).train == load_task("sst2", sample_dir).train
+    assert load_data(tab).train == load_table_task(table, text_fields=("text",), seed=7)[0].train
+    assert set(objective.OBJECTIVES) == set(OBJECTIVES)

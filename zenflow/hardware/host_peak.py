@@ -20,10 +20,13 @@ dt the training dtype's bytes, C the compact host state, L the largest tensor):
 - **steps**: the steady state.
 - **checkpoint**: the host state is shared with torch.save (no copy); on cuda torch.save
   copies device tensors to the host one storage at a time: + the largest.
-- **re-selection**: + one weight's new compact state (the largest weight's) while its old
-  one is still held, with one gathered field in flight (exact 16 N_w; compact 26 N_w: its
-  8-bit moments are dequantised, moved and quantised again through fp32 arrays); the read
-  buffer is part of the steady state.
+- **re-selection**: the compact arrays are re-laid in place (``compact_merge_``), so only
+  the moving columns' values are extra: the entering columns' fp32 master, moments and
+  counts on their way to the device (16 x the largest weight's selected elements; the
+  leaving columns arrive in the read buffer, part of the steady state); compact also
+  dequantises the largest weight's 8-bit moments into fp32 arrays, merges them and
+  quantises them again (20 N_w at the peak: the two fp32 moments and the float64 square
+  root of the second).
 - **evaluation**: nothing material on the host.
 - **final save**: ZenFlow's host state (not its link) is released before it
   (``ZenFlowEngine.release_host_state``); on cuda, safetensors (0.8) moves every tensor of a
@@ -42,7 +45,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zenflow.hardware.census import ParamCensus
-from zenflow.hardware.layout import Q8_BLOCK, Item, Settings
+from zenflow.hardware.layout import Item, Settings
 
 # The runtime: the whole-run peak RSS of `zfctl finetune` of a 1.6M-parameter GPT-2 (2
 # layers, width 32: its own bytes are ~30 MB) on SST-2 (67k rows, tokenized), --device sim,
@@ -140,13 +143,15 @@ def _zenflow_phases(census: ParamCensus, s: Settings, items: list[Item], steady:
         out.append(Phase("warm-up", link + 12 * Pz + landing,
                          "link + full state 12*Pz + whole-gradient landing"))  # fmt: skip
     out.append(Phase("steps", steady, "steady state"))
-    # a hand-over re-lays one weight at a time: its new arrays beside the old ones, one
-    # gathered field (4*N) in flight; compact also fills fp32 moments (8*N) from the old
-    # ones dequantised (8*N) before quantising them
-    per_elem = 6 + 8 + 8 + 4 if s.compact else 12 + 4
-    scales = 8 * -(-n_big // Q8_BLOCK) if s.compact else 0
-    out.append(Phase("re-selection", steady + n_big * per_elem + scales,
-                     f"steady + the largest weight's re-layout ({per_elem}*N)"))  # fmt: skip
+    # a hand-over re-lays one weight at a time, in place: the entering columns' values
+    # (16*S) are extra; compact also goes through fp32 moments (4*N + 4*N) and the float64
+    # square root of the second (8*N) before quantising them into the same codes
+    moving = 16 * census.largest_selected(k)
+    per_elem = 20 if s.compact else 0
+    terms = "steady + the entering columns' values (16*S)"
+    if per_elem:
+        terms += f" + the largest weight's moments through fp32 ({per_elem}*N)"
+    out.append(Phase("re-selection", steady + moving + n_big * per_elem, terms))
     return out
 
 

@@ -50,6 +50,7 @@ from zenflow.ops.reference import (
     accumulate_reference_,
     adamw_compact_step_reference_,
     adamw_step_reference_,
+    compact_merge_reference_,
 )
 
 __all__ = [
@@ -63,6 +64,8 @@ __all__ = [
     "adamw_q8_step_reference_",
     "adamw_step_",
     "adamw_step_reference_",
+    "compact_merge_",
+    "compact_merge_reference_",
     "dequantize_q8_",
     "dequantize_q8_reference_",
     "load_native",
@@ -321,3 +324,27 @@ def dequantize_q8_(
         return
     load_native()
     torch.ops.zenflow.dequantize_q8_.default(codes, scales, dst, is_signed, int(num_threads))
+
+
+def compact_merge_(
+    data: torch.Tensor,
+    drop: torch.Tensor,
+    insert_at: torch.Tensor,
+    values: torch.Tensor,
+    column_dim: int,
+    num_threads: int = 0,
+) -> None:
+    """A hand-over's re-layout of one compact host array (``[rows, n]`` for ``column_dim`` 1,
+    ``[n, inner]`` for 0; contiguous, any dtype), in place: the columns at the old positions
+    ``drop`` leave, the staying ones keep their order, and ``values`` (the joining columns
+    in the same layout, ``insert_at``'s order) take the new positions ``insert_at``. ``drop``
+    and ``insert_at``: int64, sorted, distinct, as many of each. No new array: runs of
+    staying columns are moved with memmove (rows on ``num_threads`` threads). Raises
+    ``RuntimeError`` starting with ``zenflow::compact_merge_`` for a bad argument."""
+    if ops_mode() == "reference":
+        compact_merge_reference_(data, drop, insert_at, values, column_dim)
+        return
+    load_native()
+    torch.ops.zenflow.compact_merge_.default(
+        data, drop, insert_at, values, int(column_dim), int(num_threads)
+    )

@@ -198,4 +198,4 @@ def sqrt_rounded(x: torch.Tensor) -> torch.Tensor:
     rounded); the float64 square root of an fp32 value rounded once to fp32 is correctly
     rounded, since 53 >= 2 * 24 + 2 bits make the double rounding innocuous.
     """
-    return x.double().sqrt().float()
+    return x.double().sqrt_().float()  # in place on the float64 copy: one temporary

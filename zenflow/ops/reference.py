@@ -182,3 +182,29 @@ def accumulate_reference_(
     else:
         dst.add_(x)
     return float(dst.double().square().sum()) if sumsq else 0.0
+
+
+def compact_merge_reference_(
+    data: torch.Tensor,
+    drop: torch.Tensor,
+    insert_at: torch.Tensor,
+    values: torch.Tensor,
+    column_dim: int,
+    num_threads: int = 0,
+) -> None:
+    """The native ``compact_merge_`` in plain PyTorch: the staying columns of ``data`` (all
+    but the old positions ``drop``) gathered, in order, into every position but
+    ``insert_at``, and ``values`` scattered into ``insert_at``; the result written back into
+    ``data``. Bit for bit the native op (it only moves values)."""
+    del num_threads
+    n = data.shape[column_dim]
+    keep = torch.ones(n, dtype=torch.bool)
+    keep[drop] = False
+    stay = torch.ones(n, dtype=torch.bool)
+    stay[insert_at] = False
+    new = torch.empty_like(data)
+    new.index_copy_(column_dim, stay.nonzero().flatten(),
+                    data.index_select(column_dim, keep.nonzero().flatten()))  # fmt: skip
+    if insert_at.numel():
+        new.index_copy_(column_dim, insert_at, values)
+    data.copy_(new)

@@ -159,7 +159,7 @@ def _setup_eval(
     Settings given here replace the run's."""
     from zenflow.errors import UserInputError
     from zenflow.train import runs
-    from zenflow.train.data import get_task, load_task
+    from zenflow.train.data import GlueSource, get_task
     from zenflow.train.eval_inputs import check_run_data, unfinished_run_error
 
     target = Path(target)
@@ -194,18 +194,19 @@ def _setup_eval(
         return _lm_setup(model_dir, run_dir, rec, own, data_file, text_fields, seq_len,
                          batch_size, limit, task, label_field)  # fmt: skip
     if own and rec.get("data_file"):  # the run's own table rows, as it split them
-        from zenflow.train.spec import RunSpec, load_spec_table
+        from zenflow.train.spec import RunSpec, load_data
 
         keep = ("data_file", "eval_file", "text_fields", "label_field", "tsv_quoting", "seed")
         spec = RunSpec(model=rec.get("model"), task=rec.get("task"), config=None,
                        **{k: tuple(v) if isinstance(v, list) else v
                           for k, v in rec.items() if k in keep})  # fmt: skip
-        data, report = load_spec_table(spec)
+        data = load_data(spec)
         return EvalSetup(model_dir, data.task, data.dev, seq_len, batch_size, limit,
-                         data.source, run_dir, report.labels)  # fmt: skip
+                         data.source, run_dir, data.report.labels)  # fmt: skip
     if own or task is not None:  # a GLUE task: the run's, or the one named
         t = get_task(task or rec.get("task"))
-        data = load_task(t, data_dir if data_dir is not None else rec.get("data_dir"))
+        data = GlueSource(task=t, data_dir=data_dir if data_dir is not None
+                          else rec.get("data_dir")).load()  # fmt: skip
         return EvalSetup(model_dir, t, data.dev, seq_len, batch_size, limit, data.source,
                          run_dir)  # fmt: skip
     return _table_setup(model_dir, run_dir, rec, saved_labels, data_file, text_fields,
@@ -340,12 +341,12 @@ def run_eval(setup: EvalSetup, *, device: str = "cpu") -> tuple[dict, list, list
 
 def _run_lm_eval(setup: EvalSetup, model, tokenizer, device: str) -> tuple[dict, list, list]:
     """A causal LM's eval: the records as the run tokenised them (never packed)."""
-    from zenflow.train.data import eval_rows, evaluate_lm, load_lm_data, read_records
+    from zenflow.train.data import RecordSource, eval_rows, evaluate_lm, read_records
 
     data_file, eval_file, split = setup.lm_files
     if split or eval_file is not None:  # the run's own eval records
-        lm = load_lm_data(data_file, eval_file, tokenizer, setup.seq_len,
-                          fields=setup.lm_fields, seed=setup.seed)  # fmt: skip
+        lm = RecordSource(data_file=data_file, eval_file=eval_file, seq_len=setup.seq_len,
+                          fields=setup.lm_fields, seed=setup.seed).load(tokenizer)  # fmt: skip
         rows, pairs, task = lm.dev, lm.dev_pairs, lm.task
     else:
         records = read_records(data_file, setup.lm_fields)

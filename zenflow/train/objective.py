@@ -26,11 +26,11 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from zenflow.errors import UserInputError
-from zenflow.train.data import encode, get_task, load_task, truncation_line
+from zenflow.train.data import encode, truncation_line
 from zenflow.train.data.lm_scoring import evaluate_lm, lm_loss, loss_tokens
 from zenflow.train.data.packing import check_packing_support, packed_attention_mask
 from zenflow.train.evaluate import evaluate_classifier
-from zenflow.train.spec import load_spec_lm, load_spec_table
+from zenflow.train.spec import load_data
 
 
 @dataclass
@@ -94,13 +94,10 @@ class ClassificationObjective(Objective):
     def load(self, spec) -> Loaded:
         from zenflow.train.models import resolve_model
 
-        if spec.data_file is not None:
-            task_data, table = load_spec_table(spec)
-            task, labels, notes = task_data.task, table.labels, table.lines()
-        else:
-            task = get_task(spec.task)
-            task_data = load_task(task, spec.data_dir)
-            labels, notes = None, task_data.report.lines()  # a preset of the same table reader
+        task_data = load_data(spec)  # a --data table, or a GLUE task (a preset of its reader)
+        task, notes = task_data.task, task_data.header_lines()
+        # a table's own class names go with the model; a GLUE task's are the task's
+        labels = task_data.report.labels if spec.data_file is not None else None
         resolved = resolve_model(
             spec.model, task_num_labels=task.num_labels, init=spec.init, seed=spec.seed
         )
@@ -151,7 +148,7 @@ class CausalLMObjective(Objective):
         # the records are tokenised with the model's tokenizer: model first
         resolved = resolve_model(spec.model, task_num_labels=0, init=spec.init,
                                  seed=spec.seed, head="causal-lm")  # fmt: skip
-        task_data = load_spec_lm(spec, resolved.tokenizer)
+        task_data = load_data(spec, resolved.tokenizer)
         loaded = Loaded(resolved, task_data.task, task_data, notes=list(task_data.lines))
         if spec.pack:
             check_packing_support(resolved.model, spec.seq_len)

@@ -13,7 +13,6 @@ paths absolute, so a run resumes from any folder.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import json
 import shlex
@@ -400,37 +399,31 @@ def data_digests(spec: RunSpec) -> dict[str, str]:
     }
 
 
-def _stamp(path: str) -> tuple[int, int]:
-    """A file's size and modification time (nanoseconds); (-1, -1) when it cannot be read
-    (the loader then names the problem)."""
-    try:
-        st = Path(path).stat()
-    except OSError:
-        return (-1, -1)
-    return (st.st_size, st.st_mtime_ns)
+def data_source(spec: RunSpec):
+    """The run's one source of rows (``zenflow.train.data.source.DataSource``): records for
+    a causal LM, a ``--data`` table, or a GLUE task. The run (``objective``), the CLI's
+    preflight and ``zfctl eval`` read their data through its ``load``."""
+    from zenflow.train.data import GlueSource, RecordSource, TableSource, get_task
+
+    if spec.objective == "causal-lm":
+        return RecordSource(data_file=spec.data_file, eval_file=spec.eval_file,
+                            seq_len=spec.seq_len, fields=record_fields(spec), pack=spec.pack,
+                            seed=spec.seed, name=spec.task)  # fmt: skip
+    if spec.data_file is not None:
+        return TableSource(train_path=spec.data_file, eval_path=spec.eval_file,
+                           text_fields=tuple(spec.text_fields or DEFAULT_TEXT_FIELDS),
+                           label_field=spec.label_field or DEFAULT_LABEL_FIELD, seed=spec.seed,
+                           name=spec.task, tsv_quoting=spec.tsv_quoting or "csv")  # fmt: skip
+    return GlueSource(task=get_task(spec.task), data_dir=spec.data_dir)
 
 
-@functools.lru_cache(maxsize=2)
-def _load_table(files, eval_file, text_fields, label_field, seed, task, tsv_quoting):
-    """``load_table_task``, once per files (by path, size and mtime) and settings: the CLI's
-    preflight and the trainer in the same process read a table once."""
-    from zenflow.train.data.tables import load_table_task
-
-    return load_table_task(files[0][0], eval_file, text_fields=text_fields,
-                           label_field=label_field, seed=seed, name=task,
-                           tsv_quoting=tsv_quoting)  # fmt: skip
-
-
-def load_spec_table(spec: RunSpec):
-    """The ``--data`` table of ``spec`` as ``(TaskData, TableReport)``
-    (``zenflow.train.data.tables.load_table_task``); a resumed run also checks that the files
-    are those the run was started with (their sha256, ``data_digests``)."""
-    files = tuple((p, *_stamp(p)) for p in (spec.data_file, spec.eval_file) if p is not None)
-    data, report = _load_table(files, spec.eval_file, spec.text_fields or DEFAULT_TEXT_FIELDS,
-                               spec.label_field or DEFAULT_LABEL_FIELD, spec.seed, spec.task,
-                               spec.tsv_quoting or "csv")  # fmt: skip
+def load_data(spec: RunSpec, tokenizer=None):
+    """``data_source(spec).load(tokenizer)``; a resumed run also checks that its
+    ``--data``/``--eval-data`` files are those it was started with (their sha256,
+    ``data_digests``). ``tokenizer``: the model's, for records (tokenised as read)."""
+    data = data_source(spec).load(tokenizer)
     _check_files_unchanged(spec)
-    return data, report
+    return data
 
 
 def _check_files_unchanged(spec: RunSpec) -> None:
@@ -462,18 +455,6 @@ def record_fields(spec: RunSpec):
         "messages": spec.messages_field,
     }
     return RecordFields(**{k: v for k, v in given.items() if v is not None})
-
-
-def load_spec_lm(spec: RunSpec, tokenizer):
-    """The causal-LM data of ``spec`` (``zenflow.train.data.load_lm_data``), checked against a
-    resumed run's files like ``load_spec_table``."""
-    from zenflow.train.data import load_lm_data
-
-    data = load_lm_data(spec.data_file, spec.eval_file, tokenizer, spec.seq_len,
-                        fields=record_fields(spec), pack=spec.pack, seed=spec.seed,
-                        name=spec.task)  # fmt: skip
-    _check_files_unchanged(spec)
-    return data
 
 
 def spec_record(spec: RunSpec) -> dict:

@@ -14,15 +14,16 @@ initial values are the masters taken at set-up, or, for an fp32 weight on a sepa
 read from the device weight when the compact state is made).
 
 Owns the creation of these arrays (``first_compact``), their re-layout at a hand-over
-(``relayout``: staying columns gathered by position, leaving columns from the device; the
-new arrays allocated, filled, the old dropped, one weight at a time), the entering columns'
-host values (``entering``) and the read of columns by id (``host_columns``, tests). Must
-not touch the device state of the selected columns, the window's job or the gradient route:
-the hand-over (``handover``) decides when these run.
+(``relayout``: in place, the staying columns moved in runs to close and open the gaps, the
+leaving columns' values from the device written into them, one weight at a time), the
+entering columns' host values (``entering``) and the read of columns by id
+(``host_columns``, tests). Must not touch the device state of the selected columns, the
+window's job or the gradient route: the hand-over (``handover``) decides when these run.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -201,32 +202,39 @@ def first_compact(w, mode, plan: SelectionPlan) -> None:
 
 
 def relayout(w, mode, plan: SelectionPlan, leaving: dict | None) -> None:
-    """A hand-over's new compact arrays: the staying columns gathered from the old arrays by
-    position, the leaving columns' values from the device (``leaving``: fp32 master and
-    moments in the compact layout of ``plan.out_cols``, their counts); the new arrays are
-    allocated, filled and the old ones dropped (one weight's extra host state at most).
-    8-bit moments are dequantised, moved as fp32 and quantised again (``q8_state``)."""
-    cd = w.cd
-    ns, old_ns = plan.new_nonsel, plan.old_nonsel
-    stay = torch.isin(ns, old_ns)
-    stay_new = stay.nonzero().flatten()
-    stay_old = _positions(old_ns, ns[stay])
-    out_new = (~stay).nonzero().flatten()
-    old, new = w.host, new_compact(w, mode)
-    m, v = _moment_targets(new, compact_shape(w))
-    old_m, old_v = moments(old)
-    for name, dst, src in (("master", new.master, old.master), ("exp_avg", m, old_m),
-                           ("exp_avg_sq", v, old_v)):  # fmt: skip
-        dst.index_copy_(cd, stay_new, src.index_select(cd, stay_old))
-        if out_new.numel():
-            dst.index_copy_(cd, out_new, leaving[name])
-    del old_m, old_v
-    _commit(new, m, v)
-    new.steps.counts[stay_new] = old.steps.counts[stay_old]
-    if out_new.numel():
-        new.steps.counts[out_new] = leaving["counts"]
-    new.steps.recheck()
-    w.host = new
+    """A hand-over's re-layout of ``w``'s compact arrays, in place: the columns entering the
+    device leave them, the staying ones keep their order, and the columns leaving the
+    device (``leaving``: fp32 master and moments in the compact layout of
+    ``plan.out_cols``, their counts) take their places (``kernels.merge``, the native
+    ``compact_merge_``: memmoves of runs of staying columns, no new array, so a pinned master
+    is not registered again). 8-bit moments are dequantised, merged as fp32 and quantised
+    again into the same codes (``q8_state``)."""
+    drop = _positions(plan.old_nonsel, plan.in_cols)  # entering the device: old positions
+    ins = _positions(plan.new_nonsel, plan.out_cols)  # leaving it: new positions
+    if not ins.numel():
+        return
+    cd, host, e = w.cd, w.host, mode.e
+    merge = functools.partial(mode.kernels.merge, num_threads=e.host_threads)
+    joining = list(compact_shape(w))
+    joining[cd] = int(ins.numel())
+
+    def into(dst: torch.Tensor, name: str) -> None:
+        merge(dst.view(compact_shape(w)), drop, ins,
+              leaving[name].reshape(joining).contiguous(), cd)  # fmt: skip
+
+    into(host.master, "master")
+    if hasattr(host, "set_moments"):
+        m, v = moments(host)
+        into(m, "exp_avg")
+        into(v, "exp_avg_sq")
+        host.set_moments(m, v)
+        del m, v
+    else:
+        into(host.exp_avg, "exp_avg")
+        into(host.exp_avg_sq, "exp_avg_sq")
+    merge(host.steps.counts.view(-1, 1), drop, ins,
+          leaving["counts"].reshape(-1, 1).contiguous(), 0)  # fmt: skip
+    host.steps.recheck()
 
 
 def host_columns(w, name: str, cols) -> torch.Tensor:

@@ -35,6 +35,7 @@ Owns: reading a table's rows and assembling its task. Must not: decode file form
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -319,8 +320,28 @@ class TableSource(DataSource):
     objective: ClassVar[str] = "classification"
 
     def load(self, tokenizer=None) -> TaskData:
-        data, _ = load_table_task(self.train_path, self.eval_path, text_fields=self.text_fields,
-                                  label_field=self.label_field, seed=self.seed,
-                                  eval_fraction=self.eval_fraction, name=self.name,
-                                  tsv_quoting=self.tsv_quoting)  # fmt: skip
-        return data
+        """The table's task and rows (``data.report``: the reader's counts and the labels),
+        read once per source and files: a file that changed (size or modification time) is
+        read again. The CLI's preflight and the run in one process read a table once."""
+        files = tuple(_stamp(p) for p in (self.train_path, self.eval_path) if p is not None)
+        return _load_once(self, files)
+
+
+def _stamp(path: str | Path) -> tuple[str, int, int]:
+    """A file's path, size and modification time (ns); (path, -1, -1) when it cannot be read
+    (a hub dataset's id; the reader then names any problem)."""
+    try:
+        st = Path(path).stat()
+    except OSError:
+        return (str(path), -1, -1)
+    return (str(path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _load_once(source: TableSource, files: tuple) -> TaskData:
+    del files  # the cache key: the files as they are now
+    data, _ = load_table_task(source.train_path, source.eval_path,
+                              text_fields=source.text_fields, label_field=source.label_field,
+                              seed=source.seed, eval_fraction=source.eval_fraction,
+                              name=source.name, tsv_quoting=source.tsv_quoting)  # fmt: skip
+    return data
