@@ -435,6 +435,9 @@ def compact_estimate(est: dict | None) -> dict | None:
     out = {k: est.get(k) for k in keep}
     out["engines"] = {
         name: {"device_bytes": e.get("device_bytes"), "host_bytes": e.get("host_bytes"),
+               "host_peak_bytes": e.get("host_peak_bytes"),
+               "host_peak_phase": e.get("host_peak_phase"),
+               "host_runtime_bytes": e.get("host_runtime_bytes"),
                "pinned_bytes": e.get("pinned_bytes"),
                "activations_bytes": (e.get("holders") or {}).get("device", {}).get("activations")}
         for name, e in est["engines"].items() if name in ("device", "offload", "zenflow")
@@ -459,9 +462,18 @@ def compare(res: dict, est: dict | None, mode: str, accel: str) -> dict:
         out["engine_pinned_over_estimate"] = mem["engine_pinned_bytes"] / e["pinned_bytes"]
     host = mem.get("engine_host_peak_bytes") or mem.get("engine_host_bytes")
     if isinstance(host, (int, float)) and e["host_bytes"]:
-        out["engine_host_over_estimate"] = host / e["host_bytes"]
+        out["engine_host_over_estimate"] = host / e["host_bytes"]  # the steady state's
     if isinstance(mem.get("host_peak_rss_bytes"), (int, float)) and e["host_bytes"]:
         out["host_peak_rss_over_estimate"] = mem["host_peak_rss_bytes"] / e["host_bytes"]
+    # against the whole run's peak (the engine's accounting has no runtime; the RSS has)
+    peak_est, runtime = e.get("host_peak_bytes"), e.get("host_runtime_bytes") or 0
+    if isinstance(peak_est, (int, float)) and peak_est > runtime:
+        out["estimate_host_peak_bytes"] = peak_est
+        out["estimate_host_peak_phase"] = e.get("host_peak_phase")
+        if isinstance(host, (int, float)):
+            out["engine_host_peak_over_estimate_peak"] = host / (peak_est - runtime)
+        if isinstance(mem.get("host_peak_rss_bytes"), (int, float)):
+            out["host_peak_rss_over_estimate_peak"] = mem["host_peak_rss_bytes"] / peak_est
     return out
 
 

@@ -11,7 +11,8 @@ overlap, one warm-up round, the first selection at step 2 and a re-selection ins
 sync phase. Phases, each printing the result so far (a budget cut keeps what was done):
 
 1. ``build``: model and engine, their seconds, the engine's resolved settings.
-2. ``warm``: the first steps (warm-up, first selection), each with its syncs.
+2. ``warm``: the first steps (warm-up, first selection), each with its syncs; the first
+   selection's host functions by own time (cProfile, ``host_profile``).
 3. ``timed``: steady steps. Per step: forward, backward and optimizer from the accelerator's
    marks (CUDA events on cuda, read after one synchronize at the phase's end), the step on
    the device's timeline (one step's first mark to the next's) and on the host's clock; the
@@ -19,7 +20,7 @@ sync phase. Phases, each printing the result so far (a budget cut keeps what was
    (``torch.cuda.max_memory_allocated`` over these steps).
 4. ``sync``: more steps (a re-selection among them) with ``torch.cuda.set_sync_debug_mode
    ("warn")``: the synchronizing calls per step, split forward / backward / step, with the
-   places that made them.
+   places that made them; the re-selection's host functions by own time (cProfile).
 5. ``profile``: steps under torch.profiler (CPU and CUDA activity): the share of host<->device copy
    time under kernels, the GPU's busy share.
 6. ``memory``: host peak RSS (ru_maxrss), pinned bytes as the engine accounts them and as
@@ -57,6 +58,7 @@ TOPK, INTERVAL = 0.1, 4
 # Steps per phase. Step 1 is the warm-up round, step 2 the first selection; the
 # re-selection is due SELECT_EVERY steps after it, at a window end inside the sync phase.
 PHASES = {"warm": 4, "timed": 8, "sync": 6, "profile": 4}
+HOST_PROFILE_TOP = 15  # functions kept per selection step, by own time
 SELECT_EVERY = PHASES["timed"] + 3
 
 
@@ -213,6 +215,30 @@ class Case:
                            "overlap_share": st.overlap_share, "loss": st.loss,
                            "skipped": st.skipped, "host_update": st.host_update}}  # fmt: skip
 
+    def profiled_step(self, syncs: SyncCounter) -> dict:
+        """``step`` under cProfile (this thread: the step's selection and hand-over; not
+        autograd's device threads, which run the gradient hooks on CUDA); a selection or
+        re-selection keeps its host functions by own time: where its seconds go."""
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        try:
+            row = self.step(syncs)
+        finally:
+            prof.disable()
+        if row["kind"] in ("selection", "re-selection"):
+            st = pstats.Stats(prof)
+            top = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:HOST_PROFILE_TOP]
+            row["host_profile"] = [
+                {"function": f"{os.path.relpath(f, ROOT) if f.startswith('/') else f}:{line}"
+                             f"({name})",
+                 "calls": nc, "own_ms": round(tt * 1e3, 2), "cumulative_ms": round(ct * 1e3, 2)}
+                for (f, line, name), (_, nc, tt, ct, _) in top
+            ]  # fmt: skip
+        return row
+
     def finish(self, rows: list[dict]) -> None:
         """Turn the rows' marks into milliseconds (cuda: after the device passed them)."""
         if self.cuda:
@@ -224,9 +250,10 @@ class Case:
             nxt = rows[k + 1]["marks"][0] if k + 1 < len(rows) else m3
             r["device_step_ms"] = ms(m0, nxt)
 
-    def phase(self, name: str, n: int, syncs: SyncCounter) -> list[dict]:
+    def phase(self, name: str, n: int, syncs: SyncCounter, host_profile=False) -> list[dict]:
         t0 = time.perf_counter()
-        rows = [self.step(syncs) for _ in range(n)]
+        rows = [self.profiled_step(syncs) if host_profile else self.step(syncs)
+                for _ in range(n)]  # fmt: skip
         self.finish(rows)
         self.out["phases"][name] = {"steps": rows, "wall_s": time.perf_counter() - t0}
         print(f"case: {name}: {n} steps in {time.perf_counter() - t0:.1f} s, kinds "
@@ -381,7 +408,7 @@ def run(args) -> dict:
         emit(out)
         sync_on = case.cuda
         warm_counter = SyncCounter(sync_on)
-        warm = case.phase("warm", PHASES["warm"], warm_counter)
+        warm = case.phase("warm", PHASES["warm"], warm_counter, host_profile=True)
         out["warm"] = sync_summary(warm, warm_counter, case.cuda)
         if case.cuda:
             out["device_peak_through_warm_bytes"] = torch.cuda.max_memory_allocated()
@@ -394,7 +421,7 @@ def run(args) -> dict:
             out["engine_accounted_peak_bytes"] = case.accel.peak_bytes()  # sim's accounting
         emit(out)
         counter = SyncCounter(sync_on)
-        rows = case.phase("sync", PHASES["sync"], counter)
+        rows = case.phase("sync", PHASES["sync"], counter, host_profile=True)
         out["sync"] = sync_summary(rows, counter, case.cuda)
         emit(out)
         p = PHASES["profile"]

@@ -146,6 +146,13 @@ def test_one_engine_case_on_sim_reports_every_phase():
     assert res["sync"]["by_kind"]["steady"]["engine_reads_max"] == 1
     assert res["sync"]["by_kind"]["steady"]["engine_full_syncs_max"] == 0
     assert res["sync"]["torch_sync_debug"] == gc.NO_CUDA
+    # where a selection's host seconds go (cProfile of the step, by own time)
+    for phase, kind in (("warm", "selection"), ("sync", "re-selection")):
+        (step,) = [s for s in res["phases"][phase]["steps"] if s["kind"] == kind]
+        prof = step["host_profile"]
+        assert 0 < len(prof) <= 15 and all(f["own_ms"] >= 0 and f["calls"] > 0 for f in prof)
+        assert [f["own_ms"] for f in prof] == sorted((f["own_ms"] for f in prof), reverse=True)
+    assert all("host_profile" not in s for s in res["phases"]["timed"]["steps"])
     assert res["device_peak_bytes"] == gc.NO_CUDA
     assert res["profile"]["copy_under_compute_share"] == gc.NO_CUDA
     assert 0 < res["profile"]["sim_modelled_overlap_share"] <= 1
@@ -185,3 +192,18 @@ def test_the_rehearsal_writes_every_section_and_records_budget_skips(tmp_path):
     if doc["sections"]["link"]["status"] == "measured":
         assert doc["sections"]["link"]["result"]["h2d_pinned"] == gc.NO_CUDA
     assert doc["verdicts"] and all(v["source"] == "rehearsal (sim)" for v in doc["verdicts"])
+
+
+def test_the_host_is_compared_with_the_whole_runs_peak_as_well():
+    """The engine's accounted host peak (no runtime) against the estimate's whole-run peak
+    less its runtime; the RSS peak against the whole-run peak; the steady ratios stay."""
+    est = {"engines": {"zenflow": {"device_bytes": 100, "host_bytes": 1000, "pinned_bytes": 10,
+                                   "host_peak_bytes": 1600, "host_peak_phase": "re-selection",
+                                   "host_runtime_bytes": 400}}}  # fmt: skip
+    res = {"memory": {"engine_host_peak_bytes": 1500, "host_peak_rss_bytes": 2000,
+                      "engine_pinned_bytes": 10}, "device_peak_bytes": 50}  # fmt: skip
+    out = gc.compare(res, est, "zenflow", "cuda")
+    assert out["engine_host_over_estimate"] == 1.5 and out["host_peak_rss_over_estimate"] == 2.0
+    assert out["engine_host_peak_over_estimate_peak"] == 1500 / 1200
+    assert out["host_peak_rss_over_estimate_peak"] == 2000 / 1600
+    assert out["estimate_host_peak_phase"] == "re-selection"
