@@ -221,3 +221,32 @@ def test_a_re_selection_re_lays_the_host_state_in_place(state):
         # the one read buffer grows to what the leaving columns need (kept: steady state)
         grown = e.accel.host_held().get("read_buffer", 0) - read
         assert e.accel.host_peak_bytes() == peak + grown
+
+
+@pytest.mark.parametrize("state", ["exact", "compact"])
+def test_the_native_merge_re_lays_as_the_reference_does(state):
+    """The same run with the hand-over's re-layout by the native ``compact_merge_`` and by
+    its PyTorch reference (everything else the reference ops): after re-selections that
+    moved columns, every weight's host state is bit for bit the same (the merge only moves
+    values)."""
+    import dataclasses
+
+    from zenflow import ops
+
+    def run(merge):
+        model, e = _engine(state, bf16=False)
+        with e:
+            e.impl.kernels = dataclasses.replace(e.impl.kernels, merge=merge)
+            stats = train_engine(e, model, gpt2_batches(9, seed=3))
+            fields = ("master", "m_codes", "m_scales", "u_codes", "u_scales") \
+                if state == "compact" else ("master", "exp_avg", "exp_avg_sq")  # fmt: skip
+            host = {w.spec.name: [getattr(w.host, f).clone() for f in fields]
+                    + [w.host.steps.counts.clone()] for w in e.zweights}  # fmt: skip
+        return sum(s.selection_changed for s in stats[1:]), host
+
+    ops.load_native()
+    moved, want = run(ops.compact_merge_reference_)
+    moved_native, got = run(ops.compact_merge_)
+    assert moved > 0 and moved_native == moved
+    for name, tensors in want.items():
+        assert all(torch.equal(a, b) for a, b in zip(tensors, got[name], strict=True)), name
