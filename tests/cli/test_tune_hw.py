@@ -103,8 +103,11 @@ def test_quick_writes_hw_json(quick_run):
     assert data["memory_check"]["ok"] is True
     # the host state: exact fits this machine for a 38M model (its whole-run peak, checked)
     assert data["zfctl_choices"] == {"host_state": "exact"}
+    # exact is chosen because its whole-run peak fits; compact's peak is not always the
+    # smaller: on this model, most of it one embedding, compact's re-selection (the largest
+    # weight's 8-bit moments through fp32, 20 B per element) tops exact's first selection
     need = data["memory_check"]["needed"]
-    assert need["compact"] <= need["exact"] <= data["memory_check"]["available"]
+    assert need["exact"] <= data["memory_check"]["available"] and need["compact"] > 0
     assert data["reasons"]["host_state"].startswith("exact:")
     # the predicted step of each engine, from this host's measured memory bandwidth
     st = data["step_time"]
