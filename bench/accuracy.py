@@ -18,7 +18,8 @@ lora``). Keys are ``--set`` paths of the config (``zero_optimization.zenflow.top
 or these short names: ``topk``, ``interval`` (update_interval), ``overlap``
 (overlap_step), ``warmup`` (full_warm_up_rounds), ``strategy`` (select_strategy),
 ``select`` (select_interval), ``window_lr`` (zfctl.window_lr), ``schedule``
-(zfctl.select_schedule), ``rank`` / ``alpha`` / ``dropout`` (zfctl.lora.*); and ``lr``,
+(zfctl.select_schedule), ``rank`` / ``alpha`` / ``dropout`` (zfctl.lora.*), ``early`` /
+``early_windows`` / ``early_overlap`` (zfctl.early.steps / windows / overlap); and ``lr``,
 the arm's own peak learning rate instead of the sweep's ``--lr`` (LoRA is usually trained at
 a higher one: ``lora5=lora:lr=5e-4``).
 
@@ -81,6 +82,9 @@ SHORT_KEYS = {
     "rank": "zfctl.lora.rank",
     "alpha": "zfctl.lora.alpha",
     "dropout": "zfctl.lora.dropout",
+    "early": "zfctl.early.steps",
+    "early_windows": "zfctl.early.windows",
+    "early_overlap": "zfctl.early.overlap",
 }
 ENGINES = ("zenflow", "offload", "device", "lora")
 RESUME_HINT = "resume the sweep with: .venv/bin/python bench/accuracy.py run {root}"

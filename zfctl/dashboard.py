@@ -19,6 +19,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 
 from zenflow import jsonout
+from zenflow.train.learning import weights_text
 
 WINDOW = 20  # steps in the running means
 TIME_PARTS = ("forward_ms", "backward_ms", "device_opt_ms", "stall_ms")
@@ -284,6 +285,9 @@ def _eval_rows(t: Table, state: DashboardState) -> None:
         step, metrics = state.evals[-1]
         names = list(state.header.get("metrics") or []) + ["eval_loss"]
         t.add_row("eval", f"step {step}: {_metric_text(metrics, names)}")
+        seen = weights_text(metrics)
+        if seen:
+            t.add_row("", escape(seen))
         vs = reference_text(state, step, metrics)
         if vs:
             t.add_row("reference", escape(vs))

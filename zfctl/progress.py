@@ -15,6 +15,7 @@ import sys
 
 from rich.console import Console
 
+from zenflow.train.learning import weights_text
 from zfctl.dashboard import (
     DashboardState,
     event_to_json,
@@ -127,8 +128,9 @@ class PlainRenderer(SilentRenderer):
                 f"{k} {v:.4f}" for k, v in event.metrics.items() if isinstance(v, float)
             )
             vs = reference_text(self.state, event.step, dict(event.metrics))
-            print(f"eval at step {event.step}: {metrics}" + (f" | {vs}" if vs else ""),
-                  flush=True)  # fmt: skip
+            seen = weights_text(dict(event.metrics))
+            print(f"eval at step {event.step}: {metrics}" + (f" ({seen})" if seen else "")
+                  + (f" | {vs}" if vs else ""), flush=True)  # fmt: skip
 
 
 class LiveRenderer:

@@ -32,7 +32,8 @@ from zfctl.report_render import (
 )
 
 # Keys of an eval line that are not task metrics.
-EVAL_EXTRA = ("type", "step", "eval_loss", "eval_samples")
+EVAL_EXTRA = ("type", "step", "eval_loss", "eval_samples", "weights", "pending_host_updates",
+              "pending_steps")  # fmt: skip
 # The summary.json keys a report carries over as they are.
 SUMMARY_KEYS = (
     "model", "task", "engine_mode", "steps", "total_steps", "epochs", "final_loss",
@@ -266,7 +267,8 @@ def compare(reports: list[dict]) -> list[dict]:
 def learning_curve(runs: list[dict], reports: list[dict]) -> dict | None:
     """The runs' evaluations at the steps every run evaluated, against the first run: for
     2+ runs, ``{"metric": m, "steps": [...], "runs": [{"name", "values": {step: v},
-    "vs_first": {step: v - first's}, "eval_loss": {step: loss}}]}``. The metric is the
+    "vs_first": {step: v - first's}, "eval_loss": {step: loss}, "live": {step: host updates
+    pending} (ZenFlow evaluations of live weights)}]}``. The metric is the
     first run's accuracy, else its task's first metric; None for one run, or when the runs
     share no evaluated step (``report_warnings`` says so)."""
     from zenflow.train.learning import eval_curve, matching_steps
@@ -282,11 +284,14 @@ def learning_curve(runs: list[dict], reports: list[dict]) -> dict | None:
     rows = []
     for run, rep, curve in zip(runs, reports, curves, strict=True):
         loss = eval_curve(run.get("evals") or [], "eval_loss")
+        live = {e.get("step"): e.get("pending_host_updates") for e in run.get("evals") or []
+                if e.get("weights") == "live"}  # fmt: skip
         rows.append({
             "name": rep.get("name"),
             "values": {s: curve[s] for s in steps},
             "vs_first": {s: curve[s] - curves[0][s] for s in steps},
             "eval_loss": {s: loss.get(s) for s in steps},
+            "live": {s: live[s] for s in steps if s in live},
         })  # fmt: skip
     return {"metric": metric, "steps": steps, "runs": rows}
 

@@ -311,12 +311,19 @@ def render_learning_curve(curve: dict) -> Table:
     t.add_column("step", justify="right", style="bold")
     for i, r in enumerate(curve["runs"], 1):
         t.add_column(escape(f"#{i} {r.get('name') or '-'}"), justify="right")
+    live_any = False
     for step in curve["steps"]:
         cells = []
         for i, r in enumerate(curve["runs"]):
             v, d = r["values"][step], r["vs_first"][step]
-            cells.append(f"{v:.4f}" if i == 0 else f"{v:.4f} ({100 * d:+.2f})")
+            mark = "*" if step in r.get("live", {}) else ""
+            live_any |= bool(mark)
+            cells.append(f"{v:.4f}{mark}" if i == 0 else f"{v:.4f}{mark} ({100 * d:+.2f})")
         t.add_row(str(step), *cells)
+    if live_any:
+        t.caption = ("* live weights: ZenFlow host updates were pending at that evaluation "
+                     "(a run's final evaluation is of its flushed model)")  # fmt: skip
+        t.caption_justify = "left"
     return t
 
 

@@ -297,6 +297,28 @@ def test_learning_curves_at_matching_steps_against_the_first_run(cli, tmp_path):
     assert "learning_curve" not in run_json(cli, a)
 
 
+def test_learning_curve_marks_evaluations_of_live_weights(cli, tmp_path):
+    """Issue 30: an evaluation a ZenFlow run made while host updates were pending is
+    marked (the JSON gives how many), and a flushed one is not; the validation figures
+    leave the account of the weights out."""
+    steps = [step_line(i, 100.0) for i in range(1, 5)]
+    live = {"weights": "live", "pending_host_updates": 2, "pending_steps": 6}
+    flushed = {"weights": "flushed", "pending_host_updates": 0, "pending_steps": 0}
+    a = make_run(tmp_path, "20240101-120000-gpt2-sst2", [100.0] * 4, engine_mode="device",
+                 lines=[*steps, eval_line(2, 0.70), eval_line(4, 0.80)])  # fmt: skip
+    b = make_run(tmp_path, "20240101-130000-gpt2-sst2", [100.0] * 4, finished=False,
+                 lines=[*steps, {**eval_line(2, 0.65), **live},
+                        {**eval_line(4, 0.81), **flushed}])  # fmt: skip
+    doc = run_json(cli, a, b)
+    assert doc["learning_curve"]["runs"][1]["live"] == {"2": 2}
+    assert doc["learning_curve"]["runs"][0]["live"] == {}
+    assert doc["runs"][1]["validation"] == {"accuracy": 0.81}  # from its lines: no summary
+    table = cli("report", a, b)
+    assert table.exit_code == 0, table.output
+    assert "0.6500* (-5.00)" in table.stdout and "0.8100 (+1.00)" in table.stdout
+    assert "* live weights: ZenFlow host updates were pending" in table.stdout
+
+
 def test_runs_of_other_tasks_or_models_get_no_speedup(cli, tmp_path):
     a = make_run(tmp_path, "20240101-120000-gpt2-sst2", [200.0] * 5)
     b = make_run(tmp_path, "20240101-130000-gpt2-rte", [100.0] * 5, task="rte")

@@ -29,6 +29,7 @@ def test_values_read_and_written_back():
         "select_schedule": "fixed",
         "host_state": "exact",
         "lora": {"rank": 8, "alpha": 8.0, "dropout": 0.0},
+        "early": {"steps": 0, "windows": "ramp", "overlap": True},
     }
 
 
@@ -118,3 +119,33 @@ def test_algorithm_options_take_their_choices(key, default, other, bad, allowed)
         load_config({"zfctl": {key: bad}})
     (problem,) = err.value.problems
     assert problem.path == f"zfctl.{key}" and allowed in str(err.value)
+
+
+def test_early_block_is_read_checked_and_written_back():
+    """zfctl.early: off by default; its steps, windows and overlap read and written back;
+    each bad value or unknown key one problem at its path; a ramp needs an integer
+    update_interval (it ramps up to it)."""
+    assert not load_config({}).engine.early.on
+    cfg = load_config({"zfctl": {"early": {"steps": 100, "overlap": False}}})
+    assert cfg.engine.early.on
+    assert (cfg.engine.early.steps, cfg.engine.early.windows, cfg.engine.early.overlap) == (
+        100,
+        "ramp",
+        False,
+    )
+    assert load_config(cfg.to_json_dict()).engine.early == cfg.engine.early
+    with pytest.raises(ConfigError) as err:
+        load_config({"zfctl": {"early": {"steps": -1, "windows": "grow", "overlap": "no",
+                                         "step": 3}}})  # fmt: skip
+    paths = {p.path for p in err.value.problems}
+    assert paths == {"zfctl.early.steps", "zfctl.early.windows", "zfctl.early.overlap",
+                     "zfctl.early.step"}  # fmt: skip
+    assert 'did you mean "steps"' in str(err.value)
+    auto = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"},
+                                  "zenflow": {"update_interval": "auto"}}}  # fmt: skip
+    with pytest.raises(ConfigError) as err:
+        load_config({**auto, "zfctl": {"early": {"steps": 50}}})
+    (problem,) = err.value.problems
+    assert problem.path == "zfctl.early.windows" and '"fixed"' in problem.fix
+    fixed = load_config({**auto, "zfctl": {"early": {"steps": 50, "windows": "fixed"}}})
+    assert fixed.engine.early.windows == "fixed"

@@ -122,6 +122,8 @@ def test_one_step_windows_without_overlap_equal_adamw(kind, topk, accelerator):
 #   one-step windows without overlap (each column takes one exact AdamW step per step on
 #   whichever side owns it, moments and counts carried when it moves), through
 #   re-selections 1, 2, 4, 8, 16 steps apart.
+# - early (zfctl.early) changes only when windows end and whether they overlap: with topk
+#   1.0, or over a phase of one-step windows applied at their own ends.
 ALGORITHM_OPTION_CASES = {
     **{case: ({"window_lr": lr_mode}, zenflow, selected)
        for lr_mode in ("sum", "sqrt")
@@ -138,6 +140,15 @@ ALGORITHM_OPTION_CASES = {
     "doubling-S1": ({"select_schedule": "doubling"},
                     {"topk_ratio": 0.1, "update_interval": 1, "overlap_step": False},
                     [1, 2, 4, 8, 16]),
+    # early "ramp" with overlap off: the template's S = 4 with overlap, but over a 48-step
+    # phase every window of the 20 steps is one step long (4 e // 48 < 2 for e <= 23) and
+    # applied at its own end, so each column takes one exact AdamW step per step
+    "early-ramp-sync": ({"early": {"steps": 48, "windows": "ramp", "overlap": False}},
+                        {"topk_ratio": 0.1, "update_interval": 4, "overlap_step": True,
+                         "select_strategy": "step", "select_interval": 3},
+                        [1, 4, 7, 10, 13, 16, 19]),
+    "early-ramp-topk1": ({"early": {"steps": 8, "windows": "ramp", "overlap": True}},
+                         {"topk_ratio": 1.0, "update_interval": 4, "overlap_step": True}, [1]),
 }  # fmt: skip
 
 

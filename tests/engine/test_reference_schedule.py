@@ -10,6 +10,7 @@ from transformers.pytorch_utils import Conv1D
 
 from zenflow import ZenFlowEngine
 from zenflow.engine.reference_schedule import run_reference
+from zenflow.engine.zenflow.early import ramp_length
 
 
 class ParamModel(torch.nn.Module):
@@ -87,6 +88,39 @@ CASES = {
         overlap_step=False,
         select_schedule="doubling",
     ),
+    # zfctl.early: windows 1 (steps 1-5), 2 (6-11), then 4 over a 12-step early phase
+    "S4-sel8-overlap-early-ramp": dict(
+        update_interval=4, select_interval=8, overlap_step=True, early={"steps": 12}
+    ),
+    # ... with the early windows' host steps applied at their own ends
+    "S4-sel8-overlap-early-ramp-sync": dict(
+        update_interval=4,
+        select_interval=8,
+        overlap_step=True,
+        early={"steps": 12, "overlap": False},
+    ),  # fmt: skip
+    "S4-sel8-overlap-early-fixed-sync": dict(
+        update_interval=4,
+        select_interval=8,
+        overlap_step=True,
+        early={"steps": 9, "windows": "fixed", "overlap": False},
+    ),  # fmt: skip
+    # after 2 warm-up rounds, windows 1, 2, then 3 (not a power of two) over 7 early steps;
+    # the non-finite attempt after the phase, inside a window (see skip_at below)
+    "S3-sel4-warm2-overlap-early-ramp": dict(
+        update_interval=3,
+        select_interval=4,
+        overlap_step=True,
+        full_warm_up_rounds=2,
+        early={"steps": 7},
+        skip_at=(12,),
+    ),  # fmt: skip
+    "auto-sel5-overlap-early-sync": dict(
+        update_interval="auto",
+        select_interval=5,
+        overlap_step=True,
+        early={"steps": 6, "windows": "fixed", "overlap": False},
+    ),  # fmt: skip
 }
 
 
@@ -95,7 +129,8 @@ CASES = {
 # changes: windows with overlap, warm-up then the first selection, re-selections that
 # re-lay the 8-bit moments (fixed and auto intervals), per-column counts.
 COMPACT_CASES = ["S2-sel3-overlap", "S3-sel4-warm2-overlap", "auto-sel5-sync",
-                 "S4-sel8-overlap", "S4-sel8-overlap-sumlr"]  # fmt: skip
+                 "S4-sel8-overlap", "S4-sel8-overlap-sumlr",
+                 "S4-sel8-overlap-early-ramp-sync"]  # fmt: skip
 STATES = [("exact", case) for case in CASES] + [("compact", case) for case in COMPACT_CASES]
 
 
@@ -106,8 +141,14 @@ def test_engine_matches_reference(case, accelerator, clip, state):
     zf = {"topk_ratio": 0.1, **CASES[case], "select_strategy": "step", "auto_ratio": 0.99}
     window_lr = zf.pop("window_lr", "last")
     select_schedule = zf.pop("select_schedule", "fixed")
+    early = zf.pop("early", {})
     attempts = 21 if case.startswith("S4") else 17
-    skip_at = (5,)
+    # A non-finite attempt: skipped, nothing moves. Not on a window-end step while a host
+    # step is in flight on a separate device: that step's backward has already copied the
+    # in-flight result's ready weights back (apply_in_backward) when the step turns out
+    # non-finite; they stay (the same values are applied again at the real window end), so
+    # the next forward sees them one step early, which the reference does not model.
+    skip_at = zf.pop("skip_at", (5,))
     model = ParamModel()
     names = [n for n, _ in model.named_parameters()]
     init = [p.detach().clone() for p in model.parameters()]
@@ -115,7 +156,7 @@ def test_engine_matches_reference(case, accelerator, clip, state):
     engine = ZenFlowEngine(
         model,
         make_config(zf, clip=clip, zfctl={"window_lr": window_lr, "host_state": state,
-                                          "select_schedule": select_schedule}),
+                                          "select_schedule": select_schedule, "early": early}),
         host_kernel="reference", min_numel=100,
         **engine_kw(accelerator),
     )  # fmt: skip
@@ -129,6 +170,8 @@ def test_engine_matches_reference(case, accelerator, clip, state):
         warmup_rounds=zf.get("full_warm_up_rounds", 0), auto_ratio=0.99, clip=clip,
         window_lr=window_lr, select_schedule=select_schedule, host_state=state,
         bf16_link=accelerator != "cpu",  # the CPU device sums in fp32 where autograd writes
+        early_steps=early.get("steps", 0), early_windows=early.get("windows", "ramp"),
+        early_overlap=early.get("overlap", True),
     )  # fmt: skip
     # Bit for bit where the gradient is whole (the CPU device sums it in place). Streamed
     # (sim), the global norm is summed from the pieces as they pass (another rounding order
@@ -258,3 +301,61 @@ def test_window_lr_sqrt_takes_half_the_sum_and_twice_the_decay_over_four_steps()
     device_cols = (sqrt == after_window(LR, WD, "last")).all(dim=0)
     assert host_cols.sum() == 36 and device_cols.sum() == 4
     assert not (sqrt == after_window(2 * LR, WD, "last")).all(dim=0).any()  # decay matters
+
+
+def test_early_ramp_and_sync_windows_by_hand():
+    """The early schedule (what the engine is compared with above), by hand: S = 4 over a
+    12-step phase, 20 steps. Ramp: windows of 1 (early steps 1-5: 4 x 5 // 12 < 2), 2 (6-11),
+    then 4; with overlap each host step reaches the weights at the next window's end. With
+    early overlap off the early windows' results land at their own ends. "fixed" keeps S.
+    The ramp's rule, ``ramp_length``, on the numbers of its docstring."""
+    model = ParamModel()
+    names = [n for n, _ in model.named_parameters()]
+    init = [p.detach().clone() for p in model.parameters()]
+    dims = [COLUMN_DIMS.get(n) for n in names]
+    kw = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, topk_ratio=0.1, update_interval=4,
+              select_every=1000, overlap=True)  # fmt: skip
+
+    def run(**early):
+        ref = run_reference(init, dims, make_grad_fn(20), 20, **kw, **early)
+        return [w[2] for w in ref["windows"]], ref["applied"]
+
+    ramp, ramp_applied = run(early_steps=12)
+    assert ramp == [1] * 5 + [2] * 3 + [4] * 2
+    assert ramp_applied == [2, 3, 4, 5, 7, 9, 11, 15, 19]  # each at the next window's end
+    sync, sync_applied = run(early_steps=12, early_overlap=False)
+    assert sync == ramp
+    # early windows (ending at steps 1-5, 7, 9, 11) at their own ends; then overlap again
+    assert sync_applied == [1, 2, 3, 4, 5, 7, 9, 11, 19]
+    fixed, fixed_applied = run(early_steps=9, early_windows="fixed", early_overlap=False)
+    assert fixed == [4] * 5 and fixed_applied == [4, 8, 16, 20]
+    assert run() == ([4] * 5, [8, 12, 16, 20])
+    assert [ramp_length(t, 4, 100) for t in (1, 49, 50, 99, 100)] == [1, 1, 2, 2, 4]
+    assert [ramp_length(t, 3, 7) for t in range(1, 8)] == [1, 1, 1, 1, 2, 2, 2]
+
+
+@pytest.mark.parametrize("accelerator", ACCELERATORS)
+def test_pending_host_work_is_what_the_weights_do_not_show_yet(accelerator):
+    """``pending_host``, what an evaluation's metrics line reports: S = 4 with overlap,
+    after step 5 the window 1-4's host step is in flight and the window 5 is open: two host
+    updates, five steps of non-selected gradients; none once flushed."""
+    model = ParamModel()
+    zf = {"topk_ratio": 0.1, "update_interval": 4, "select_strategy": "step",
+          "select_interval": 100, "overlap_step": True}  # fmt: skip
+    grad_fn = make_grad_fn(5)
+    seen = []
+    with ZenFlowEngine(model, make_config(zf), host_kernel="reference", min_numel=100,
+                       **engine_kw(accelerator)) as engine:  # fmt: skip
+        for i in range(5):
+            params = list(model.parameters())
+            for p, g in zip(params, grad_fn(i, [p.detach().clone() for p in params]), strict=True):
+                p.grad = g
+            engine.step(1.0)
+            engine.zero_grad()
+            seen.append(engine.pending_host())
+        engine.flush()
+        flushed = engine.pending_host()
+    assert seen[2] == {"host_updates": 1, "steps": 3}  # the open window only
+    assert seen[3] == {"host_updates": 1, "steps": 4}  # 1-4 in flight, none open
+    assert seen[4] == {"host_updates": 2, "steps": 5}
+    assert flushed == {"host_updates": 0, "steps": 0}

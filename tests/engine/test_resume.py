@@ -33,6 +33,8 @@ SCRIPT = textwrap.dedent(
         zfctl["select_schedule"] = "doubling"
     if "compact" in flags:
         zfctl["host_state"] = "compact"
+    if "early" in flags:  # windows 1 (steps 1-6), then 2, over 10 early steps
+        zfctl["early"] = {{"steps": 10, "overlap": "earlysync" not in flags}}
     torch.manual_seed(0)
     model = MLP()
     batches = mlp_batches(2 * n)
@@ -107,10 +109,15 @@ DOUBLING = {"topk_ratio": 0.1, "update_interval": 2, "select_interval": 100, "ov
         (FIXED, "sim", "sim", "fp32-compact"),
         (FIXED, "sim", "sim", "bf16-compact"),
         (AUTO, "cpu", "cpu", "fp32-compact"),
+        # zfctl.early: saved one step into the ramp's first 2-step window (7-8), the host
+        # step of window 6 in flight; with early overlap off, none in flight
+        (FIXED, "sim", "sim", "fp32-early"),
+        (FIXED, "sim", "sim", "fp32-early,earlysync"),
     ],
     ids=["sim-overlap", "sim-overlap-bf16", "cpu-overlap", "cpu-auto-warmup",
          "sim-auto-warmup", "sim-to-cpu", "sim-window-lr-sum", "sim-doubling",
-         "sim-compact", "sim-compact-bf16", "cpu-auto-warmup-compact"],
+         "sim-compact", "sim-compact-bf16", "cpu-auto-warmup-compact", "sim-early-ramp",
+         "sim-early-ramp-sync"],
 )  # fmt: skip
 def test_resume_in_fresh_process(tmp_path, zf, first, second, dtype):
     n = 7

@@ -102,6 +102,9 @@ def test_window_lr_sum_is_said_to_be_zfctls_own():
     doubling = load_config({**zf.raw, "zfctl": {"select_schedule": "doubling"}})
     (note,) = unsupported_notes(doubling)
     assert 'zfctl.select_schedule "doubling"' in note and "every select interval" in note
+    early = load_config({**zf.raw, "zfctl": {"early": {"steps": 100}}})
+    (note,) = unsupported_notes(early)
+    assert "zfctl.early (steps 100)" in note and "from the first step" in note
 
 
 def test_refuses_a_config_that_is_neither_offload_nor_zenflow():

@@ -86,6 +86,12 @@ def test_end_to_end_sst2_run_files(glue_dir, tiny_gpt2_dir, tmp_path):
     assert s["model_bytes"] == 4 * s["params"]  # fp32
     assert s["sources"]["data"].startswith("GLUE TSV files")
     assert s["eval"]["step"] == 4 and s["eval"]["eval_samples"] == 32
+    # Which weights each evaluation saw: at step 2 the window 1-2's host step was in flight
+    # (overlap), its 2 steps of non-selected gradients not yet in the weights; the final
+    # evaluation is of the flushed model.
+    seen = [(e["weights"], e["pending_host_updates"], e["pending_steps"]) for e in run["evals"]]
+    assert seen == [("live", 1, 2), ("flushed", 0, 0)]
+    assert s["eval"]["weights"] == "flushed" and "pending_steps" not in s["validation"]
     assert s["validation"] == {"accuracy": s["validation_accuracy"]}
 
     # The reported accuracy is the accuracy of the saved model on the first 32 dev rows.

@@ -23,6 +23,7 @@ from zenflow.config.schema import (
     Config,
     ConfigError,
     ConfigProblem,
+    EarlyOptions,
     EngineOptions,
     LogDirConfig,
     LoraOptions,
@@ -80,6 +81,12 @@ def validate(raw: Mapping, source: str, world_size: int) -> Config:
     zenflow, stage, device, pin = parse_zero(r, raw, zf_problems)
     monitor = _parse_monitor(r, raw)
     engine = _parse_engine(r, raw)
+    if zenflow is not None and engine.early.on and engine.early.windows == "ramp" \
+            and zenflow.update_interval == "auto":  # fmt: skip
+        r.problem("zfctl.early.windows", "ramp",
+                  'ramps the window length up to update_interval, which is "auto" here',
+                  'set zero_optimization.zenflow.update_interval to a number of steps, or '
+                  'zfctl.early.windows to "fixed"')  # fmt: skip
 
     problems = r.problems + zf_problems
     if problems:
@@ -204,16 +211,7 @@ def _parse_engine(r: Reader, raw: Mapping) -> EngineOptions:
     d = EngineOptions()
     if block is None:
         return d
-    for key in block:
-        if key not in _ENGINE_FIELDS:
-            close = difflib.get_close_matches(str(key), _ENGINE_FIELDS, n=1, cutoff=0.6)
-            hint = f'did you mean "{close[0]}"? ' if close else ""
-            r.problem(
-                f"zfctl.{key}",
-                block[key],
-                f"unknown key in the zfctl block (known: {', '.join(_ENGINE_FIELDS)})",
-                f"{hint}rename or remove {key}",
-            )
+    _unknown_keys(r, block, _ENGINE_FIELDS, "zfctl")
     values: dict[str, Any] = {}
     for f in dataclasses.fields(EngineOptions):
         default = getattr(d, f.name)
@@ -238,7 +236,42 @@ def _parse_engine(r: Reader, raw: Mapping) -> EngineOptions:
         buckets = "auto"
     values["copy_buckets"] = buckets
     values["lora"] = _parse_lora(r, block)
+    values["early"] = _parse_early(r, block)
     return EngineOptions(**values)
+
+
+_EARLY_FIELDS = tuple(f.name for f in dataclasses.fields(EarlyOptions))
+
+
+def _parse_early(r: Reader, block: Mapping) -> EarlyOptions:
+    """``zfctl.early``: ZenFlow's early schedule (unknown keys are errors)."""
+    early = r.obj(block, "early", "zfctl.early")
+    d = EarlyOptions()
+    if early is None:
+        return d
+    _unknown_keys(r, early, _EARLY_FIELDS, "zfctl.early")
+    windows = early.get("windows", d.windows)
+    if windows not in ("ramp", "fixed"):
+        r.problem("zfctl.early.windows", windows, 'must be "ramp" or "fixed"',
+                  'set windows to "ramp" (lengths 1, 2, 4, ... up to update_interval) or '
+                  '"fixed"')  # fmt: skip
+        windows = d.windows
+    return EarlyOptions(
+        steps=r.integer(early, "steps", "zfctl.early.steps", d.steps, 0, MAX_INT),
+        windows=windows,
+        overlap=r.boolean(early, "overlap", "zfctl.early.overlap", d.overlap),
+    )
+
+
+def _unknown_keys(r: Reader, obj: Mapping, known: tuple[str, ...], path: str) -> None:
+    """One problem per key of ``obj`` (the block at ``path``) that is not in ``known``."""
+    for key in obj:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
+            hint = f'did you mean "{close[0]}"? ' if close else ""
+            r.problem(f"{path}.{key}", obj[key],
+                      f"unknown key in the {path} block (known: {', '.join(known)})",
+                      f"{hint}rename or remove {key}")  # fmt: skip
 
 
 _LORA_FIELDS = tuple(f.name for f in dataclasses.fields(LoraOptions))
@@ -250,13 +283,7 @@ def _parse_lora(r: Reader, block: Mapping) -> LoraOptions:
     d = LoraOptions()
     if lora is None:
         return d
-    for key in lora:
-        if key not in _LORA_FIELDS:
-            close = difflib.get_close_matches(str(key), _LORA_FIELDS, n=1, cutoff=0.6)
-            hint = f'did you mean "{close[0]}"? ' if close else ""
-            r.problem(f"zfctl.lora.{key}", lora[key],
-                      f"unknown key in the zfctl.lora block (known: {', '.join(_LORA_FIELDS)})",
-                      f"{hint}rename or remove {key}")  # fmt: skip
+    _unknown_keys(r, lora, _LORA_FIELDS, "zfctl.lora")
     return LoraOptions(
         rank=r.integer(lora, "rank", "zfctl.lora.rank", d.rank, 1, 65536),
         alpha=r.number(lora, "alpha", "zfctl.lora.alpha", d.alpha, "> 0",

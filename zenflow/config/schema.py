@@ -194,6 +194,20 @@ ENGINE_FIELD_DOCS: dict[str, str] = {
     "`zfctl estimate` says whether a whole run fits). The selected columns' device state "
     "stays fp32 either way. Opt-in: it changes the host step's arithmetic; a checkpoint "
     "resumes only with the state it was written with.",
+    "early": "ZenFlow's early schedule: the first steps of a run, when the model moves fastest "
+    "and a stale host update costs the most, with less staleness. An object with steps (an "
+    "integer >= 0, default 0: off; the early phase is the first `steps` steps after "
+    'full_warm_up_rounds), windows ("ramp", default: the window length doubles from 1 to '
+    "the update_interval S across the early phase, a window ending at early step t being "
+    'min(S, 2^floor(log2(S t / steps))) steps long, at least 1; or "fixed": S throughout) '
+    "and overlap (true, default: as overlap_step says, as after the phase; false: every "
+    "early window's host step is applied at its own end, synchronously, as with "
+    "overlap_step false). Non-selected columns lag by at most 2 L steps (L the window "
+    "length; L without overlap) instead of 2 S, at the cost of more host steps (the ramp) or "
+    "host steps on the critical path (overlap false) during the phase only; after it the "
+    "schedule is the configured one. Needs an integer update_interval for the ramp. Opt-in: "
+    "it changes when the host updates the non-selected columns; with topk_ratio 1.0 it is "
+    "AdamW either way.",
     "copy_buckets": "Device buffers the streamed gradient pieces wait in for the copy engine, "
     "each 1/64 of the offloaded elements (at most 4M) in the training dtype: an integer >= 2 "
     'or "auto" (2; 4 with data parallelism: the least device memory). Backward produces a '
@@ -224,6 +238,22 @@ class LoraOptions:
 
 
 @dataclass(frozen=True)
+class EarlyOptions:
+    """The ``zfctl.early`` block: ZenFlow's early schedule (off with steps 0)."""
+
+    steps: int = 0
+    """Steps after full_warm_up_rounds that the early schedule covers; 0: off."""
+    windows: str = "ramp"
+    """"ramp" (window lengths 1, 2, 4, ... up to S across the phase) or "fixed" (S)."""
+    overlap: bool = True
+    """Whether an early window's host step overlaps the next window (false: synchronous)."""
+
+    @property
+    def on(self) -> bool:
+        return self.steps > 0
+
+
+@dataclass(frozen=True)
 class EngineOptions:
     """The top-level ``zfctl`` block (engine settings DeepSpeed has no key for; DeepSpeed
     ignores the block). Field docs: ENGINE_FIELD_DOCS."""
@@ -242,6 +272,8 @@ class EngineOptions:
     """The non-selected columns' host state: "exact" (fp32) or "compact" (8-bit moments)."""
     lora: LoraOptions = field(default_factory=LoraOptions)
     """The adapters of ``--engine lora``: rank, alpha, dropout."""
+    early: EarlyOptions = field(default_factory=EarlyOptions)
+    """ZenFlow's early schedule: shorter or synchronous windows over the first steps."""
 
 
 @dataclass(frozen=True)

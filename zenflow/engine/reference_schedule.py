@@ -103,6 +103,9 @@ def run_reference(
     losses: list[float] | None = None,
     host_state: str = "exact",
     bf16_link: bool = True,
+    early_steps: int = 0,
+    early_windows: str = "ramp",
+    early_overlap: bool = True,
 ) -> dict:
     """Run ``attempts`` step attempts; ``grad_fn(i, params)`` gives attempt i's gradients
     (0-based) for the current weights. Returns the per-step weights and the window log.
@@ -114,7 +117,12 @@ def run_reference(
     move, the moments are dequantised (v = u * u), moved in fp32 and quantised again for the
     new layout. With ``bf16_link`` (a separate device) the pieces cross the link in bf16
     before they are clipped and the window sum is kept in bf16; without it (the CPU device)
-    the window sum is fp32, where autograd writes."""
+    the window sum is fp32, where autograd writes.
+
+    The early schedule (``zfctl.early``): over the ``early_steps`` steps after warm-up, a
+    window ending at early step e (1-based) is min(S, 2^floor(log2(S e / early_steps)))
+    steps long with ``early_windows`` "ramp" (S with "fixed"), and its host step is applied
+    at its own end when ``early_overlap`` is false."""
     b1, b2 = betas
     compact = host_state == "compact"
     Q: dict[int, list[torch.Tensor]] = {}  # compact: 8-bit moments of the non-selected columns
@@ -300,8 +308,13 @@ def run_reference(
                     nonsel_mass[i] += float(s[ns].sum()) / len(ns)
         n += 1
         lr_sum += lr
-        if update_interval is not None:
-            ends = n >= update_interval
+        early = 0 < t - warmup_rounds <= early_steps
+        interval = update_interval
+        if early and early_windows == "ramp":
+            x = update_interval * (t - warmup_rounds) // early_steps
+            interval = min(update_interval, 2 ** math.floor(math.log2(x))) if x >= 1 else 1
+        if interval is not None:
+            ends = n >= interval
         elif n >= 64 or not zf:
             ends = True
         else:
@@ -327,7 +340,7 @@ def run_reference(
                 host_step(i, A[i], 1.0 / n, win_lr, win_wd, cols=nonsel_of(i))
                 A[i].zero_()
                 sel_mass[i] = nonsel_mass[i] = 0.0
-            if overlap and not reselect:
+            if overlap and not (early and not early_overlap) and not reselect:
                 pending = True
             else:
                 for i in zf:

@@ -37,6 +37,7 @@ import time
 import torch
 
 from zenflow.config.lr_schedule import lr_at
+from zenflow.config.schema import EarlyOptions
 from zenflow.engine.accelerator import OOM_FIX, Accelerator, DeviceOutOfMemory
 from zenflow.engine.baselines import DeviceMode, OffloadMode
 from zenflow.engine.checkpoint import engine_state_dict, load_engine_state
@@ -169,6 +170,7 @@ class ZenFlowEngine:
         self.window_lr = getattr(options, "window_lr", "last")
         self.select_schedule = getattr(options, "select_schedule", "fixed")
         self.host_state = getattr(options, "host_state", "exact")
+        self.early = getattr(options, "early", None) or EarlyOptions()
         self.gas = max(1, int(getattr(config, "gradient_accumulation_steps", 1) or 1))
 
     def _start_counters(self, config) -> None:
@@ -241,6 +243,12 @@ class ZenFlowEngine:
     @property
     def max_staleness(self) -> int:
         return self.impl.max_staleness if self.mode == "zenflow" else 0
+
+    def pending_host(self) -> dict | None:
+        """ZenFlow: what the weights do not show yet, {"host_updates": n, "steps": m} (the
+        in-flight host step and the open window; both 0 after ``flush``). None for the
+        modes whose weights are always current (device, offload)."""
+        return self.impl.window.pending() if self.mode == "zenflow" else None
 
     @property
     def max_in_flight(self) -> int:

@@ -193,6 +193,12 @@ def unsupported_notes(config) -> list[str]:
             f'zfctl.select_schedule "{config.engine.select_schedule}" is an option of zfctl\'s '
             "engine: DeepSpeed's ZenFlow re-selects every select interval, and so does this run."
         )
+    if config.zenflow is not None and config.engine.early.on:
+        notes.append(
+            f"zfctl.early (steps {config.engine.early.steps}) is an option of zfctl's engine: "
+            "DeepSpeed's ZenFlow runs its configured windows from the first step, and so does "
+            "this run."
+        )
     if config.zenflow is not None and config.engine.host_state != "exact":
         notes.append(
             f'zfctl.host_state "{config.engine.host_state}" is an option of zfctl\'s engine: '

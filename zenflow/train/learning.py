@@ -8,7 +8,8 @@ it. ``paired_gap`` gives the mean difference with a two-sided 95% Student-t inte
 the seeds both arms have.
 
 Used by ``bench/accuracy.py`` (engines x seeds x settings) and ``zfctl report A B`` (the
-learning curves of two runs at matching steps).
+learning curves of two runs at matching steps). ``weights_seen`` / ``weights_text``: which
+weights a ZenFlow evaluation saw (live, with host updates pending, or flushed).
 """
 
 from __future__ import annotations
@@ -80,3 +81,30 @@ def matching_steps(curves: Iterable[Mapping[int, float]]) -> list[int]:
     for c in curves:
         common = set(c) if common is None else common & set(c)
     return sorted(common or ())
+
+
+def weights_seen(engine) -> dict:
+    """A ZenFlow evaluation's account of the weights it evaluated, for its metrics line:
+    "live" while host updates are pending (the in-flight one, the open window's), with how
+    many and how many steps of non-selected gradients they hold; "flushed" when every host
+    update is in the weights (a run's final evaluation, after its flush). {} for an engine
+    whose weights are always current (``pending_host`` None or absent)."""
+    pending = getattr(engine, "pending_host", lambda: None)()
+    if pending is None:
+        return {}
+    n = int(pending["host_updates"])
+    return {"weights": "live" if n else "flushed", "pending_host_updates": n,
+            "pending_steps": int(pending["steps"])}  # fmt: skip
+
+
+def weights_text(metrics: dict) -> str:
+    """``weights_seen``'s words for the dashboard and the report ("" when the line has
+    none: an engine whose weights are always current)."""
+    seen = metrics.get("weights")
+    if seen == "flushed":
+        return "flushed weights"
+    if seen != "live":
+        return ""
+    n, steps = metrics.get("pending_host_updates"), metrics.get("pending_steps")
+    return (f"live weights: {n} host update{'s' if n != 1 else ''} pending "
+            f"({steps} steps of non-selected gradients)")  # fmt: skip

@@ -65,6 +65,7 @@ from zenflow.train.events import (
     RunInterrupted,
     RunStarted,
 )
+from zenflow.train.learning import weights_seen
 from zenflow.train.lora import TrainableWeights, lora_counts, merged_for_export, wrap_lora
 from zenflow.train.metrics import MetricsLog, StepMeter
 from zenflow.train.monitors import MonitorSink
@@ -425,14 +426,14 @@ class _Run:
 
     def evaluate(self, step: int) -> dict | None:
         """Evaluate on the dev set through the objective (rank 0; the other ranks wait for
-        it): the metrics line and ``EvalEvent``."""
+        it): the metrics line (ZenFlow: live or flushed weights) and ``EvalEvent``."""
         if not self.par.main:
             barrier(self.par)
             return None
-        metrics = self.objective.evaluate(
+        metrics = {**self.objective.evaluate(
             self.model, self.encoded.dev, batch_size=self.eval_batch,
             limit=self.spec.max_eval_samples, device=self.device, autocast=self.engine.autocast,
-        )  # fmt: skip
+        ), **weights_seen(self.engine)}  # fmt: skip
         self.metrics.write({"type": "eval", "step": step, **metrics})
         self.on_event(EvalEvent(step, metrics))
         barrier(self.par)

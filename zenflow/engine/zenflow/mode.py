@@ -21,6 +21,7 @@ from zenflow.engine.host import StepGate
 from zenflow.engine.selection import column_scores, num_selected
 from zenflow.engine.transport import Transport
 from zenflow.engine.zenflow.device_step import DeviceStep
+from zenflow.engine.zenflow.early import EarlySchedule
 from zenflow.engine.zenflow.handover import Handover
 from zenflow.engine.zenflow.host_layout import full_state
 from zenflow.engine.zenflow.image_return import ImageReturn
@@ -79,6 +80,8 @@ class ZenFlowMode:
         self.warmup_rounds = int(zf.full_warm_up_rounds)
         self.auto_ratio = float(zf.auto_ratio)
         self.update_interval = None if zf.update_interval == "auto" else int(zf.update_interval)
+        self.early = EarlySchedule(engine.early, self.update_interval, self.overlap,
+                                   self.warmup_rounds)  # fmt: skip
         self.select_every = engine.select_every
         self.host_state = engine.host_state  # zfctl.host_state: "exact" or "compact"
         # what crosses the device->host link (pieces) and what the window sum is kept in:
@@ -182,6 +185,7 @@ class ZenFlowMode:
             "select_schedule": self.e.select_schedule,
             "full_warm_up_rounds": self.warmup_rounds,
             "overlap_step": self.overlap,
+            "early": self.early.describe(),
             "auto_ratio": self.auto_ratio,
             "window_lr": self.e.window_lr,
             "host_state": self.host_state,
@@ -211,14 +215,15 @@ class ZenFlowMode:
         # A re-selection follows a window end once select_every steps have passed; with a
         # fixed interval the window end is known now, with "auto" it may end any step.
         due = self.handover.due(t)
-        ends = self.update_interval is None or window.window_len + 1 >= self.update_interval
+        interval = self.early.interval(t)
+        ends = interval is None or window.window_len + 1 >= interval
         poke = self.transport.accumulator.poke if self.transport is not None else None
         self.plan = StepPlan(t, whole, selected and not whole and due and ends, StepGate(poke),
                              window.slot, first=not whole and not selected)  # fmt: skip
         # A fixed window ends with this step: its end applies the in-flight host step, whose
         # columns can go back during the backward (auto windows end on a vote after it)
         if (self.image_return.in_backward and not whole and window.inflight is not None
-                and self.update_interval is not None and ends):  # fmt: skip
+                and interval is not None and ends):  # fmt: skip
             self.plan.apply = window.inflight
         self.image_return.applied_early = set()
         self.grad_route.start_step()
@@ -276,10 +281,10 @@ class ZenFlowMode:
         if self.zero_copy:
             self.window.accumulate_zero_copy()
         self.window.add_step(hp.lr)
-        if self.window.ends_now():
+        if self.window.ends_now(self.early.interval(t)):
             reselect = self.handover.due(t)
             scores = self.handover.scores() if reselect else None
-            self.window.end(t, hp, sync=reselect or not self.overlap)
+            self.window.end(t, hp, sync=reselect or not self.early.overlap(t))
             if reselect:
                 self.handover.select(t, scores)
 

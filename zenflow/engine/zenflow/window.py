@@ -99,10 +99,11 @@ class Window:
             vals = dp.allreduce_sum(vals)
         self.auto_update(vals, 1.0)
 
-    def ends_now(self) -> bool:
-        """Whether the window ends with this step: S steps, or the auto interval's vote."""
-        if self.m.update_interval is not None:
-            return self.window_len >= self.m.update_interval
+    def ends_now(self, interval: int | None) -> bool:
+        """Whether the window ends with this step: ``interval`` steps (S, or the early
+        schedule's ramp), or with "auto" (None) the auto interval's vote."""
+        if interval is not None:
+            return self.window_len >= interval
         if self.window_len >= AUTO_INTERVAL_MAX or not self.m.zweights:
             return True
         votes = sum(
@@ -111,6 +112,15 @@ class Window:
             if w.n_cols == w.k or w.nonsel_mass_acc >= w.sel_mass_sum / self.window_len
         )
         return votes / len(self.m.zweights) >= self.m.auto_ratio
+
+    def pending(self) -> dict:
+        """What of the host's work the weights do not show yet: host updates (the one in
+        flight and the open window's) and the steps whose non-selected gradients they
+        hold."""
+        job = self.inflight
+        in_flight = 0 if job is None else job.submit_step - job.window_start + 1
+        return {"host_updates": int(job is not None) + int(self.window_len > 0),
+                "steps": in_flight + self.window_len}  # fmt: skip
 
     def check_worker(self) -> None:
         """Surface a failed host step or accumulation now (the step after it failed)."""
