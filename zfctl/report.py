@@ -19,6 +19,7 @@ from rich.markup import escape
 
 from zenflow import jsonout
 from zenflow.engine.stats import TIMING_FIELDS
+from zenflow.train.learning import WEIGHTS_FIELDS
 from zenflow.train.runs import checkpoint_step
 from zfctl.errors import err_console, user_error
 from zfctl.report_render import (
@@ -32,8 +33,7 @@ from zfctl.report_render import (
 )
 
 # Keys of an eval line that are not task metrics.
-EVAL_EXTRA = ("type", "step", "eval_loss", "eval_samples", "weights", "pending_host_updates",
-              "pending_steps")  # fmt: skip
+EVAL_EXTRA = ("type", "step", "eval_loss", "eval_samples", *WEIGHTS_FIELDS)
 # The summary.json keys a report carries over as they are.
 SUMMARY_KEYS = (
     "model", "task", "engine_mode", "steps", "total_steps", "epochs", "final_loss",

@@ -83,6 +83,9 @@ def matching_steps(curves: Iterable[Mapping[int, float]]) -> list[int]:
     return sorted(common or ())
 
 
+WEIGHTS_FIELDS = ("weights", "pending_host_updates", "pending_steps")  # weights_seen's keys
+
+
 def weights_seen(engine) -> dict:
     """A ZenFlow evaluation's account of the weights it evaluated, for its metrics line:
     "live" while host updates are pending (the in-flight one, the open window's), with how

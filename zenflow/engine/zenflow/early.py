@@ -3,9 +3,10 @@ windows (the ramp) or host steps applied at their own window's end (overlap off)
 the non-selected columns are less stale while the model moves fastest.
 
 A pure function of the step: the window length that ends a window at step ``t`` and whether
-that window's host step overlaps the next window. The engine's window and the reference
-schedule (``reference_schedule.run_reference``) both ask it, so they agree by construction
-and a resumed run continues the same schedule (nothing here is checkpointed).
+that window's host step overlaps the next window; ``ZenFlowMode`` asks it at every step.
+The reference schedule (``reference_schedule.run_reference``) states the same rule on its
+own, so the tests compare two statements of it. A resumed run continues the same schedule
+(nothing here is checkpointed).
 """
 
 from __future__ import annotations
