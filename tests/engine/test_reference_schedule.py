@@ -28,6 +28,15 @@ class ParamModel(torch.nn.Module):
 COLUMN_DIMS = {"lin.weight": 1, "lin.bias": None, "conv.weight": 0, "conv.bias": None}
 
 
+def _reference_inputs():
+    """A fresh ParamModel's parameter names, initial values and column dims: what the
+    reference schedule is run on."""
+    model = ParamModel()
+    names = [n for n, _ in model.named_parameters()]
+    return names, [p.detach().clone() for p in model.parameters()], \
+        [COLUMN_DIMS.get(n) for n in names]  # fmt: skip
+
+
 def make_grad_fn(n_attempts, nonfinite_at=()):
     gen = torch.Generator().manual_seed(7)
     noise = {}
@@ -214,10 +223,7 @@ def test_compact_state_is_not_the_exact_one():
     """The reference's compact statement really runs other arithmetic (8-bit moments, a
     bf16 window sum): the non-selected columns end elsewhere than with the exact state,
     close to it (about 5% of what they moved here), while the schedule is the same."""
-    model = ParamModel()
-    names = [n for n, _ in model.named_parameters()]
-    init = [p.detach().clone() for p in model.parameters()]
-    dims = [COLUMN_DIMS.get(n) for n in names]
+    names, init, dims = _reference_inputs()
     kw = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, topk_ratio=0.1, update_interval=2,
               select_every=3, overlap=True)  # fmt: skip
     runs = {s: run_reference(init, dims, make_grad_fn(17), 17, host_state=s, **kw)
@@ -235,10 +241,7 @@ def test_window_lr_sum_moves_a_window_by_its_steps_lrs():
     first 4-step window without overlap, the non-selected columns are those of a host step
     at 4 x lr (their gradients depend only on their own values, unchanged until then),
     and not those of "last" at lr."""
-    model = ParamModel()
-    names = [n for n, _ in model.named_parameters()]
-    init = [p.detach().clone() for p in model.parameters()]
-    dims = [COLUMN_DIMS.get(n) for n in names]
+    names, init, dims = _reference_inputs()
     kw = dict(betas=BETAS, eps=EPS, weight_decay=WD, topk_ratio=0.1, update_interval=4,
               select_every=1000, overlap=False)  # fmt: skip
 
@@ -264,10 +267,7 @@ def test_doubling_reselects_at_gaps_that_double_up_to_the_interval():
     or after that: 4 (3 >= 2), 8 (4 >= 4), 14 (6 >= 6; 12 - 8 = 4 is too soon), 20, then 26
     is past the end. "fixed" re-selects every 6: at 8 (7 >= 6), 14, 20. With one-step
     "auto"-like windows (S = 1) the gaps are 1, 2, 4, 8 from step 1: 2, 4, 8, 16, 32."""
-    model = ParamModel()
-    names = [n for n, _ in model.named_parameters()]
-    init = [p.detach().clone() for p in model.parameters()]
-    dims = [COLUMN_DIMS.get(n) for n in names]
+    names, init, dims = _reference_inputs()
     kw = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, topk_ratio=0.1, overlap=True)
 
     def selected_at(schedule, interval, every, steps=25):
@@ -284,10 +284,7 @@ def test_window_lr_sqrt_takes_half_the_sum_and_twice_the_decay_over_four_steps()
     """The reference's window_lr "sqrt" by hand: after the first 4-step window without
     overlap, the host columns are those of one "last" step at lr 4 x LR / sqrt(4) = 2 x LR
     with weight decay 2 x WD (the window decays by 4 x LR x WD, as four AdamW steps do)."""
-    model = ParamModel()
-    names = [n for n, _ in model.named_parameters()]
-    init = [p.detach().clone() for p in model.parameters()]
-    dims = [COLUMN_DIMS.get(n) for n in names]
+    names, init, dims = _reference_inputs()
     kw = dict(betas=BETAS, eps=EPS, topk_ratio=0.1, update_interval=4, select_every=1000,
               overlap=False)  # fmt: skip
 
@@ -309,10 +306,7 @@ def test_early_ramp_and_sync_windows_by_hand():
     then 4; with overlap each host step reaches the weights at the next window's end. With
     early overlap off the early windows' results land at their own ends. "fixed" keeps S.
     The ramp's rule, ``ramp_length``, on the numbers of its docstring."""
-    model = ParamModel()
-    names = [n for n, _ in model.named_parameters()]
-    init = [p.detach().clone() for p in model.parameters()]
-    dims = [COLUMN_DIMS.get(n) for n in names]
+    names, init, dims = _reference_inputs()
     kw = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, topk_ratio=0.1, update_interval=4,
               select_every=1000, overlap=True)  # fmt: skip
 

@@ -240,16 +240,22 @@ def _parse_engine(r: Reader, raw: Mapping) -> EngineOptions:
     return EngineOptions(**values)
 
 
-_EARLY_FIELDS = tuple(f.name for f in dataclasses.fields(EarlyOptions))
+def _sub_block(r: Reader, block: Mapping, name: str, options: type) -> Mapping | None:
+    """The ``zfctl.<name>`` object (None when absent or not an object, said by ``r``),
+    each key that is not a field of the dataclass ``options`` one problem."""
+    sub = r.obj(block, name, f"zfctl.{name}")
+    if sub is not None:
+        _unknown_keys(r, sub, tuple(f.name for f in dataclasses.fields(options)),
+                      f"zfctl.{name}")  # fmt: skip
+    return sub
 
 
 def _parse_early(r: Reader, block: Mapping) -> EarlyOptions:
     """``zfctl.early``: ZenFlow's early schedule (unknown keys are errors)."""
-    early = r.obj(block, "early", "zfctl.early")
+    early = _sub_block(r, block, "early", EarlyOptions)
     d = EarlyOptions()
     if early is None:
         return d
-    _unknown_keys(r, early, _EARLY_FIELDS, "zfctl.early")
     windows = early.get("windows", d.windows)
     if windows not in ("ramp", "fixed"):
         r.problem("zfctl.early.windows", windows, 'must be "ramp" or "fixed"',
@@ -274,16 +280,12 @@ def _unknown_keys(r: Reader, obj: Mapping, known: tuple[str, ...], path: str) ->
                       f"{hint}rename or remove {key}")  # fmt: skip
 
 
-_LORA_FIELDS = tuple(f.name for f in dataclasses.fields(LoraOptions))
-
-
 def _parse_lora(r: Reader, block: Mapping) -> LoraOptions:
     """``zfctl.lora``: the adapters of ``--engine lora`` (unknown keys are errors)."""
-    lora = r.obj(block, "lora", "zfctl.lora")
+    lora = _sub_block(r, block, "lora", LoraOptions)
     d = LoraOptions()
     if lora is None:
         return d
-    _unknown_keys(r, lora, _LORA_FIELDS, "zfctl.lora")
     return LoraOptions(
         rank=r.integer(lora, "rank", "zfctl.lora.rank", d.rank, 1, 65536),
         alpha=r.number(lora, "alpha", "zfctl.lora.alpha", d.alpha, "> 0",
