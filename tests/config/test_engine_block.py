@@ -30,6 +30,7 @@ def test_values_read_and_written_back():
         "host_state": "exact",
         "lora": {"rank": 8, "alpha": 8.0, "dropout": 0.0},
         "early": {"steps": 0, "windows": "ramp", "overlap": True},
+        "return_image": "early",
     }
 
 

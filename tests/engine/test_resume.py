@@ -113,11 +113,14 @@ DOUBLING = {"topk_ratio": 0.1, "update_interval": 2, "select_interval": 100, "ov
         # step of window 6 in flight; with early overlap off, none in flight
         (FIXED, "sim", "sim", "fp32-early"),
         (FIXED, "sim", "sim", "fp32-early,earlysync"),
+        # ... bf16: the in-flight host step wrote a bf16 image for the return
+        # (zfctl.return_image "early"); the resumed run returns it from the master
+        (FIXED, "sim", "sim", "bf16-early"),
     ],
     ids=["sim-overlap", "sim-overlap-bf16", "cpu-overlap", "cpu-auto-warmup",
          "sim-auto-warmup", "sim-to-cpu", "sim-window-lr-sum", "sim-doubling",
          "sim-compact", "sim-compact-bf16", "cpu-auto-warmup-compact", "sim-early-ramp",
-         "sim-early-ramp-sync"],
+         "sim-early-ramp-sync", "sim-early-ramp-bf16"],
 )  # fmt: skip
 def test_resume_in_fresh_process(tmp_path, zf, first, second, dtype):
     n = 7

@@ -211,13 +211,13 @@ def _without_image_copy_wait(monkeypatch) -> None:
     still read the last applied job's images (they look finished to ``_window_tasks``)."""
     window_tasks = Window._window_tasks
 
-    def hidden_copies(self, n):
+    def hidden_copies(self, *args):
         job = self.last_applied
         if job is None:
-            return window_tasks(self, n)
+            return window_tasks(self, *args)
         copies, job.copies = job.copies, []
         try:
-            return window_tasks(self, n)
+            return window_tasks(self, *args)
         finally:
             job.copies = copies
 
@@ -229,18 +229,30 @@ def _without_image_copy_wait(monkeypatch) -> None:
 ZF_RACE = {"topk_ratio": 0.25, "update_interval": 1, "overlap_step": True}
 
 
-def _race_run(accel, bf16: bool, steps: int = 5):
+def _race_run(accel, bf16: bool | str, steps: int = 5):
+    """``bf16`` "image": a bf16 model whose host results go back as the host step's bf16
+    images (zfctl.return_image "always"), which the copies then read instead."""
     extra = {"bf16": {"enabled": True}} if bf16 else {}
+    if bf16 == "image":
+        extra["zfctl"] = {"return_image": "always"}
     model, engine = _mlp_engine(accel, ZF_RACE, **extra)
     if isinstance(accel, ImagesBehind):
-        accel.images = lambda: {w.host.master.untyped_storage().data_ptr()
-                                for w in engine.zweights if w.host is not None}  # fmt: skip
+        returns = engine.impl.image_return
+
+        def images():
+            out = {w.host.master.untyped_storage().data_ptr()
+                   for w in engine.zweights if w.host is not None}  # fmt: skip
+            return out | {im.untyped_storage().data_ptr() for im in returns.images.values()}
+
+        accel.images = images
     with engine:
         train_engine(engine, model, mlp_batches(steps))
+    if bf16 == "image":
+        assert any(j.meta.get("images") for j in engine.impl.window.host_log)
     return model
 
 
-@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("bf16", [False, True, "image"], ids=["fp32", "bf16", "bf16-image"])
 def test_image_race_is_caught_without_the_wait_and_gone_with_it(bf16, monkeypatch):
     unlagged = _race_run(SimAccelerator(strict=True), bf16)
     behind = ImagesBehind(0.1, lag_s=0.002, lag_seed=FIRST_DRAW_LONG)
@@ -389,19 +401,28 @@ def test_a_full_sync_per_micro_batch_is_counted_and_waits_for_the_copies():
     assert len(blocked) == 6 and sum(blocked) >= len(blocked) * piece_s, blocked
 
 
+def _reads_expected(stats, engine) -> list[int]:
+    """Per step: its own read, one for a re-selection's new columns (not the first
+    selection: its scores are on the host) and one for the leaving columns' state when
+    columns moved."""
+    reselected = set(engine.selection_steps[1:])
+    return [1 + (s.step in reselected) + bool(s.step in reselected and s.selection_changed)
+            for s in stats]  # fmt: skip
+
+
 def test_the_engine_loop_does_no_full_sync_and_one_read_per_step():
     """Done-when of issue 15, on sim: 0 full syncs and 1 device->host read per step, with
     overlap, clipping and the auto interval on, windows ending, host steps in flight; a
-    re-selection that moves columns reads once more (the hand-over, one read for all
-    weights), the first selection does not (its scores are on the host)."""
+    re-selection that moves columns reads twice more (the new columns of every weight in
+    one read, the hand-over is planned on the host; then the leaving columns' state, one
+    read for all weights), the first selection does not (its scores are on the host)."""
     accel = CopyLog(lag_s=0.002, lag_seed=FIRST_DRAW_LONG)
     model, engine = _mlp_engine(accel, ZF_AUTO, clip=CLIP)
     with engine:
         stats, _ = _trainer_loop(engine, model, steps=8)
         assert engine.max_in_flight == 1
     assert [s.full_syncs for s in stats] == [0] * 8
-    assert [s.d2h_reads for s in stats] == [1 + bool(i and s.selection_changed)
-                                           for i, s in enumerate(stats)]  # fmt: skip
+    assert [s.d2h_reads for s in stats] == _reads_expected(stats, engine)
     assert all(s.grad_norm > CLIP for s in stats)  # clipping active every step
     assert sum(s.window_len > 0 for s in stats) >= 2 and any(s.host_update for s in stats)
     assert any(s.selection_changed for s in stats[1:])  # a reselection happened
@@ -412,7 +433,7 @@ def test_an_extra_read_on_the_training_thread_is_counted():
     model, engine = _mlp_engine(accel, ZF_AUTO, clip=CLIP)
     with engine:
         stats, _ = _trainer_loop(engine, model, steps=4, extra_read_at=2)
-    hand_over = [bool(i and s.selection_changed) for i, s in enumerate(stats)]
+    hand_over = [r - 1 for r in _reads_expected(stats, engine)]
     assert [s.d2h_reads - h for s, h in zip(stats, hand_over, strict=True)] == [1, 1, 2, 1]
     assert [s.full_syncs for s in stats] == [0] * 4
 
@@ -461,9 +482,10 @@ class HostWaits(SimAccelerator):
 
 
 def test_a_reselection_step_waits_for_the_device_once_and_counts_it():
-    """A re-selection hands the leaving columns' device state to the host: the training
-    thread waits for the device there, in ONE read for all weights, counted in d2h_reads
-    (the step's own read plus that one); every other step waits only in its one read."""
+    """A re-selection reads every weight's new columns (ONE read: the hand-over is planned
+    on the host) and hands the leaving columns' device state to the host (ONE read for all
+    weights): the training thread waits for the device there twice, each counted in
+    d2h_reads beside the step's own read; every other step waits only in its one read."""
     accel = HostWaits(lag_s=0.002, lag_seed=FIRST_DRAW_LONG)
     model, engine = _mlp_engine(accel, ZF_AUTO, clip=CLIP)
     waits, moved, reads = [], [], []
@@ -479,8 +501,10 @@ def test_a_reselection_step_waits_for_the_device_once_and_counts_it():
             waits.append(accel.host_waits)
     later = range(1, len(moved))  # step 1 waits for the whole gradient: by design
     assert any(moved[i] for i in later)  # a re-selection happened after the first selection
+    reselected = set(engine.selection_steps[1:])
     for i in later:
-        assert waits[i] == (1 if moved[i] else 0), (i, waits)
+        expected = int(i + 1 in reselected) + bool(i + 1 in reselected and moved[i])
+        assert waits[i] == expected, (i, waits)
         assert reads[i] == 1 + waits[i], (i, reads)
 
 
@@ -522,8 +546,9 @@ def test_finetune_metrics_show_no_full_sync_and_one_read_per_step(tiny_gpt2_dir,
     steps = [m for m in map(json.loads, lines.splitlines()) if m["type"] == "step"]
     assert len(steps) == 6 and all("full_syncs" in m and "d2h_reads" in m for m in steps)
     assert [m["full_syncs"] for m in steps] == [0] * 6
-    # one read per step, and one more for a re-selection's hand-over
-    assert [m["d2h_reads"] for m in steps] == [1 + bool(i and m["selection_changed"])
+    # one read per step, and two more for a re-selection that moves columns (its new
+    # columns, the hand-over); the first selection's scores are on the host
+    assert [m["d2h_reads"] for m in steps] == [1 + 2 * bool(i and m["selection_changed"])
                                                for i, m in enumerate(steps)]  # fmt: skip
     assert all(math.isfinite(m["loss"]) and m["grad_norm"] > CLIP for m in steps)
     assert any(m["window_len"] for m in steps) and any(m["host_update"] for m in steps)

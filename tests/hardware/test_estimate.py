@@ -207,6 +207,32 @@ def test_the_whole_run_host_phases_by_hand():
     assert cph["first selection"] == cs.host_bytes + 4 * 8192 + 8 * 7296
 
 
+def test_return_images_by_hand():
+    """zfctl.return_image: a bf16 image of every host result, 2N pinned bytes. "always":
+    steady, beside the state; "early" with zfctl.early on: the early phase only (freed
+    after it); never for an fp32 model, the CPU device or several ranks."""
+    c = mlp_census()
+    budget = Budget(GIB, GIB, False, "d", "h")
+
+    def run(**kw):
+        e = est.check(c, "zenflow", Settings(bf16=True, overlap_step=True, **kw), budget)
+        return e.host_bytes, {p.name: p.bytes for p in e.phases}
+
+    steady, plain = run()
+    assert "early phase" not in plain
+    always, _ = run(return_image="always")
+    assert always == steady + 2 * N
+    items = est.layout(c, "zenflow", Settings(bf16=True, return_image="always"))
+    (image,) = [i for i in items if "return images" in i.what]
+    assert image.pinned and image.bytes == 2 * N and image.side == "host"
+    early_steady, early = run(early_steps=100)
+    assert early_steady == steady and early["early phase"] == steady + 2 * N
+    assert "early phase" not in run(early_steps=100, return_image="never")[1]
+    for kw in (dict(bf16=False), dict(cpu_device=True), dict(world_size=2)):
+        s = Settings(**{"bf16": True, "return_image": "always", **kw})
+        assert not s.return_images(early=False), kw
+
+
 def test_whole_gradients_land_on_the_host_only_at_the_first_selection():
     """Micro-batches summed on the host, warm-up rounds or no streaming: the first
     selection (and warm-up) see whole gradients on the host, Pz x dt (fp32 when summed on

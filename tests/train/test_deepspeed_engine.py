@@ -105,6 +105,10 @@ def test_window_lr_sum_is_said_to_be_zfctls_own():
     early = load_config({**zf.raw, "zfctl": {"early": {"steps": 100}}})
     (note,) = unsupported_notes(early)
     assert "zfctl.early (steps 100)" in note and "from the first step" in note
+    image = load_config({**zf.raw, "zfctl": {"return_image": "always"}})
+    (note,) = unsupported_notes(image)
+    assert 'zfctl.return_image "always"' in note and "its own way" in note
+    assert unsupported_notes(load_config({**zf.raw, "zfctl": {"return_image": "never"}})) == []
 
 
 def test_refuses_a_config_that_is_neither_offload_nor_zenflow():

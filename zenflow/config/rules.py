@@ -202,6 +202,7 @@ _ENGINE_CHOICES = {
     "window_lr": ("last", "sum", "sqrt"),
     "select_schedule": ("fixed", "doubling"),
     "host_state": ("exact", "compact"),
+    "return_image": ("early", "always", "never"),
 }
 
 

@@ -208,6 +208,16 @@ ENGINE_FIELD_DOCS: dict[str, str] = {
     "schedule is the configured one. Needs an integer update_interval for the ramp. Opt-in: "
     "it changes when the host updates the non-selected columns; with topk_ratio 1.0 it is "
     "AdamW either way.",
+    "return_image": "How a host step's result (the non-selected columns' fp32 master) goes "
+    "back to a bf16 model's device: as the fp32 master columns themselves, cast to bf16 on "
+    "the device (no host copy of them), or as a bf16 image the host step writes in the same "
+    "pass (round to nearest even, as the device's cast: the weights are the same bit for "
+    "bit), which halves the return's link bytes at 2 bytes of pinned host memory per "
+    'non-selected parameter while it exists. "early" (default): the image during '
+    "zfctl.early's phase only, where short windows return a result every step or two (its "
+    'buffers freed when the phase is over; nothing without zfctl.early); "always": the '
+    'whole run (the link is the bottleneck and the host has the memory); "never". An fp32 '
+    "model, the CPU device and data parallelism send the master columns either way.",
     "copy_buckets": "Device buffers the streamed gradient pieces wait in for the copy engine, "
     "each 1/64 of the offloaded elements (at most 4M) in the training dtype: an integer >= 2 "
     'or "auto" (2; 4 with data parallelism: the least device memory). Backward produces a '
@@ -274,6 +284,8 @@ class EngineOptions:
     """The adapters of ``--engine lora``: rank, alpha, dropout."""
     early: EarlyOptions = field(default_factory=EarlyOptions)
     """ZenFlow's early schedule: shorter or synchronous windows over the first steps."""
+    return_image: str = "early"
+    """A bf16 image of each host result for the return: "early", "always" or "never"."""
 
 
 @dataclass(frozen=True)

@@ -188,6 +188,7 @@ def _load_weight(w, src: dict, dev: torch.device, accel) -> None:
     _fill(w.exp_avg_dev, src["exp_avg_dev"], accel)
     _fill(w.exp_avg_sq_dev, src["exp_avg_sq_dev"], accel)
     _fill(w.steps_dev.counts, src["steps_dev"], accel)
+    w.steps_dev.mirror = src["steps_dev"].detach().to("cpu", torch.int64).clone()
     w.steps_dev.recheck()
     w.sel_mass_sum = float(src["sel_mass_sum"])
     w.nonsel_mass_acc = float(src["nonsel_mass_acc"])

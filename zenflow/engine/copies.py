@@ -155,16 +155,20 @@ class DeviceBuckets:
         self._busy = [DONE] * count
         self._next = 0
 
-    def take(self, shape) -> tuple[int, torch.Tensor]:
+    def take(self, shape, dtype: torch.dtype | None = None) -> tuple[int, torch.Tensor]:
         """The next bucket viewed as ``shape``, after its previous use completed (device
-        side: the gather/H2D that reuses it waits for that event)."""
+        side: the gather/H2D that reuses it waits for that event); ``dtype``: its bytes
+        viewed as a dtype no wider than the buckets' (a bf16 piece in an fp32 bucket)."""
         i = self._next
         self._next = (i + 1) % len(self._flat)
         self.accel.compute_wait(self._busy[i])
         n = 1
         for s in shape:
             n *= s
-        return i, self._flat[i][:n].view(shape)
+        flat = self._flat[i]
+        if dtype is not None and dtype != flat.dtype:
+            flat = flat.view(dtype)
+        return i, flat[:n].view(shape)
 
     def mark(self, i: int, event) -> None:
         self._busy[i] = event

@@ -125,11 +125,16 @@ class ColumnSteps:
 
     Columns carry their count across a hand-over together with their moments, so bias
     correction stays right: the device counts steps, the host counts windows.
+
+    ``mirror``: for device counts, the same counts in host memory, kept equal (every edit
+    goes to both), so that ``recheck`` does not wait for the device; None: not kept.
     """
 
-    def __init__(self, counts: torch.Tensor, uniform: int | None):
+    def __init__(self, counts: torch.Tensor, uniform: int | None,
+                 mirror: torch.Tensor | None = None):  # fmt: skip
         self.counts = counts
         self.uniform = uniform
+        self.mirror = mirror
 
     @classmethod
     def zeros(cls, n: int, device) -> ColumnSteps:
@@ -137,15 +142,19 @@ class ColumnSteps:
 
     def increment(self) -> None:
         self.counts += 1
+        if self.mirror is not None:
+            self.mirror += 1
         if self.uniform is not None:
             self.uniform += 1
 
     def recheck(self) -> None:
-        """Recompute ``uniform`` after the counts were edited by index (one sync)."""
+        """Recompute ``uniform`` after the counts were edited by index (from the mirror, or
+        one sync)."""
         if self.counts.numel() == 0:
             self.uniform = 0
             return
-        lo, hi = int(self.counts.min()), int(self.counts.max())
+        src = self.counts if self.mirror is None else self.mirror
+        lo, hi = int(src.min()), int(src.max())
         self.uniform = lo if lo == hi else None
 
     def max(self) -> int:
@@ -269,7 +278,8 @@ def run_host_tasks(
         else:
             kw = {} if per_column is None else {"col_steps": per_column, "col_inner": t.col_inner}
             if hasattr(st, "step"):  # the compact host state: 8-bit moments, its own op
-                st.step(grad, step=step, grad_scale=t.grad_scale, **common, **kw)
+                st.step(grad, step=step, grad_scale=t.grad_scale, image=t.param_bf16,
+                        **common, **kw)  # fmt: skip
             else:
                 kernels.full(st.master, grad, st.exp_avg, st.exp_avg_sq, step=step,
                              param_bf16=t.param_bf16, grad_scale=t.grad_scale, **common,

@@ -171,6 +171,7 @@ class ZenFlowEngine:
         self.select_schedule = getattr(options, "select_schedule", "fixed")
         self.host_state = getattr(options, "host_state", "exact")
         self.early = getattr(options, "early", None) or EarlyOptions()
+        self.return_image = getattr(options, "return_image", "early")
         self.gas = max(1, int(getattr(config, "gradient_accumulation_steps", 1) or 1))
 
     def _start_counters(self, config) -> None:

@@ -58,8 +58,8 @@ RUNTIME_BYTES = 600 * 2**20
 # max_shard_size, transformers 5); safetensors holds one shard's tensors on the host
 SAVE_SHARD_BYTES = 50 * 10**9
 PHASES = (
-    "set-up", "warm-up", "first selection", "steps", "checkpoint", "re-selection",
-    "evaluation", "final save",
+    "set-up", "warm-up", "first selection", "early phase", "steps", "checkpoint",
+    "re-selection", "evaluation", "final save",
 )  # fmt: skip
 
 
@@ -142,6 +142,10 @@ def _zenflow_phases(census: ParamCensus, s: Settings, items: list[Item], steady:
     if s.warmup:
         out.append(Phase("warm-up", link + 12 * Pz + landing,
                          "link + full state 12*Pz + whole-gradient landing"))  # fmt: skip
+    if s.return_images(early=True):  # zfctl.return_image "early": freed after the phase
+        N = sum(census.nonselected(k))
+        out.append(Phase("early phase", steady + 2 * N,
+                         "steady + the return's bf16 images (2*N, zfctl.early)"))  # fmt: skip
     out.append(Phase("steps", steady, "steady state"))
     # a hand-over re-lays one weight at a time, in place: the entering columns' values
     # (16*S) are extra; compact also goes through fp32 moments (4*N + 4*N) and the float64

@@ -70,6 +70,8 @@ class Settings:
     copy_buckets: int | None = None  # zfctl.copy_buckets (None: "auto")
     host_state: str = "exact"  # zfctl.host_state: "exact" or "compact"
     update_interval: int = 4  # S, steps per host window ("auto" is taken as 4)
+    return_image: str = "early"  # zfctl.return_image: "early", "always" or "never"
+    early_steps: int = 0  # zfctl.early.steps (0: no early phase)
     lora_rank: int = 8  # --engine lora: the adapters' rank (zfctl.lora.rank)
     # saving copies device tensors to the host, one storage at a time (cuda); sim's and the
     # CPU's tensors already live in host memory
@@ -106,6 +108,16 @@ class Settings:
     def dtype(self) -> str:
         return "bf16" if self.bf16 else "fp32"
 
+    def return_images(self, early: bool) -> bool:
+        """Whether bf16 images of the host results exist (zfctl.return_image; a bf16 model
+        on a separate device, one rank): the whole run (``early`` False: "always") or during
+        the early phase only (``early`` True: "early" with zfctl.early on)."""
+        if not self.bf16 or self.cpu_device or self.world_size > 1:
+            return False
+        if early:
+            return self.return_image == "early" and self.early_steps > 0
+        return self.return_image == "always"
+
 
 def settings_from_config(config=None, **overrides: Any) -> Settings:
     """Settings from a zenflow Config (topk_ratio, bf16, overlap_step, pin_memory, micro-batch);
@@ -124,6 +136,8 @@ def settings_from_config(config=None, **overrides: Any) -> Settings:
             values["copy_buckets"] = int(config.engine.copy_buckets)
         values["host_state"] = getattr(config.engine, "host_state", "exact")
         values["lora_rank"] = int(config.engine.lora.rank)
+        values["return_image"] = getattr(config.engine, "return_image", "early")
+        values["early_steps"] = int(config.engine.early.steps)
         if config.zenflow is not None:
             values["topk_ratio"] = float(config.zenflow.topk_ratio)
             values["overlap_step"] = bool(config.zenflow.overlap_step)
@@ -376,6 +390,9 @@ def _zenflow_host_link(b: _Buffers) -> None:
            slots * B * lb, f"{slots}*B*{lb}", True)  # fmt: skip
     b.host("staging", "read buffer (device->host reads)", READ_BUFFER_BYTES,
            f"{READ_BUFFER_BYTES >> 20} MiB", True)  # fmt: skip
+    if s.return_images(early=False):  # the host step's bf16 image, read by the return
+        b.host("accumulators", "return images of the non-selected columns (bf16, "
+               'zfctl.return_image "always")', N * 2, "N*2", True)  # fmt: skip
 
 
 def _with_activations(items: list[Item], census: ParamCensus, s: Settings) -> list[Item]:

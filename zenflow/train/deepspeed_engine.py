@@ -199,6 +199,11 @@ def unsupported_notes(config) -> list[str]:
             "DeepSpeed's ZenFlow runs its configured windows from the first step, and so does "
             "this run."
         )
+    if config.zenflow is not None and config.engine.return_image == "always":
+        notes.append(
+            'zfctl.return_image "always" is an option of zfctl\'s engine: DeepSpeed copies '
+            "its host results back to the device its own way, and so does this run."
+        )
     if config.zenflow is not None and config.engine.host_state != "exact":
         notes.append(
             f'zfctl.host_state "{config.engine.host_state}" is an option of zfctl\'s engine: '

@@ -11,6 +11,7 @@ host step is in flight and the device holds every host result.
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -77,7 +78,8 @@ class Handover:
             out.append(scores)
         return out
 
-    def select(self, t: int, scores: list[torch.Tensor]) -> None:
+    def select(self, t: int, scores: list[torch.Tensor],
+               host_scores: list[torch.Tensor] | None = None) -> None:  # fmt: skip
         """(Re)select columns and hand ownership over by index.
 
         Preconditions: no host step in flight and the device holds every host result
@@ -88,21 +90,33 @@ class Handover:
         Adam step), and so are the counts (bias correction). Weight by weight: the leaving
         columns are read through the accelerator's one read buffer (several weights per
         fill while they fit), and each weight's host arrays are re-laid as soon as its
-        columns are in (``host_layout.relayout``).
+        columns are in (``host_layout.relayout``). ``host_scores``: the same scores on the
+        host (one rank; the first selection from whole gradients): top-k is taken there and
+        the columns sent, instead of read back.
         """
         e = self.e
         dp = e.dp
         t0 = time.perf_counter()
         self._wait_return_copies()
+        if host_scores is not None and not dp.enabled:
+            news_host = [select_topk(s, w.k) for w, s in zip(self.m.zweights, host_scores,
+                                                             strict=True)]  # fmt: skip
+            news = self._to_device(news_host)
+        else:
+            news = []
+            for w, s in zip(self.m.zweights, scores, strict=True):
+                if dp.enabled:  # the owner scores the averaged gradient; the others add 0
+                    if not w.owned:
+                        s.zero_()
+                    dp.allreduce_scores_(s, w.spec.param.numel())
+                news.append(select_topk(s, w.k))
+            # every weight's new columns to the host in one read: the hand-over is planned
+            # there (``_hand_over``), with no wait for the device per weight
+            news_host = e.accel.reader(counted=True).read(news)
         reader = e.accel.reader(counted=True)
         plans: dict[int, tuple] = {}
-        for w, s in zip(self.m.zweights, scores, strict=True):
-            if dp.enabled:  # the owner scores the averaged gradient; the others add zeros
-                if not w.owned:
-                    s.zero_()
-                dp.allreduce_scores_(s, w.spec.param.numel())
-            new = select_topk(s, w.k)
-            plan, leaving = self._hand_over(w, new)
+        for w, new, new_host in zip(self.m.zweights, news, news_host, strict=True):
+            plan, leaving = self._hand_over(w, new, new_host)
             e.rec.moved += int(plan.in_cols.numel() + plan.out_cols.numel())
             if leaving is None:
                 self._relayout(w, plan, None)
@@ -205,18 +219,24 @@ class Handover:
         for ev in events:
             ev.synchronize()
 
-    def _hand_over(self, w: ZfWeight, new: torch.Tensor):
-        """Make ``new`` (sorted, on the device) the selected columns of ``w`` on the device
-        -> (the host plan, the leaving columns' device state to read: fp32 master, moments,
-        counts, or None). Entering columns take their host values (``host_layout.entering``)
-        from the owner (broadcast to the other ranks)."""
-        accel, dp = self.e.accel, self.e.dp
+    def _hand_over(self, w: ZfWeight, new: torch.Tensor, new_host: torch.Tensor | None = None):
+        """Make ``new`` (sorted, on the device; ``new_host``: the same on the host, read
+        here when not given) the selected columns of ``w`` on the device -> (the host plan,
+        the leaving columns' device state to read: fp32 master, moments, counts, or None).
+        The plan is made on the host; its index sets go to the device in one copy and the
+        entering columns' host values (``host_layout.entering``, the owner's: broadcast to
+        the other ranks) in one more, so the training thread never waits for the device
+        here (the counts' host mirror says whether they are uniform)."""
         p = w.spec.param.data
         cd = w.cd
-        old = w.sel_dev if w.sel_dev is not None else new[:0]
-        stay_o, stay_n, in_pos, in_cols, out_pos, out_cols = split_handover(old, new)
-        new_host = new.cpu()
+        if new_host is None:
+            new_host = new.cpu()
         plan = SelectionPlan.make(w.sel_host, new_host, w.n_cols)
+        old_host = w.sel_host if w.sel_host is not None else new_host[:0]
+        split = split_handover(old_host, new_host)  # on the host
+        stay_o, stay_n, in_pos, in_cols, out_pos, out_cols, nonsel = self._to_device(
+            [*split, plan.new_nonsel]
+        )  # fmt: skip
         leaving = None
         if out_cols.numel() and w.owned:  # device -> host, by index (gathered now)
             src = p.index_select(cd, out_cols) if w.master_sel is None else \
@@ -228,42 +248,77 @@ class Handover:
                 w.steps_dev.counts[out_pos],
             ]
         n_in = int(in_cols.numel())
-        shape_in = list(w.shape_k)
-        shape_in[cd] = n_in
-        host_in = entering(w, plan.in_cols) if w.owned and n_in else {}
-
-        def incoming(name, shape, dtype):
-            """The entering columns' host values, on this rank's device (from the owner)."""
-            if w.owned:
-                t = accel.to_device(host_in[name], "handover")
-            else:
-                t = accel.empty(shape, dtype, "handover")
-            if dp.enabled:
-                dp.broadcast_(t, w.owner)
-            return t
-
-        # the same on every rank (all take part in the same broadcasts): the host holds a
+        # the same on every rank (all take part in the same broadcast): the host holds a
         # master unless this is an fp32 weight's first selection without masters (its
         # device weight is the master); a bf16 weight always has one
         has_master = plan.old_nonsel is not None or w.host_master_at_start
         fields = [("exp_avg_dev", "exp_avg"), ("exp_avg_sq_dev", "exp_avg_sq")]
         if w.master_sel is not None:
             fields.append(("master_sel", "master"))
+        names = [h for _, h in fields]
+        if has_master and "master" not in names:
+            names.append("master")
+        host_in = entering(w, plan.in_cols) if w.owned and n_in else {}
+        incoming = self._incoming(w, host_in, n_in, names) if n_in else {}
         for name, host_name in fields:
             old_t = getattr(w, name)
-            new_t = accel.empty(w.shape_k, torch.float32, "optimizer")
+            new_t = self.e.accel.empty(w.shape_k, torch.float32, "optimizer")
             new_t.index_copy_(cd, stay_n, old_t.index_select(cd, stay_o))
             if n_in:
-                new_t.index_copy_(cd, in_pos, incoming(host_name, shape_in, torch.float32))
+                new_t.index_copy_(cd, in_pos, incoming[host_name])
             setattr(w, name, new_t)
-        steps = accel.empty((w.k,), torch.int64, "optimizer")
+        steps = self.e.accel.empty((w.k,), torch.int64, "optimizer")
         steps[stay_n] = w.steps_dev.counts[stay_o]
         if n_in:
-            steps[in_pos] = incoming("counts", (n_in,), torch.int64)
+            steps[in_pos] = incoming["counts"]
             if has_master:  # equal already (the apply put the master into W); explicit
-                p.index_copy_(cd, in_cols, incoming("master", shape_in, torch.float32)
-                              .to(p.dtype))  # fmt: skip
-        w.steps_dev = ColumnSteps(steps, None)
+                p.index_copy_(cd, in_cols, incoming["master"].to(p.dtype))
+        w.steps_dev = ColumnSteps(steps, None, self._mirror(w, split, host_in.get("counts")))
         w.steps_dev.recheck()
-        w.set_selection(new, new_host)
+        w.set_selection(new, new_host, nonsel.clone(), plan.new_nonsel)
         return plan, leaving
+
+    def _to_device(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Host int64 index sets on the device, in one host->device copy (views of it)."""
+        sizes = [int(x.numel()) for x in parts]
+        packed = self.e.accel.to_device(torch.cat(parts), "handover")
+        return list(packed.split(sizes))
+
+    def _incoming(self, w: ZfWeight, host_in: dict, n_in: int, names: list[str]) -> dict:
+        """The ``n_in`` entering columns' counts (int64) and fp32 ``names`` values on this
+        rank's device, from the owner's ``host_in``: one host->device copy of their bytes
+        (counts first, so every part starts aligned), one broadcast with data parallelism."""
+        shape_in = list(w.shape_k)
+        shape_in[w.cd] = n_in
+        numel = math.prod(shape_in)
+        sizes = [8 * n_in] + [4 * numel] * len(names)
+        accel, dp = self.e.accel, self.e.dp
+        if w.owned:
+            parts = [host_in["counts"]] + [host_in[n] for n in names]
+            packed = torch.cat([x.contiguous().view(-1).view(torch.uint8) for x in parts])
+            dev = accel.to_device(packed, "handover")
+        else:
+            dev = accel.empty((sum(sizes),), torch.uint8, "handover")
+        if dp.enabled:
+            dp.broadcast_(dev, w.owner)
+        counts, *values = dev.split(sizes)
+        out = {"counts": counts.view(torch.int64)}
+        for name, v in zip(names, values, strict=True):
+            out[name] = v.view(torch.float32).view(shape_in)
+        return out
+
+    @staticmethod
+    def _mirror(w: ZfWeight, split, entering_counts) -> torch.Tensor | None:
+        """The new selected columns' counts on the host (``ColumnSteps.mirror``): the
+        staying columns' from the old mirror, the entering ones' from the host; None when
+        either is not on this host (another rank's columns, no mirror kept)."""
+        stay_o, stay_n, in_pos = split[0], split[1], split[2]
+        old = w.steps_dev.mirror if w.steps_dev is not None else None
+        if (stay_o.numel() and old is None) or (in_pos.numel() and entering_counts is None):
+            return None
+        mirror = torch.empty(w.k, dtype=torch.int64)
+        if stay_o.numel():
+            mirror[stay_n] = old[stay_o]
+        if in_pos.numel():
+            mirror[in_pos] = entering_counts
+        return mirror

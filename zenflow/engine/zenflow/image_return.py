@@ -11,6 +11,12 @@ step's end until the next one is submitted, which waits for these copies first
 figure. Must not touch the window sums, the host job or the worker (``window``), nor the
 selected columns (the device step's).
 
+With ``zfctl.return_image`` (a bf16 model on a separate device, one rank) the host step
+also writes a bf16 image of its result in the same pass (``images_for``: pinned, one per
+weight, kept while windows use it), and the return sends that instead of the master: half
+the bytes, the same values (both round to nearest even). The image is stable exactly when
+the master is.
+
 With ``overlap_step`` a host step runs while the next window trains and its result reaches
 W at the end of that next window: non-selected columns lag by at most 2S steps (S without
 overlap).
@@ -47,10 +53,41 @@ class ImageReturn:
         self.applied_early: set[int] = set()  # weights the window end need not apply
         self.applied_in_backward = 0  # weights applied so, over the run (stats, tests)
         self.max_staleness = 0
+        # zfctl.return_image: bf16 images of host results (position -> compact image), made
+        # by the host steps of the windows that use them, freed when none does any more
+        self.images: dict[int, torch.Tensor] = {}
+        self.image_setting = "never"
+        self.image_bytes = 0  # the images' bytes when last made (figures, tests)
         if mode.transport is not None:
             self.in_backward = mode.overlap and not mode.e.dp.enabled
             if self.in_backward or mode.e.dtype != torch.float32:
                 self.h2d = DeviceBuckets(mode.e.accel, mode.bucket_elems, torch.float32, 2)
+            if mode.e.dtype == torch.bfloat16 and not mode.e.dp.enabled:
+                self.image_setting = mode.e.return_image
+
+    def images_for(self, t: int) -> dict[int, torch.Tensor] | None:
+        """The bf16 images the host step of the window ending at step ``t`` writes (by
+        weight position), or None when its result goes back as the master itself:
+        zfctl.return_image "always", or "early" while zfctl.early's phase runs."""
+        setting = self.image_setting
+        if setting == "never" or (setting == "early" and self.m.early.early_step(t) is None):
+            return None
+        accel = self.e.accel
+        for w in self.m.zweights:
+            if w.owned and w.n_nonsel > 0 and w.position not in self.images:
+                self.images[w.position] = accel.host_empty(
+                    w.host.master.shape, torch.bfloat16, self.e.pin_link, "images"
+                )  # fmt: skip
+        self.image_bytes = sum(2 * im.numel() for im in self.images.values())
+        return self.images
+
+    def _source(self, w: ZfWeight, job: HostJob) -> torch.Tensor:
+        """What ``w``'s result is read from, flat: ``job``'s bf16 image of it, else the
+        compact fp32 master."""
+        images = job.meta.get("images")
+        if images is not None and w.position in images:
+            return images[w.position].view(-1)
+        return w.host.master.view(-1)
 
     def apply_in_backward(self, w: ZfWeight, job: HostJob) -> None:
         """The window-end step applies ``job`` at its end; its columns of ``w`` go back now,
@@ -66,12 +103,12 @@ class ImageReturn:
         if w.position not in job.meta.get("ready", ()) or not w.owned:
             return
         t0 = time.perf_counter()
-        master = w.host.master.view(-1)
+        src = self._source(w, job)
         for pc in w.pieces:
             if len(self._h2d_queue) >= 2:
                 self._finish_h2d()
-            i, bucket = self.h2d.take(pc.shape)
-            ev = self.e.accel.copy_h2d(bucket, pc.of(master))
+            i, bucket = self.h2d.take(pc.shape, src.dtype)
+            ev = self.e.accel.copy_h2d(bucket, pc.of(src))
             job.copies.append(ev)
             self._h2d_queue.append((i, bucket, ev, w, pc))
         self.applied_early.add(w.position)
@@ -110,6 +147,10 @@ class ImageReturn:
             else:
                 self._apply_pieces(w, job)
         job.applied_step = t
+        if self.images and job.meta.get("images") is None:
+            # a window without images has ended and its host step has run, after the
+            # copies that read the last images (``Window``): nothing reads them any more
+            self.images = {}
         # Staleness: the oldest gradient in this update is from job.window_start; the device
         # sees it at the end of step t. With overlap t is the end of the NEXT window, so
         # non-selected columns lag by at most 2S steps (S without overlap).
@@ -126,11 +167,12 @@ class ImageReturn:
             take, buckets = self.h2d.take, self.h2d
         else:  # an fp32 model without overlap: the transport's own (fp32) buckets
             take, buckets = self.m.transport.take_bucket, self.m.transport.buckets
-        master = w.host.master.view(-1) if w.owned else None
+        src = self._source(w, job) if w.owned else None
+        image = src is not None and src.dtype != torch.float32  # only into ``self.h2d``
         for pc in w.pieces:
-            i, bucket = take(pc.shape)
+            i, bucket = take(pc.shape, src.dtype) if image else take(pc.shape)
             if w.owned:
-                ev = e.accel.copy_h2d(bucket, pc.of(master))
+                ev = e.accel.copy_h2d(bucket, pc.of(src))
                 job.copies.append(ev)
                 e.accel.compute_wait(ev)
             if dp.enabled:  # the owner's result to every rank's device

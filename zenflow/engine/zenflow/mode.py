@@ -186,6 +186,8 @@ class ZenFlowMode:
             "full_warm_up_rounds": self.warmup_rounds,
             "overlap_step": self.overlap,
             "early": self.early.describe(),
+            # "never" where the return sends the master anyway (fp32, CPU, data parallel)
+            "return_image": self.image_return.image_setting,
             "auto_ratio": self.auto_ratio,
             "window_lr": self.e.window_lr,
             "host_state": self.host_state,
@@ -263,8 +265,9 @@ class ZenFlowMode:
             self.window.window_start = t + 1
             return
         if self.zero_copy:
-            if not self.handover.selected:
-                self.handover.select(t, [column_scores(w.grad(), w.cd) for w in self.zweights])
+            if not self.handover.selected:  # the scores are host memory: top-k there
+                scores = [column_scores(w.grad(), w.cd) for w in self.zweights]
+                self.handover.select(t, scores, None if e.dp.enabled else scores)
         elif self.plan.whole:  # the first selection, from the whole gradient on the host
             self.warmup.first_selection(t, coef)
         elif self.plan.first:  # the first selection, made in the hooks: the host side now
@@ -311,13 +314,14 @@ class ZenFlowMode:
 
     # ------------------------------------------------------------------ lifecycle
     def release_host(self) -> None:
-        """Drop every weight's host state, window sums, step store and set-up master (the
-        engine is closed: nothing reads them again)."""
+        """Drop every weight's host state, window sums, step store and set-up master, and
+        the return's images (the engine is closed: nothing reads them again)."""
         for w in self.zweights:
             for name in ("host", "store", "step_buf", "init_master"):
                 if hasattr(w, name):
                     setattr(w, name, None)
             w.acc = []
+        self.image_return.images = {}
 
     def close(self) -> BaseException | None:
         """Join the threads (an in-flight result stays unapplied); return a failure not yet

@@ -137,7 +137,8 @@ class ZfWeight:
                                                                     "optimizer")  # fmt: skip
         self.exp_avg_dev = accel.zeros(shape_k, torch.float32, "optimizer")
         self.exp_avg_sq_dev = accel.zeros(shape_k, torch.float32, "optimizer")
-        self.steps_dev = ColumnSteps(accel.zeros((self.k,), torch.int64, "optimizer"), 0)
+        self.steps_dev = ColumnSteps(accel.zeros((self.k,), torch.int64, "optimizer"), 0,
+                                     torch.zeros(self.k, dtype=torch.int64))  # fmt: skip
         # the step's gradient of the selected columns (compact, training dtype)
         self.grad_sel = None
         if not mode.zero_copy:
@@ -180,11 +181,16 @@ class ZfWeight:
         else:
             self.store = accel.host_empty((n,), mode.link_dtype, False, "step_pieces")
 
-    def set_selection(self, sel_dev: torch.Tensor, sel_host: torch.Tensor | None = None) -> None:
+    def set_selection(self, sel_dev: torch.Tensor, sel_host: torch.Tensor | None = None,
+                      nonsel_dev: torch.Tensor | None = None,
+                      nonsel_host: torch.Tensor | None = None) -> None:  # fmt: skip
+        """The selected columns (sorted, on the device and the host) and the rest; the
+        parts not given are derived (on the device: a wait for it)."""
         self.sel_dev = sel_dev
         self.sel_host = sel_dev.cpu() if sel_host is None else sel_host
-        self.nonsel_dev = complement(sel_dev, self.n_cols)
-        self.nonsel_host = complement(self.sel_host, self.n_cols)
+        self.nonsel_dev = complement(sel_dev, self.n_cols) if nonsel_dev is None else nonsel_dev
+        self.nonsel_host = complement(self.sel_host, self.n_cols) if nonsel_host is None \
+            else nonsel_host  # fmt: skip
 
     def clear_selection(self) -> None:
         self.sel_dev = self.sel_host = self.nonsel_dev = self.nonsel_host = None

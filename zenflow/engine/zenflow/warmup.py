@@ -91,10 +91,15 @@ class Warmup:
             if w.owned:
                 g = self._landing_grad(w)
                 host_scores.append(column_scores(g, w.cd))
-                scores.append(host_scores[-1].to(e.device))
+                if dp.enabled:  # all-reduced on the device
+                    scores.append(host_scores[-1].to(e.device))
             else:
                 scores.append(torch.zeros(w.n_cols, dtype=torch.float32, device=e.device))
-        self.handover.select(t, scores)  # data parallel: the scores are all-reduced in place
+        # data parallel: the scores are all-reduced in place; one rank: top-k on the host
+        if dp.enabled:
+            self.handover.select(t, scores)
+        else:
+            self.handover.select(t, host_scores, host_scores)
         if self.m.update_interval is None:  # the step's masses, from the same scores
             if dp.enabled:  # the averaged scores are on the device: one read
                 masses = []

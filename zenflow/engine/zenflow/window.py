@@ -149,10 +149,12 @@ class Window:
         self.image_return.apply(job, t)
         self.last_applied = job
 
-    def _window_tasks(self, n: int) -> tuple[list[HostTask], object, list, set]:
+    def _window_tasks(self, n: int, images: dict | None) -> tuple[list[HostTask], object,
+                                                                   list, set]:  # fmt: skip
         """The host step of the window just ended (n steps), what it must wait for, the
         events it sets once it has read each weight's window sum, and the set of weights
-        (positions) whose result it has written (filled as it goes).
+        (positions) whose result it has written (filled as it goes). ``images``: where it
+        writes a bf16 image of each weight's result too (``ImageReturn.images_for``).
 
         Each weight's task is one contiguous kernel call over its compact host state (the
         non-selected columns: ``host_layout``) with the compact window sum as gradient; on a
@@ -184,8 +186,9 @@ class Window:
                 ready.add(w.position)
                 free.set()
 
+            image = None if images is None else images.get(w.position)
             tasks.append(HostTask(w.host, w.acc[slot].view(w.compact_shape()), 1.0 / n,
-                                  w.col_inner, None, after))  # fmt: skip
+                                  w.col_inner, image, after))  # fmt: skip
         if not self.m.zero_copy:  # backward's order: the next window's first pieces are the
             tasks.reverse()  # last layers', whose sums the worker then frees first
         before = None
@@ -243,9 +246,10 @@ class Window:
         e = self.e
         self.wait_inflight(t)  # at most one host step in flight: the previous one first
         n = self.window_len
-        tasks, before, frees, ready = self._window_tasks(n)
+        images = self.image_return.images_for(t)
+        tasks, before, frees, ready = self._window_tasks(n, images)
         job = HostJob(window_start=self.window_start, submit_step=t, buffer_slot=self.slot,
-                      meta={"ready": ready})  # fmt: skip
+                      meta={"ready": ready, "images": images})  # fmt: skip
         self.host_log.append(job)
         kernels = self.m.kernels
         nt = e.host_threads
