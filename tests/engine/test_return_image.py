@@ -71,10 +71,12 @@ def test_the_image_returns_the_same_weights_in_half_the_bytes(setting, overlap, 
 def test_early_images_are_freed_after_the_phase_and_always_kept():
     _, early, _ = _train("early")
     assert early.impl.image_return.images == {}  # the phase ended at step 8
+    assert not early.accel.host_held().get("images")  # their memory is back too
     assert early.impl.image_return.image_bytes == 2 * sum(w.compact_numel for w in early.zweights)
     _, always, _ = _train("always")
     held = always.impl.image_return.images
     assert sorted(held) == [w.position for w in always.zweights]
+    assert always.accel.host_held()["images"] == always.impl.image_return.image_bytes
     for w in always.zweights:
         assert held[w.position].dtype == torch.bfloat16
         assert held[w.position].numel() == w.compact_numel

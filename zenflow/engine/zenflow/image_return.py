@@ -149,8 +149,9 @@ class ImageReturn:
         job.applied_step = t
         if self.images and job.meta.get("images") is None:
             # a window without images has ended and its host step has run, after the
-            # copies that read the last images (``Window``): nothing reads them any more
-            self.images = {}
+            # copies that read the last images (``Window``): nothing reads them any more.
+            # Emptied in place: the host log's jobs hold the same dict.
+            self.images.clear()
         # Staleness: the oldest gradient in this update is from job.window_start; the device
         # sees it at the end of step t. With overlap t is the end of the NEXT window, so
         # non-selected columns lag by at most 2S steps (S without overlap).

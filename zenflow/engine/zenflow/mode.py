@@ -321,7 +321,7 @@ class ZenFlowMode:
                 if hasattr(w, name):
                     setattr(w, name, None)
             w.acc = []
-        self.image_return.images = {}
+        self.image_return.images.clear()  # in place: the host log's jobs hold it
 
     def close(self) -> BaseException | None:
         """Join the threads (an in-flight result stays unapplied); return a failure not yet
