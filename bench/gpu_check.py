@@ -118,6 +118,11 @@ class Budget:
                        f"budget, the section needs about {need:.0f} s")  # fmt: skip
 
 
+def _default_sigint() -> None:
+    """In the child before exec: SIGINT back to its default action."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_part(
     cmd: list[str], timeout: float, tag: str, env: dict | None = None, grace_s: float = 0.0
 ) -> dict:
@@ -126,9 +131,11 @@ def run_part(
     with ``grace_s`` first interrupted (SIGINT: pytest then writes its report of the tests
     that ran) and killed only if it has not ended ``grace_s`` later."""
     t0 = time.monotonic()
+    # the child takes SIGINT's default: a check started in the background or under nohup
+    # inherits SIGINT ignored, and a Python child would then never see the interrupt
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, errors="replace", start_new_session=True,
-                            env=env)  # fmt: skip
+                            text=True, errors="replace", start_new_session=True, env=env,
+                            preexec_fn=_default_sigint)  # fmt: skip
     last: list = [None]
     tail: list[str] = []
 
