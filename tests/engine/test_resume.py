@@ -214,3 +214,28 @@ def test_a_checkpoint_resumes_only_with_its_host_state(saved, loading):
     msg = str(err.value)
     assert f"zfctl.host_state {saved!r}" in msg and repr(loading) in msg
     assert f"resume with zfctl.host_state {saved!r}" in msg and "start a new run" in msg
+
+
+def test_the_device_counts_host_mirror_stays_equal_through_reselections_and_a_load():
+    """``ColumnSteps.mirror`` (what says, without a read, whether a weight's device counts
+    are uniform) equals the device counts after re-selections that mixed them, and after a
+    checkpoint is loaded into a fresh engine."""
+    model, engine = _engine()
+    with engine:
+        train_engine(engine, model, mlp_batches(24))
+        assert len(engine.selection_steps) >= 3  # the first selection and re-selections
+        mixed = 0
+        for w in engine.zweights:
+            steps = w.steps_dev
+            assert torch.equal(steps.mirror, steps.counts.cpu()), w.spec.name
+            lo, hi = int(steps.counts.min()), int(steps.counts.max())
+            assert steps.uniform == (lo if lo == hi else None)
+            mixed += lo != hi
+        assert mixed  # host and device counts met in one weight's selected columns
+        sd = engine.state_dict()
+    model2, loaded = _engine()
+    with loaded:
+        loaded.load_state_dict(sd)
+        for w, v in zip(loaded.zweights, engine.zweights, strict=True):
+            assert torch.equal(w.steps_dev.mirror, v.steps_dev.counts.cpu()), w.spec.name
+            assert w.steps_dev.uniform == v.steps_dev.uniform

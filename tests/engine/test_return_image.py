@@ -72,17 +72,18 @@ def test_early_images_are_freed_after_the_phase_and_always_kept():
     _, early, _ = _train("early")
     assert early.impl.image_return.images == {}  # the phase ended at step 8
     assert not early.accel.host_held().get("images")  # their memory is back too
-    assert early.impl.image_return.image_bytes == 2 * sum(w.compact_numel for w in early.zweights)
     _, always, _ = _train("always")
     held = always.impl.image_return.images
     assert sorted(held) == [w.position for w in always.zweights]
-    assert always.accel.host_held()["images"] == always.impl.image_return.image_bytes
+    nonsel = sum(w.compact_numel for w in always.zweights)
+    assert always.accel.host_held()["images"] == 2 * nonsel  # bf16, accounted
     for w in always.zweights:
         assert held[w.position].dtype == torch.bfloat16
         assert held[w.position].numel() == w.compact_numel
     # mid-phase (step 6), the early images are held, pinned where the link pins
     _, mid, _ = _train("early", steps=6)
     assert len(mid.impl.image_return.images) == len(mid.zweights)
+    assert mid.accel.host_held()["images"] == 2 * sum(w.compact_numel for w in mid.zweights)
     assert mid.resolved["return_image"] == "early"
 
 
@@ -99,7 +100,8 @@ def test_early_images_are_freed_after_the_phase_and_always_kept():
 def test_no_image_where_it_saves_nothing(kw):
     _, engine, _ = _train(kw.pop("setting"), **kw)
     assert _image_results(engine) == 0
-    assert engine.impl.image_return.image_bytes == 0
+    assert engine.impl.image_return.images == {}
+    assert not engine.accel.host_held().get("images")
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -101,7 +101,8 @@ class Handover:
         if host_scores is not None and not dp.enabled:
             news_host = [select_topk(s, w.k) for w, s in zip(self.m.zweights, host_scores,
                                                              strict=True)]  # fmt: skip
-            news = self._to_device(news_host)
+            # each its own tensor, as top-k's are (not views that keep the copy alive)
+            news = [t.clone() for t in self._to_device(news_host)]
         else:
             news = []
             for w, s in zip(self.m.zweights, scores, strict=True):

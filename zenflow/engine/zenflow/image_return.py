@@ -57,7 +57,6 @@ class ImageReturn:
         # by the host steps of the windows that use them, freed when none does any more
         self.images: dict[int, torch.Tensor] = {}
         self.image_setting = "never"
-        self.image_bytes = 0  # the images' bytes when last made (figures, tests)
         if mode.transport is not None:
             self.in_backward = mode.overlap and not mode.e.dp.enabled
             if self.in_backward or mode.e.dtype != torch.float32:
@@ -78,7 +77,6 @@ class ImageReturn:
                 self.images[w.position] = accel.host_empty(
                     w.host.master.shape, torch.bfloat16, self.e.pin_link, "images"
                 )  # fmt: skip
-        self.image_bytes = sum(2 * im.numel() for im in self.images.values())
         return self.images
 
     def _source(self, w: ZfWeight, job: HostJob) -> torch.Tensor:
