@@ -44,22 +44,35 @@ def glue_dir() -> Path:
     return root
 
 
-@pytest.fixture(scope="session")
-def tiny_gpt2_dir(tmp_path_factory) -> Path:
-    """A saved, randomly initialised tiny GPT2ForSequenceClassification + GPT-2 tokenizer."""
+def _saved_gpt2(d: Path, **overrides) -> Path:
+    """A randomly initialised GPT2ForSequenceClassification (TINY_GPT2 with ``overrides``)
+    and the GPT-2 tokenizer, saved in ``d``."""
     import torch
     from transformers import GPT2Config, GPT2ForSequenceClassification
 
     from zenflow.train.models import packaged_gpt2_tokenizer
 
-    d = tmp_path_factory.mktemp("tiny-gpt2")
     torch.manual_seed(0)
-    model = GPT2ForSequenceClassification(GPT2Config(**TINY_GPT2))
+    model = GPT2ForSequenceClassification(GPT2Config(**{**TINY_GPT2, **overrides}))
     model.save_pretrained(d)
     tok = packaged_gpt2_tokenizer()
     tok.pad_token = tok.eos_token
     tok.save_pretrained(d)
     return d
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2_dir(tmp_path_factory) -> Path:
+    """A saved, randomly initialised tiny GPT2ForSequenceClassification + GPT-2 tokenizer."""
+    return _saved_gpt2(tmp_path_factory.mktemp("tiny-gpt2"))
+
+
+@pytest.fixture(scope="session")
+def wide_mlp_gpt2_dir(tmp_path_factory) -> Path:
+    """The tiny GPT-2 with 4 layers of a 16384-wide MLP (5.9M params): many ZenFlow weights,
+    none dominant, so that 2 bytes per non-selected element (the early phase's return
+    images) outweigh 4 bytes per element of the largest weight (the first selection)."""
+    return _saved_gpt2(tmp_path_factory.mktemp("wide-mlp-gpt2"), n_layer=4, n_inner=16384)
 
 
 @pytest.fixture

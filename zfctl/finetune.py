@@ -9,6 +9,7 @@ dashboard, plain lines or ``--json``), run, print the summary. A run that diverg
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -330,7 +331,16 @@ def finetune(
     # A resumed run keeps the settings it was checked with; --resume auto without an earlier
     # run is a new run (resume_or_new) and is checked like one.
     if not force and resume_or_new(spec)[0].resume is None:
-        _preflight(flags, spec, cfg, task)
+        fitted = _preflight(flags, spec, cfg, task)
+        if fitted is not None:  # the early phase's return images do not fit this host
+            spec = dataclasses.replace(spec, return_image=fitted)
+            if rank == 0 and not json_output:
+                out.print(
+                    '[yellow]note:[/] zfctl.return_image runs as "never": the early '
+                    "phase's bf16 images of the host results do not fit this host's memory "
+                    "(`zfctl estimate` shows them), so its return sends the fp32 masters "
+                    "(slower early steps, the same weights)"
+                )
     renderer = choose_renderer(rank, json_output, no_dashboard, out, cfg.steps_per_print)
     if reference is not None and rank == 0:  # checked with --json too, shown where drawn
         ref_name, ref_evals = _reference_evals(reference, runs_root)
@@ -413,12 +423,14 @@ def _run_spec(flags: SimpleNamespace, cfg, task: str | None, data_dir, device_me
     )  # fmt: skip
 
 
-def _preflight(flags: SimpleNamespace, spec, cfg, task: str | None) -> None:
+def _preflight(flags: SimpleNamespace, spec, cfg, task: str | None) -> str | None:
     """A new run's memory check (zfctl estimate's numbers): the device at a step's peak, the
     host at the whole run's peak (default: this machine's MemAvailable). It runs here, after
     the flags, the config and the data table's labels are read and before the model loads
     or anything model-sized is allocated (the model's config only, on the meta device):
-    exit 2 when it cannot fit, naming the fixes (--force skips it)."""
+    exit 2 when it cannot fit, naming the fixes (--force skips it). Returns the
+    ``zfctl.return_image`` the run fits with where it is not the config's ("never": the
+    early phase's images are what does not fit), else None."""
     from zenflow.engine.accelerator import default_kind
     from zenflow.hardware.preflight import preflight
     from zenflow.train.data import get_task
@@ -433,10 +445,15 @@ def _preflight(flags: SimpleNamespace, spec, cfg, task: str | None) -> None:
     else:
         num_labels = get_task(task).num_labels
     kind = f.device or default_kind()
-    preflight(f.model, mode=f.engine, config=cfg, micro_batch=f.micro_batch, seq_len=f.seq_len,
-              num_labels=num_labels, head=f.objective, device_mem=f.device_mem,
-              host_mem=f.host_mem, gradient_checkpointing=f.gradient_checkpointing,
-              separate_device=kind != "cpu", device_kind=kind)  # fmt: skip
+    est = preflight(f.model, mode=f.engine, config=cfg, micro_batch=f.micro_batch,
+                    seq_len=f.seq_len, num_labels=num_labels, head=f.objective,
+                    device_mem=f.device_mem, host_mem=f.host_mem,
+                    gradient_checkpointing=f.gradient_checkpointing,
+                    separate_device=kind != "cpu", device_kind=kind)  # fmt: skip
+    if est is None or f.engine != "zenflow":
+        return None
+    checked = est.engines["zenflow"].return_image
+    return None if checked == cfg.engine.return_image else checked
 
 
 def _run(run_finetune, spec, renderer, rank: int) -> dict:

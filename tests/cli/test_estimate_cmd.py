@@ -249,6 +249,61 @@ def test_finetune_refuses_a_run_whose_whole_run_host_peak_does_not_fit(
     assert not root.exists()
 
 
+def test_finetune_runs_without_the_early_images_where_they_do_not_fit(
+    cli, tmp_path, wide_mlp_gpt2_dir, glue_dir
+):
+    """zfctl.early on, a bf16 model on sim: a host with room for the run but not for the
+    early phase's return images is not refused. The run takes zfctl.return_image "never",
+    says so, records it in its config and its resolved settings; with room it keeps them."""
+    from zenflow.config import load_config
+    from zenflow.hardware.preflight import preflight
+    from zfctl.init_cmd import template_path
+
+    early = ["--set", "zfctl.early.steps=4"]
+    early_set = {"zfctl.early.steps": 4}
+    cfg = load_config(template_path("zenflow"), overrides=early_set)
+    off = load_config(
+        template_path("zenflow"), overrides={**early_set, "zfctl.return_image": "never"}
+    )
+
+    def peak(c, host="1TiB"):
+        est = preflight(str(wide_mlp_gpt2_dir), mode="zenflow", config=c, seq_len=16,
+                        micro_batch=4, device_mem="1GiB", host_mem=host,
+                        device_kind="sim")  # fmt: skip
+        return est.engines["zenflow"]
+
+    with_images, without = peak(cfg), peak(off)
+    assert with_images.host_peak_phase == "early phase"
+    assert with_images.host_peak_bytes > without.host_peak_bytes
+    assert peak(cfg, str(without.host_peak_bytes)).return_image == "never"
+
+    def run(host: int):
+        root = tmp_path / f"runs-{host}"
+        r = cli("finetune", wide_mlp_gpt2_dir, "--task", "sst2", "--data-dir", glue_dir,
+                "--runs-root", root, "--device", "sim", "--device-mem", "1GiB",
+                "--host-mem", str(host), "--no-dashboard", *early, *SHORT)  # fmt: skip
+        assert r.exit_code == 0, r.output
+        run_dir = runs.latest_run(root)
+        return " ".join(r.output.split()), json.loads((run_dir / "config.json").read_text()), \
+            run_dir  # fmt: skip
+
+    out, config, run_dir = run(without.host_peak_bytes)
+    assert 'zfctl.return_image runs as "never"' in out
+    assert config["zfctl"]["return_image"] == "never"
+    assert config["engine_resolved"]["return_image"] == "never"  # what the engine ran
+    assert config["run"]["return_image"] == "never"
+    assert config["run"]["config_input"]["zfctl"].get("return_image") is None  # yours
+    # a resume (no preflight: it keeps what the run was checked with) keeps it, given the
+    # same --set as the run (your config, unchanged)
+    r = cli("finetune", wide_mlp_gpt2_dir, "--resume", run_dir, "--max-steps", "3",
+            "--device", "sim", "--no-dashboard", *early)  # fmt: skip
+    assert r.exit_code == 0, r.output
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["engine_resolved"]["return_image"] == "never" and "runs as" not in r.output
+    out, config, _ = run(with_images.host_peak_bytes)
+    assert "runs as" not in out and config["engine_resolved"]["return_image"] == "early"
+
+
 def test_a_causal_lm_preflight_counts_the_lm_heads_logits(cli, tmp_path, tiny_gpt2_dir):
     """--objective causal-lm checks the fit with the LM head's fp32 logits and their
     gradient (b*s*vocab*8 bytes): a device that holds the classifier run refuses the LM."""

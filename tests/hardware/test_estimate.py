@@ -233,6 +233,35 @@ def test_return_images_by_hand():
         assert not s.return_images(early=False), kw
 
 
+def test_early_images_that_do_not_fit_are_checked_as_never():
+    """zfctl.return_image "early": where the early phase's images are all that does not fit
+    the host, ZenFlow is checked (and zfctl finetune runs) as "never"; where they fit they
+    stay; the row says which, and the host-state verdict says why."""
+    c = resolve_census("gpt2")  # large enough that the images make the whole run's peak
+    s = Settings(bf16=True, overlap_step=True, early_steps=100)
+    big = Budget(GIB, 2**40, False, "d", "h")
+    on = est.check(c, "zenflow", s, big)
+    off = est.check(c, "zenflow", dataclasses.replace(s, return_image="never"), big)
+    assert on.return_image == "early" and off.return_image == "never"
+    assert on.host_peak_phase == "early phase" and on.host_peak_bytes > off.host_peak_bytes
+    tight = Budget(GIB, off.host_peak_bytes, False, "d", "h")  # no room for the images' 2N
+    got = est.check(c, "zenflow", s, tight)
+    assert got.fits and got.return_image == "never"
+    assert got.host_peak_bytes == off.host_peak_bytes
+    assert est.check(c, "zenflow", s, Budget(GIB, on.host_peak_bytes, False, "d", "h")
+                     ).return_image == "early"  # fmt: skip
+    # "always" is the user's explicit choice: never changed, refused when it does not fit
+    always = est.check(c, "zenflow", dataclasses.replace(s, return_image="always"), tight)
+    assert not always.fits and always.return_image == "always"
+    verdict = est.estimate(c, s, tight).host_state_verdict()
+    assert verdict["choice"] == "exact" and 'runs zfctl.return_image as "never"' in \
+        verdict["sentence"]  # fmt: skip
+    assert "never" not in est.estimate(c, s, big).host_state_verdict()["sentence"]
+    # below even the peak without images: refused, the shortfall without them
+    short = est.check(c, "zenflow", s, Budget(GIB, off.host_peak_bytes - 1, False, "d", "h"))
+    assert short.short == {"host": 1} and short.return_image == "never"
+
+
 def test_whole_gradients_land_on_the_host_only_at_the_first_selection():
     """Micro-batches summed on the host, warm-up rounds or no streaming: the first
     selection (and warm-up) see whole gradients on the host, Pz x dt (fp32 when summed on

@@ -215,9 +215,11 @@ ENGINE_FIELD_DOCS: dict[str, str] = {
     "bit), which halves the return's link bytes at 2 bytes of pinned host memory per "
     'non-selected parameter while it exists. "early" (default): the image during '
     "zfctl.early's phase only, where short windows return a result every step or two (its "
-    'buffers freed when the phase is over; nothing without zfctl.early); "always": the '
-    'whole run (the link is the bottleneck and the host has the memory); "never". An fp32 '
-    "model, the CPU device and data parallelism send the master columns either way.",
+    "buffers freed when the phase is over; nothing without zfctl.early; `zfctl finetune` "
+    'runs it as "never" when the images would not fit the host\'s memory, and says so); '
+    '"always": the whole run (the link is the bottleneck and the host has the memory); '
+    '"never". An fp32 model, the CPU device and data parallelism send the master columns '
+    "either way.",
     "copy_buckets": "Device buffers the streamed gradient pieces wait in for the copy engine, "
     "each 1/64 of the offloaded elements (at most 4M) in the training dtype: an integer >= 2 "
     'or "auto" (2; 4 with data parallelism: the least device memory). Backward produces a '

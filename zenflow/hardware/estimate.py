@@ -157,6 +157,9 @@ class EngineEstimate:
     host_state: str | None = None  # ZenFlow's zfctl.host_state; None for the other engines
     phases: tuple[Phase, ...] = ()  # the host bytes of each phase of a run
     runtime_bytes: int = RUNTIME_BYTES
+    # ZenFlow's zfctl.return_image as checked ("never" where the early phase's images do not
+    # fit: ``check``); None for the other engines
+    return_image: str | None = None
 
     @property
     def fits(self) -> bool:
@@ -220,6 +223,7 @@ class EngineEstimate:
             "title": title,
             "mode": self.mode,
             "host_state": self.host_state,
+            "return_image": self.return_image,
             "device_bytes": self.device_bytes,
             "host_bytes": self.host_bytes,
             "host_peak_bytes": self.host_peak_bytes,
@@ -249,7 +253,19 @@ def check(
     census: ParamCensus, mode: str, s: Settings, budget: Budget, runtime: int = RUNTIME_BYTES
 ) -> EngineEstimate:
     """``mode``'s layout and whole-run host phases, checked against the budget: the device at
-    the peak of a step, the host at the whole run's peak (with one memory, both together)."""
+    the peak of a step, the host at the whole run's peak (with one memory, both together).
+
+    ZenFlow with ``zfctl.return_image`` "early" whose early-phase images do not fit is
+    checked as "never" (``return_image`` of the result): ``zfctl finetune`` runs it so."""
+    e = _check(census, mode, s, budget, runtime)
+    if mode == "zenflow" and not e.fits and s.return_images(early=True):
+        return _check(census, mode, dataclasses.replace(s, return_image="never"), budget,
+                      runtime)  # fmt: skip
+    return e
+
+
+def _check(census: ParamCensus, mode: str, s: Settings, budget: Budget,
+           runtime: int) -> EngineEstimate:  # fmt: skip
     items = layout(census, mode, s)
     phases = tuple(host_phases(census, mode, s, items))
     dev = sum(i.bytes for i in items if i.side == "device")
@@ -265,9 +281,10 @@ def check(
         left = {"device": budget.device_bytes - dev, "host": budget.host_bytes - host}
     short = {k: -v for k, v in left.items() if v < 0}
     spare = {k: v for k, v in left.items() if v >= 0}
-    state = s.host_state if mode == "zenflow" else None
-    return EngineEstimate(mode, tuple(items), pinned, short, census.params, spare, state,
-                          phases, runtime)  # fmt: skip
+    zenflow = mode == "zenflow"
+    return EngineEstimate(mode, tuple(items), pinned, short, census.params, spare,
+                          s.host_state if zenflow else None, phases, runtime,
+                          s.return_image if zenflow else None)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -341,7 +358,13 @@ class Estimate:
                     "short_bytes": dict(e.short),
                 }
         choice = next((n for n in HOST_STATES if n in states and states[n].fits), None)
-        return {**figures, "choice": choice, "sentence": _state_sentence(states, choice)}
+        sentence = _state_sentence(states, choice)
+        if choice is not None and states[choice].return_image != self.settings.return_image:
+            sentence += (
+                " The early phase's bf16 return images do not fit beside it: zfctl finetune "
+                'runs zfctl.return_image as "never" (the same weights, slower early steps).'
+            )
+        return {**figures, "choice": choice, "sentence": sentence}
 
     def warnings(self) -> list[str]:
         """Settings the run would refuse although the memory fits (the estimate is still
