@@ -70,7 +70,11 @@ def estimate(
     ] = None,
     config: Annotated[
         Path | None,
-        typer.Option(help="DeepSpeed JSON config.", rich_help_panel=panels.ENGINE),
+        typer.Option(
+            help="DeepSpeed JSON config (default: templates/zenflow.json, what zfctl finetune "
+            "runs).",
+            rich_help_panel=panels.ENGINE,
+        ),
     ] = None,
     topk_ratio: Annotated[
         float | None,
@@ -159,15 +163,13 @@ def estimate(
     """Estimate device and host memory of each engine for MODEL, before anything is allocated.
 
     Every option: README.md, "Option reference"."""
+    from zenflow.config import load_config
     from zenflow.hardware import estimate as est
     from zenflow.hardware import predict
+    from zfctl.init_cmd import template_path
 
-    cfg = None
     check_config_file(config)
-    if config is not None:
-        from zenflow.config import load_config
-
-        cfg = load_config(config)
+    cfg = load_config(config if config is not None else template_path("zenflow"))
     if grad_accumulation is not None and grad_accumulation not in ("host", "device"):
         raise user_error(f"--grad-accumulation {grad_accumulation!r}: use host or device.")
     if host_bw is not None and not 0 < host_bw < 1e6:
