@@ -260,6 +260,7 @@ def init(
         overrides = _set_scheduler(raw, overrides, scheduler)
     overrides.update(_monitor_overrides(tensorboard, csv_monitor, job_name))
     overrides.update(set_args)
+    _early_off_for_auto(raw, overrides, warnings)
     config = _validated(raw, overrides, template, set_args)
     data = config.raw
     err = err_console()
@@ -291,6 +292,23 @@ def _zenflow_overrides(template: str, zenflow_flags: dict, engine_flags: dict) -
             "use --template zenflow."
         )
     return dict(given)
+
+
+def _early_off_for_auto(raw: dict, overrides: dict[str, Any], warnings: list[str]) -> None:
+    """The template's early ramp (zfctl.early) grows the window to update_interval: with
+    --update-interval auto (or its --set) and no zfctl.early setting given, the early phase
+    is turned off, with a warning, instead of the config refusing the pair."""
+    if overrides.get(ZF + "update_interval") != "auto":
+        return
+    if any(k == "zfctl.early" or k.startswith("zfctl.early.") for k in overrides):
+        return  # the user's own early settings: the config's rule speaks for them
+    early = (raw.get("zfctl") or {}).get("early") or {}
+    if early.get("steps", 0) and early.get("windows", "ramp") == "ramp":
+        overrides["zfctl.early.steps"] = 0
+        warnings.append(
+            "zfctl.early turned off (steps 0): its ramp grows the window to update_interval, "
+            "which is auto here; set an integer --update-interval to keep it."
+        )
 
 
 def _scheduler_steps(scheduler, warmup_steps, total_steps, set_args: dict, raw: dict,

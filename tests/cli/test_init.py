@@ -54,6 +54,26 @@ def test_flags_land_in_the_file(cli, tmp_path):
     assert raw["scheduler"]["params"]["warmup_max_lr"] == pytest.approx(3e-5)
 
 
+def test_update_interval_auto_turns_the_templates_early_ramp_off(cli, tmp_path):
+    """The template's early ramp (zfctl.early, 200 steps) grows the window to
+    update_interval: --update-interval auto writes it off, with a warning, where the config
+    would refuse the pair; an integer keeps it; your own zfctl.early with auto is refused
+    by the config's rule, with the fixes."""
+    out = tmp_path / "ds.json"
+    assert cli("init", "-o", out).exit_code == 0
+    assert load_config(out).engine.early.steps == 200  # the template's
+    r = cli("init", "-o", out, "--force", "--update-interval", "auto")
+    assert r.exit_code == 0, r.output
+    assert "zfctl.early turned off" in " ".join(r.output.split())
+    cfg = load_config(out)
+    assert cfg.zenflow.update_interval == "auto" and cfg.engine.early.steps == 0
+    r = cli("init", "-o", out, "--force", "--update-interval", "8")
+    assert r.exit_code == 0 and load_config(out).engine.early.steps == 200
+    r = cli("init", "-o", out, "--force", "--update-interval", "auto",
+            "--set", "zfctl.early.steps=50")  # fmt: skip
+    assert_user_error(r, "zfctl.early.windows", "update_interval", "zfctl.early.steps to 0")
+
+
 @pytest.mark.parametrize("template", ["zenflow", "offload"])
 def test_written_config_accepted_by_deepspeed(cli, tmp_path, template):
     pytest.importorskip("deepspeed")

@@ -85,8 +85,9 @@ def validate(raw: Mapping, source: str, world_size: int) -> Config:
             and zenflow.update_interval == "auto":  # fmt: skip
         r.problem("zfctl.early.windows", "ramp",
                   'ramps the window length up to update_interval, which is "auto" here',
-                  'set zero_optimization.zenflow.update_interval to a number of steps, or '
-                  'zfctl.early.windows to "fixed"')  # fmt: skip
+                  'set zero_optimization.zenflow.update_interval to a number of steps, '
+                  'zfctl.early.windows to "fixed", or zfctl.early.steps to 0 (the zenflow '
+                  'template turns the ramp on)')  # fmt: skip
 
     problems = r.problems + zf_problems
     if problems:

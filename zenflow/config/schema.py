@@ -205,9 +205,10 @@ ENGINE_FIELD_DOCS: dict[str, str] = {
     "overlap_step false). Non-selected columns lag by at most 2 L steps (L the window "
     "length; L without overlap) instead of 2 S, at the cost of more host steps (the ramp) or "
     "host steps on the critical path (overlap false) during the phase only; after it the "
-    "schedule is the configured one. Needs an integer update_interval for the ramp. Opt-in: "
-    "it changes when the host updates the non-selected columns; with topk_ratio 1.0 it is "
-    "AdamW either way.",
+    "schedule is the configured one. Needs an integer update_interval for the ramp. Off "
+    "without a setting; the zenflow template turns it on with steps 200 (measured: "
+    'docs/BENCHMARKS.md, "The early schedule"). It changes when the host updates the '
+    "non-selected columns; with topk_ratio 1.0 it is AdamW either way.",
     "return_image": "How a host step's result (the non-selected columns' fp32 master) goes "
     "back to a bf16 model's device: as the fp32 master columns themselves, cast to bf16 on "
     "the device (no host copy of them), or as a bf16 image the host step writes in the same "
