@@ -126,15 +126,26 @@ class ColumnSteps:
     Columns carry their count across a hand-over together with their moments, so bias
     correction stays right: the device counts steps, the host counts windows.
 
-    ``mirror``: for device counts, the same counts in host memory, kept equal (every edit
-    goes to both), so that ``recheck`` does not wait for the device; None: not kept.
+    ``mirror``: for device counts, the same counts in host memory, so that ``recheck`` does
+    not wait for the device; None: not kept. It is held as the counts at the last edit by
+    index plus the increments since (every column takes each increment), so a step adds
+    to an int, not to a host tensor.
     """
 
     def __init__(self, counts: torch.Tensor, uniform: int | None,
                  mirror: torch.Tensor | None = None):  # fmt: skip
         self.counts = counts
         self.uniform = uniform
-        self.mirror = mirror
+        self._mirror = mirror  # the counts when set
+        self._bumps = 0  # increments since
+
+    @property
+    def mirror(self) -> torch.Tensor | None:
+        return None if self._mirror is None else self._mirror + self._bumps
+
+    @mirror.setter
+    def mirror(self, counts: torch.Tensor | None) -> None:
+        self._mirror, self._bumps = counts, 0
 
     @classmethod
     def zeros(cls, n: int, device) -> ColumnSteps:
@@ -142,8 +153,7 @@ class ColumnSteps:
 
     def increment(self) -> None:
         self.counts += 1
-        if self.mirror is not None:
-            self.mirror += 1
+        self._bumps += 1
         if self.uniform is not None:
             self.uniform += 1
 
@@ -153,8 +163,10 @@ class ColumnSteps:
         if self.counts.numel() == 0:
             self.uniform = 0
             return
-        src = self.counts if self.mirror is None else self.mirror
-        lo, hi = int(src.min()), int(src.max())
+        if self._mirror is None:
+            lo, hi = int(self.counts.min()), int(self.counts.max())
+        else:  # every column took the same increments since the mirror was set
+            lo, hi = (int(self._mirror.min()) + self._bumps, int(self._mirror.max()) + self._bumps)
         self.uniform = lo if lo == hi else None
 
     def max(self) -> int:
