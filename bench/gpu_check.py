@@ -280,12 +280,19 @@ class Check:
             cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], **sc["shape"]}
             (d / "config.json").write_text(json.dumps(cfg), encoding="utf-8")
             model = str(d)
+        # the zenflow case's own config (no early phase, one warm-up round): without it
+        # the estimate is the template's (an early phase), not of the runs it is set beside
+        conf = self.out / f"estimate-config-{tokens}.json"
+        raw = _load("gpu_check_host").case_config("zenflow", tokens // sc["seq"])
+        conf.write_text(json.dumps(raw, indent=1), encoding="utf-8")
         cmd = [
             self.py,
             "-m",
             "zfctl",
             "estimate",
             model,
+            "--config",
+            str(conf),
             "--head",
             "causal-lm",
             "--bf16",

@@ -52,33 +52,22 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import torch  # noqa: E402
-from gpu_check_host import NO_CUDA, _pinned_allocated, _status_kib, emit  # noqa: E402
+from gpu_check_host import (  # noqa: E402
+    NO_CUDA,
+    PHASES,
+    _pinned_allocated,
+    _status_kib,
+    case_config,
+    emit,
+)
 
-TOPK, INTERVAL = 0.1, 4
-# Steps per phase. Step 1 is the warm-up round, step 2 the first selection; the
-# re-selection is due SELECT_EVERY steps after it, at a window end inside the sync phase.
-PHASES = {"warm": 4, "timed": 8, "sync": 6, "profile": 4}
 HOST_PROFILE_TOP = 15  # functions kept per selection step, by own time
-SELECT_EVERY = PHASES["timed"] + 3
 
 
 def engine_config(mode: str, micro_batch: int):
     from zenflow import load_config
 
-    raw = {
-        "train_micro_batch_size_per_gpu": micro_batch, "gradient_clipping": 1.0,
-        "bf16": {"enabled": True},
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0.01}},
-        "zero_optimization": {"stage": 2,
-                              "offload_optimizer": {"device": "cpu", "pin_memory": True}},
-    }  # fmt: skip
-    if mode == "zenflow":
-        raw["zero_optimization"]["zenflow"] = {
-            "topk_ratio": TOPK, "update_interval": INTERVAL, "overlap_step": True,
-            "select_strategy": "step", "select_interval": SELECT_EVERY,
-            "full_warm_up_rounds": 1,
-        }  # fmt: skip
-    return load_config(raw)
+    return load_config(case_config(mode, micro_batch))
 
 
 def build_model(args, dev: torch.device):

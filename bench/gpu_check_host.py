@@ -55,6 +55,34 @@ ACC_BYTES = 10  # accumulate: read src bf16 (2), read and write the fp32 sum (8)
 ADAM_BYTES = 30  # Adam: read+write param, m, v fp32 (24), read fp32 grad (4), write bf16 (2)
 
 
+# The cases' settings (bench/gpu_check_case.py), here without torch so that the estimate the
+# check asks for (bench/gpu_check.py) is of the same config. Steps per phase: step 1 is the
+# warm-up round, step 2 the first selection; the re-selection is due SELECT_EVERY steps
+# after it, at a window end inside the sync phase.
+TOPK, INTERVAL = 0.1, 4
+PHASES = {"warm": 4, "timed": 8, "sync": 6, "profile": 4}
+SELECT_EVERY = PHASES["timed"] + 3
+
+
+def case_config(mode: str, micro_batch: int) -> dict:
+    """The DeepSpeed-style config of a case of ``mode`` (the zenflow block only for zenflow:
+    no early phase, one warm-up round, a re-selection every SELECT_EVERY steps)."""
+    raw = {
+        "train_micro_batch_size_per_gpu": micro_batch, "gradient_clipping": 1.0,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": 2,
+                              "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+    }  # fmt: skip
+    if mode == "zenflow":
+        raw["zero_optimization"]["zenflow"] = {
+            "topk_ratio": TOPK, "update_interval": INTERVAL, "overlap_step": True,
+            "select_strategy": "step", "select_interval": SELECT_EVERY,
+            "full_warm_up_rounds": 1,
+        }  # fmt: skip
+    return raw
+
+
 def emit(result: dict) -> None:
     """The part's result, as the one line bench/gpu_check.py reads."""
     print("GPU_CHECK_RESULT " + json.dumps(result, default=str), flush=True)

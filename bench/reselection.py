@@ -10,8 +10,9 @@ compared between two checkouts side by side:
     PYTHONPATH=/path/to/other/checkout .venv/bin/python bench/reselection.py ...
 
 Prints one JSON line: the median milliseconds of each step kind, the engine's stall on the
-re-selection steps, the columns moved. fp32 weights, topk 0.1, update_interval 2, a
-re-selection every 4 steps (select_strategy "step", select_schedule "fixed").
+re-selection steps and the first selection, the columns moved. fp32 weights, topk 0.1,
+update_interval 2, a re-selection every 4 steps (select_strategy "step", select_schedule
+"fixed"); ``--warm-up-rounds 1`` times the first selection from warm-up's full-shape state.
 """
 
 from __future__ import annotations
@@ -53,6 +54,16 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=13)
     ap.add_argument("--topk", type=float, default=0.1)
+    ap.add_argument("--warm-up-rounds", type=int, default=0,
+                    help="full_warm_up_rounds: 1 makes the first selection compact the "
+                         "warm-up's full-shape state (three gathers a weight), as make "
+                         "gpu-check's cases do")  # fmt: skip
+    ap.add_argument(
+        "--reserved-cores",
+        type=float,
+        default=0.5,
+        help="pt_reserved_cores_perc, in (0, 1): 0.01 gives the host work every core",
+    )
     a = ap.parse_args()
     torch.manual_seed(0)
     model = Stack(a.layers, a.width)
@@ -61,12 +72,13 @@ def main() -> None:
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
         "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "zenflow": {
             "topk_ratio": a.topk, "update_interval": 2, "select_strategy": "step",
-            "select_interval": 4, "full_warm_up_rounds": 0, "overlap_step": False}},
+            "select_interval": 4, "full_warm_up_rounds": a.warm_up_rounds,
+            "pt_reserved_cores_perc": a.reserved_cores, "overlap_step": False}},
         "zfctl": {"select_schedule": "fixed"},
     }  # fmt: skip
     x = torch.randn(a.batch, a.width)
     kinds: dict[str, list[float]] = {}
-    stall, moved = [], []
+    stall, moved, first_stall = [], [], None
     with ZenFlowEngine(model, load_config(raw), mode="zenflow", accelerator="sim") as e:
         for _ in range(a.steps):
             x = x + 0.1 * torch.randn_like(x)  # a different gradient every step
@@ -75,9 +87,13 @@ def main() -> None:
             st = e.step()
             ms = 1e3 * (time.perf_counter() - t0)
             e.zero_grad()
-            kind = "re-selection" if st.selection_changed and st.step > 1 else (
-                "first selection" if st.step == 1 else "steady")  # fmt: skip
+            first = a.warm_up_rounds + 1
+            kind = "re-selection" if st.selection_changed and st.step > first else (
+                "first selection" if st.step == first else
+                "warm-up" if st.step < first else "steady")  # fmt: skip
             kinds.setdefault(kind, []).append(ms)
+            if kind == "first selection":
+                first_stall = st.stall_ms
             if kind == "re-selection":
                 stall.append(st.stall_ms)
                 moved.append(st.selection_changed)
@@ -87,7 +103,9 @@ def main() -> None:
         "steps": {k: len(v) for k, v in kinds.items()},
         "reselection_stall_ms_median": round(statistics.median(stall), 1) if stall else None,
         "columns_moved_median": statistics.median(moved) if moved else None,
+        "first_selection_stall_ms": None if first_stall is None else round(first_stall, 1),
         "torch_threads": torch.get_num_threads(),
+        "host_threads": e.host_threads,
     }
     print(json.dumps(out))
 

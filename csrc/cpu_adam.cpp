@@ -168,6 +168,9 @@ TORCH_LIBRARY(zenflow, m) {
   m.def(
       "compact_merge_(Tensor(a!) data, Tensor drop, Tensor insert_at, Tensor values, "
       "int column_dim, int num_threads) -> ()");
+  m.def(
+      "gather_columns_(Tensor(a!) out, Tensor src, Tensor index, int dim, int num_threads) "
+      "-> ()");
   // q8_ops.cpp: the compact host state's 8-bit moments.
   m.def(
       "adamw_q8_step_(Tensor(a!) param, Tensor grad, Tensor(b!) m_codes, Tensor(c!) m_scales, "

@@ -56,12 +56,23 @@
 // column_dim 1 ([rows, n]): every row is a sequence of n one-element items, rows run on
 // the threads; column_dim 0 ([n, inner]): one sequence of n items of `inner` elements. Any
 // dtype (moved as bytes); data and values contiguous, same dtype.
+//
+// gather_columns_(out, src, index, dim): out = src.index_select(dim, index) for contiguous CPU
+// tensors of any dtype (moved as bytes), parallel. src is seen as [outer, n, inner] around
+// `dim`; out as [outer, m, inner]. Consecutive ids in `index` form runs, each one memcpy of
+// len * inner elements per outer slice: outer slices run on the threads (a Linear's rows),
+// or, with one slice (columns along dim 0), the runs themselves, cut to at most ~1 MiB. The
+// host's column gathers (the first selection's compact state, a hand-over's entering
+// columns, a whole gradient's non-selected columns) are ~N elements each; torch's
+// index_select along dim 1 runs them on one thread, element by element (about 2 GB/s on a
+// GPU box's server core, measured by make gpu-check).
 
 #include "adam_kernel.h"
 
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -423,12 +434,79 @@ void compact_merge_(at::Tensor data, const at::Tensor& drop, const at::Tensor& i
   }
 }
 
+constexpr const char* kGatherOp = "zenflow::gather_columns_";
+
+void gather_columns_(at::Tensor out, const at::Tensor& src, const at::Tensor& index,
+                     int64_t dim, int64_t num_threads) {
+  TORCH_CHECK(src.device().is_cpu() && src.is_contiguous() && src.dim() >= 1, kGatherOp,
+              ": src must be a contiguous CPU tensor with at least one dim");
+  TORCH_CHECK(dim >= 0 && dim < src.dim(), kGatherOp, ": dim ", dim, " is not a dim of src (",
+              src.dim(), " dims)");
+  TORCH_CHECK(index.device().is_cpu() && index.scalar_type() == at::kLong &&
+                  index.dim() == 1 && index.is_contiguous(),
+              kGatherOp, ": index must be a contiguous 1-D Long CPU tensor, got ",
+              index.scalar_type(), " with ", index.dim(), " dims");
+  TORCH_CHECK(out.device().is_cpu() && out.is_contiguous() &&
+                  out.scalar_type() == src.scalar_type() && out.dim() == src.dim(),
+              kGatherOp, ": out must be a contiguous CPU tensor of src's dtype ",
+              src.scalar_type(), " and dims, got ", out.scalar_type(), " with ", out.dim(),
+              " dims");
+  const int64_t n = src.size(dim), m = index.numel();
+  for (int64_t d = 0; d < src.dim(); ++d) {
+    TORCH_CHECK(out.size(d) == (d == dim ? m : src.size(d)), kGatherOp, ": out has shape ",
+                out.sizes(), ", the gather of ", m, " items along dim ", dim, " of ",
+                src.sizes(), " needs that shape with ", m, " at dim ", dim);
+  }
+  const int64_t es = src.element_size();
+  const char* sb = static_cast<const char*>(src.data_ptr());
+  char* ob = static_cast<char*>(out.data_ptr());
+  TORCH_CHECK(ob + out.numel() * es <= sb || sb + src.numel() * es <= ob, kGatherOp,
+              ": out overlaps src");
+  int64_t outer = 1, inner = 1;
+  for (int64_t d = 0; d < dim; ++d) outer *= src.size(d);
+  for (int64_t d = dim + 1; d < src.dim(); ++d) inner *= src.size(d);
+  if (m == 0 || outer == 0 || inner == 0) return;
+  const int64_t item = inner * es;
+  // one slice: the runs are the parallel work, so no run is longer than ~1 MiB
+  const int64_t cap = outer == 1 ? std::max<int64_t>(1, (int64_t{1} << 20) / item) : m;
+  const int64_t* q = index.data_ptr<int64_t>();
+  std::vector<Run> runs;  // j0: position in out, c0: item of src
+  for (int64_t t = 0; t < m; ++t) {
+    TORCH_CHECK(q[t] >= 0 && q[t] < n, kGatherOp, ": index[", t, "] = ", q[t],
+                " is not an item in [0, ", n, ")");
+    if (!runs.empty() && q[t] == q[t - 1] + 1 && runs.back().len < cap) {
+      ++runs.back().len;
+    } else {
+      runs.push_back({t, q[t], 1});
+    }
+  }
+  const int team = num_threads > 0 ? static_cast<int>(num_threads) : omp_get_max_threads();
+  const int64_t nruns = static_cast<int64_t>(runs.size());
+  const bool wide = outer * m * item >= (int64_t{1} << 16);  // threads pay off
+  if (outer == 1) {
+#pragma omp parallel for schedule(dynamic, 16) num_threads(team) if (wide && nruns > 1)
+    for (int64_t r = 0; r < nruns; ++r) {
+      std::memcpy(ob + runs[r].j0 * item, sb + runs[r].c0 * item, runs[r].len * item);
+    }
+    return;
+  }
+#pragma omp parallel for schedule(static) num_threads(team) if (wide)
+  for (int64_t o = 0; o < outer; ++o) {
+    const char* s_row = sb + o * n * item;
+    char* o_row = ob + o * m * item;
+    for (const Run& run : runs) {
+      std::memcpy(o_row + run.j0 * item, s_row + run.c0 * item, run.len * item);
+    }
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(zenflow, CPU, m) {
   m.impl("adamw_compact_step_", &adamw_compact_step_);
   m.impl("accumulate_", &accumulate_);
   m.impl("compact_merge_", &compact_merge_);
+  m.impl("gather_columns_", &gather_columns_);
 }
 
 }  // namespace zenflow

@@ -213,3 +213,22 @@ def test_the_host_is_compared_with_the_whole_runs_peak_as_well():
     assert out["engine_host_peak_over_estimate_peak"] == 1500 / 1200
     assert out["host_peak_rss_over_estimate_peak"] == 2000 / 1600
     assert out["estimate_host_peak_phase"] == "re-selection"
+
+
+def test_the_estimate_is_of_the_cases_config(tmp_path):
+    """The estimate the check sets beside the measured peaks is of the zenflow case's own
+    config (no early phase, one warm-up round, its topk and interval), not of the template
+    (whose early phase would make the estimate's host peak a phase the case never runs)."""
+    import argparse
+
+    hc = _load("gpu_check_host")
+    args = argparse.Namespace(out=str(tmp_path / "gc"), budget=60.0, spent=0.0, scale="tiny",
+                              only=set(), host_kernel="reference", set=[])  # fmt: skip
+    check = gc.Check(args)
+    check.scale, check.accel = TINY, "sim"
+    est = check.estimate(64)
+    conf = json.loads((tmp_path / "gc" / "estimate-config-64.json").read_text())
+    assert conf == hc.case_config("zenflow", 64 // TINY["seq"])
+    assert "zfctl" not in conf and conf["zero_optimization"]["zenflow"]["full_warm_up_rounds"] == 1
+    zf = est["engines"]["zenflow"]
+    assert zf["host_peak_phase"] != "early phase", zf

@@ -29,9 +29,10 @@ ZF = {"topk_ratio": 0.1, "update_interval": 2, "overlap_step": True,
       "select_strategy": "step", "select_interval": 4}  # fmt: skip
 
 
-def _engine(state: str, bf16: bool, **extra):
+def _engine(state: str, bf16: bool, warm_up: int = 0, **extra):
     model = tiny_gpt2()
-    cfg = make_config(ZF, bf16={"enabled": bf16}, zfctl={"host_state": state, **extra})
+    cfg = make_config({**ZF, "full_warm_up_rounds": warm_up}, bf16={"enabled": bf16},
+                      zfctl={"host_state": state, **extra})  # fmt: skip
     return model, ZenFlowEngine(model, cfg, accelerator="sim", sim_strict=True,
                                 host_kernel="reference")  # fmt: skip
 
@@ -224,19 +225,22 @@ def test_a_re_selection_re_lays_the_host_state_in_place(state):
 
 
 @pytest.mark.parametrize("state", ["exact", "compact"])
-def test_the_native_merge_re_lays_as_the_reference_does(state):
-    """The same run with the hand-over's re-layout by the native ``compact_merge_`` and by
-    its PyTorch reference (everything else the reference ops): after re-selections that
-    moved columns, every weight's host state is bit for bit the same (the merge only moves
+@pytest.mark.parametrize(("kernel", "warm_up"), [("merge", 0), ("gather", 1)])
+def test_the_native_merge_re_lays_as_the_reference_does(state, kernel, warm_up):
+    """The same run with one host kernel native and by its PyTorch reference (everything
+    else the reference ops): the hand-over's re-layout (``compact_merge_``), or the host's
+    column gathers (``gather_columns_``: the first selection compacting warm-up's
+    full-shape state and the whole gradients, the entering columns). After re-selections
+    that moved columns, every weight's host state is bit for bit the same (both only move
     values)."""
     import dataclasses
 
     from zenflow import ops
 
-    def run(merge):
-        model, e = _engine(state, bf16=False)
+    def run(op):
+        model, e = _engine(state, bf16=False, warm_up=warm_up)
         with e:
-            e.impl.kernels = dataclasses.replace(e.impl.kernels, merge=merge)
+            e.impl.kernels = dataclasses.replace(e.impl.kernels, **{kernel: op})
             stats = train_engine(e, model, gpt2_batches(9, seed=3))
             e.impl.drain()  # step 8's host step is in flight: read its result, not its middle
             fields = ("master", "m_codes", "m_scales", "u_codes", "u_scales") \
@@ -246,8 +250,12 @@ def test_the_native_merge_re_lays_as_the_reference_does(state):
         return sum(s.selection_changed for s in stats[1:]), host
 
     ops.load_native()
-    moved, want = run(ops.compact_merge_reference_)
-    moved_native, got = run(ops.compact_merge_)
+    reference, native = {
+        "merge": (ops.compact_merge_reference_, ops.compact_merge_),
+        "gather": (ops.gather_columns_reference_, ops.gather_columns_),
+    }[kernel]
+    moved, want = run(reference)
+    moved_native, got = run(native)
     assert moved > 0 and moved_native == moved
     for name, tensors in want.items():
         assert all(torch.equal(a, b) for a, b in zip(tensors, got[name], strict=True)), name

@@ -332,3 +332,88 @@ def test_compact_merge_rejects_bad_arguments(native):
             compact_merge_(data, args["drop"], args["ins"], args["values"], args["column_dim"])
         assert "zenflow::compact_merge_" in str(err.value)
     assert torch.equal(data, torch.zeros(4, 6))  # a refused call changed nothing
+
+
+# ------------------------------------------------------------- gather_columns_ (column gathers)
+def _gather_index(n: int, m: int, kind: str, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "sorted":  # the engine's: sorted distinct ids, runs and gaps
+        return torch.randperm(n, generator=gen)[:m].sort().values
+    if kind == "all":  # one run
+        return torch.arange(n)
+    return torch.randint(0, n, (m,), generator=gen)  # any order, repeats
+
+
+GATHER_CASES = [((1, 1, 1), 1), ((3, 9, 2), 4), ((5, 2003, 3), 1800), ((700, 300, 1), 270),
+                ((1, 40000, 1), 35000)]  # fmt: skip
+
+
+@pytest.mark.parametrize("dim", [0, 1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+@pytest.mark.parametrize("kind", ["sorted", "all", "any"])
+@pytest.mark.parametrize(("shape", "m"), GATHER_CASES)
+def test_gather_columns_matches_index_select(native, dim, dtype, kind, shape, m):
+    """Element-wise against torch.index_select (it only moves values: bit for bit), for
+    columns along any dim of a contiguous tensor, sorted ids with runs, one run, and ids
+    in any order with repeats."""
+    from zenflow.ops import gather_columns_, gather_columns_reference_
+
+    gen = torch.Generator().manual_seed(sum(shape) + m)
+    src = (100 * torch.randn(shape, generator=gen)).to(dtype)
+    n = shape[dim]
+    index = _gather_index(n, n if kind == "all" else min(m, n), kind, seed=m)
+    want_shape = list(shape)
+    want_shape[dim] = index.numel()
+    want = torch.full(want_shape, 7).to(dtype)
+    got = want.clone()
+    gather_columns_reference_(want, src, index, dim)
+    gather_columns_(got, src, index, dim, num_threads=2)
+    assert torch.equal(got, want)
+    assert torch.equal(got, src.index_select(dim, index))
+
+
+def test_gather_columns_threads_bit_identical_and_large_runs(native):
+    """Any thread count, and a single slice whose runs are cut for the threads."""
+    from zenflow.ops import gather_columns_
+
+    gen = torch.Generator().manual_seed(5)
+    for shape, dim in (((257, 3001), 1), ((3001, 513), 0)):
+        src = torch.randn(shape, generator=gen)
+        index = _gather_index(shape[dim], shape[dim] * 9 // 10, "sorted", seed=1)
+        outs = []
+        for threads in THREADS:
+            out = torch.empty(src.index_select(dim, index).shape)
+            gather_columns_(out, src, index, dim, num_threads=threads)
+            outs.append(out)
+        assert all(torch.equal(outs[0], o) for o in outs[1:])
+        assert torch.equal(outs[0], src.index_select(dim, index))
+
+
+def test_gather_columns_rejects_bad_arguments(native):
+    from zenflow.ops import gather_columns_
+
+    src = torch.arange(24.0).reshape(4, 6)
+    good = dict(out=torch.zeros(4, 2), index=torch.tensor([1, 3]), dim=1)
+    bad = [
+        (dict(index=torch.tensor([0, 6])), "is not an item in"),
+        (dict(index=torch.tensor([-1, 2])), "is not an item in"),
+        (dict(index=torch.tensor([1.0, 3.0])), "index must be a contiguous 1-D Long"),
+        (dict(out=torch.zeros(4, 3)), "needs that shape with 2 at dim 1"),
+        (dict(out=torch.zeros(4, 2, dtype=torch.float64)), "of src's dtype"),
+        (dict(out=torch.zeros(2, 4).t()), "out must be a contiguous"),
+        (dict(dim=2), "is not a dim of src"),
+        (dict(out=src[:, :2].contiguous().view(4, 2), dim=1), None),  # a copy: fine
+    ]
+    for change, message in bad:
+        args = dict(good, **change)
+        if message is None:
+            gather_columns_(args["out"], src, args["index"], args["dim"])
+            continue
+        out_before = args["out"].clone()
+        with pytest.raises(RuntimeError, match=message) as err:
+            gather_columns_(args["out"], src, args["index"], args["dim"])
+        assert "zenflow::gather_columns_" in str(err.value)
+        assert torch.equal(args["out"], out_before)  # a refused call wrote nothing
+    with pytest.raises(RuntimeError, match="out overlaps src"):
+        gather_columns_(src.view(-1)[:8].view(4, 2), src, torch.tensor([1, 3]), 1)
+    assert torch.equal(src, torch.arange(24.0).reshape(4, 6))

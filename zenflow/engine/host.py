@@ -78,14 +78,15 @@ class HostKernels:
     quantize: Callable[..., None] | None = None
     dequantize: Callable[..., None] | None = None
     merge: Callable[..., None] | None = None  # a hand-over's in-place re-layout
+    gather: Callable[..., None] | None = None  # the host's column gathers (index_select)
 
 
 def resolve_kernel(host_kernel: str | HostKernel) -> HostKernels:
     """The CPU AdamW ops to run on the host and a name for them.
 
     "native" is ``zenflow.ops.adamw_step_`` / ``adamw_compact_step_`` / ``accumulate_``,
-    the hand-over's ``compact_merge_`` and the 8-bit ``adamw_q8_step_`` / ``quantize_q8_`` /
-    ``dequantize_q8_`` (GIL-free SIMD
+    the hand-over's ``compact_merge_``, the host's column gathers ``gather_columns_`` and
+    the 8-bit ``adamw_q8_step_`` / ``quantize_q8_`` / ``dequantize_q8_`` (GIL-free SIMD
     ops; when they cannot be built the plain references are used and the name says so).
     "reference" forces the plain PyTorch ops. A callable (tests) is used as the full-shape
     kernel, with its compact twin built from it and the 8-bit step running it between the
@@ -99,12 +100,12 @@ def resolve_kernel(host_kernel: str | HostKernel) -> HostKernels:
             host_kernel, compact_from_full(host_kernel), ops.accumulate_reference_,
             getattr(host_kernel, "__name__", "custom"),
             functools.partial(ops.adamw_q8_step_reference_, adam_step=host_kernel), *ref_q8,
-            ops.compact_merge_reference_,
+            ops.compact_merge_reference_, ops.gather_columns_reference_,
         )  # fmt: skip
     reference = HostKernels(
         ops.adamw_step_reference_, ops.adamw_compact_step_reference_,
         ops.accumulate_reference_, "reference", ops.adamw_q8_step_reference_, *ref_q8,
-        ops.compact_merge_reference_,
+        ops.compact_merge_reference_, ops.gather_columns_reference_,
     )  # fmt: skip
     if host_kernel == "reference":
         return reference
@@ -113,7 +114,7 @@ def resolve_kernel(host_kernel: str | HostKernel) -> HostKernels:
             return dataclasses.replace(reference, name="reference (native op not available)")
         return HostKernels(ops.adamw_step_, ops.adamw_compact_step_, ops.accumulate_, "native",
                            ops.adamw_q8_step_, ops.quantize_q8_, ops.dequantize_q8_,
-                           ops.compact_merge_)  # fmt: skip
+                           ops.compact_merge_, ops.gather_columns_)  # fmt: skip
     raise ValueError(
         f"host_kernel={host_kernel!r} is not allowed: use 'native', 'reference' or a callable."
     )

@@ -13,6 +13,8 @@ Public API (other modules and external checks build on these names):
 - ``adamw_q8_step_``, ``quantize_q8_``, ``dequantize_q8_``: the compact host state with
   8-bit block-wise moments (formats in ``zenflow.ops.q8_reference``; ``Q8_BLOCK`` elements
   per scale, ``q8_num_blocks(numel)`` scales per tensor).
+- ``gather_columns_(out, src, index, dim, num_threads=0)``: ``out = src.index_select(dim,
+  index)`` for contiguous CPU tensors, on the threads (the host's column gathers).
 - ``*_reference_``: each op in plain PyTorch, same signature; ``ZENFLOW_OPS=reference``
   routes every op to it.
 - ``load_native()``, ``native_status()``, ``simd_path()``, ``NativeBuildError``: see
@@ -51,6 +53,7 @@ from zenflow.ops.reference import (
     adamw_compact_step_reference_,
     adamw_step_reference_,
     compact_merge_reference_,
+    gather_columns_reference_,
 )
 
 __all__ = [
@@ -66,6 +69,8 @@ __all__ = [
     "adamw_step_reference_",
     "compact_merge_",
     "compact_merge_reference_",
+    "gather_columns_",
+    "gather_columns_reference_",
     "dequantize_q8_",
     "dequantize_q8_reference_",
     "load_native",
@@ -348,3 +353,22 @@ def compact_merge_(
     torch.ops.zenflow.compact_merge_.default(
         data, drop, insert_at, values, int(column_dim), int(num_threads)
     )
+
+
+def gather_columns_(
+    out: torch.Tensor,
+    src: torch.Tensor,
+    index: torch.Tensor,
+    dim: int,
+    num_threads: int = 0,
+) -> None:
+    """``out = src.index_select(dim, index)`` (contiguous CPU tensors of one dtype, any;
+    ``index`` int64, any order, repeats allowed; ``out`` shaped as the result, not
+    overlapping ``src``), on ``num_threads`` threads: memcpys of runs of consecutive ids,
+    one per run and slice. Raises ``RuntimeError`` starting with ``zenflow::gather_columns_``
+    for a bad argument."""
+    if ops_mode() == "reference":
+        gather_columns_reference_(out, src, index, dim)
+        return
+    load_native()
+    torch.ops.zenflow.gather_columns_.default(out, src, index, int(dim), int(num_threads))

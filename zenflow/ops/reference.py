@@ -208,3 +208,15 @@ def compact_merge_reference_(
     if insert_at.numel():
         new.index_copy_(column_dim, insert_at, values)
     data.copy_(new)
+
+
+def gather_columns_reference_(
+    out: torch.Tensor,
+    src: torch.Tensor,
+    index: torch.Tensor,
+    dim: int,
+    num_threads: int = 0,
+) -> None:
+    """The native ``gather_columns_`` in plain PyTorch: ``torch.index_select`` into ``out``."""
+    del num_threads
+    torch.index_select(src, dim, index, out=out)

@@ -259,7 +259,7 @@ class Handover:
         names = [h for _, h in fields]
         if has_master and "master" not in names:
             names.append("master")
-        host_in = entering(w, plan.in_cols) if w.owned and n_in else {}
+        host_in = entering(w, self.m, plan.in_cols) if w.owned and n_in else {}
         incoming = self._incoming(w, host_in, n_in, names) if n_in else {}
         for name, host_name in fields:
             old_t = getattr(w, name)

@@ -106,29 +106,45 @@ def full_state(w, accel) -> HostState:
     return st
 
 
-def entering(w, cols: torch.Tensor) -> dict:
+def gather(
+    mode, src: torch.Tensor, cd: int, index: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``src.index_select(cd, index)`` (into ``out`` when given) on the host threads: the
+    kernels' ``gather`` (the native ``gather_columns_``: runs of consecutive ids copied
+    whole, rows in parallel; torch's index_select along dim 1 is one thread, element by
+    element, and made a GPU box's first selection take ~19 s for a 1B model)."""
+    if out is None:
+        shape = list(src.shape)
+        shape[cd] = int(index.numel())
+        out = torch.empty(shape, dtype=src.dtype)
+    mode.kernels.gather(out, src.contiguous(), index, cd, num_threads=mode.e.host_threads)
+    return out
+
+
+def entering(w, mode, cols: torch.Tensor) -> dict:
     """The host values of the columns ``cols`` (sorted, not selected now) that enter the
     device: master (fp32, or None where the device weight itself holds it: an fp32 weight
     before its first selection), moments and counts, from whatever the host holds."""
     host, cd = w.host, w.cd
+    take = functools.partial(gather, mode, cd=cd)
     if w.host_layout == "compact":
         pos = _positions(w.nonsel_host, cols)
         exp_avg, exp_avg_sq = moments(host)
         return {
-            "master": host.master.index_select(cd, pos),
-            "exp_avg": exp_avg.index_select(cd, pos),
-            "exp_avg_sq": exp_avg_sq.index_select(cd, pos),
+            "master": take(host.master, index=pos),
+            "exp_avg": take(exp_avg, index=pos),
+            "exp_avg_sq": take(exp_avg_sq, index=pos),
             "counts": host.steps.counts[pos],
         }
     shape = compact_shape(w, int(cols.numel()))
     if w.host_layout == "full":  # warm-up's state
         return {
-            "master": host.master.index_select(cd, cols),
-            "exp_avg": host.exp_avg.index_select(cd, cols),
-            "exp_avg_sq": host.exp_avg_sq.index_select(cd, cols),
+            "master": take(host.master, index=cols),
+            "exp_avg": take(host.exp_avg, index=cols),
+            "exp_avg_sq": take(host.exp_avg_sq, index=cols),
             "counts": host.steps.counts[cols],
         }
-    master = None if w.init_master is None else w.init_master.index_select(cd, cols)
+    master = None if w.init_master is None else take(w.init_master, index=cols)
     return {
         "master": master,
         "exp_avg": torch.zeros(shape, dtype=torch.float32),
@@ -182,13 +198,13 @@ def first_compact(w, mode, plan: SelectionPlan) -> None:
     m, v = _moment_targets(new, compact_shape(w))
     if w.host_layout == "full":
         old = w.host
-        new.master.copy_(old.master.index_select(cd, ns))
-        torch.index_select(old.exp_avg, cd, ns, out=m)
-        torch.index_select(old.exp_avg_sq, cd, ns, out=v)
+        gather(mode, old.master, cd, ns, out=new.master)
+        gather(mode, old.exp_avg, cd, ns, out=m)
+        gather(mode, old.exp_avg_sq, cd, ns, out=v)
         new.steps.counts.copy_(old.steps.counts[ns])
     else:
         if w.init_master is not None:
-            torch.index_select(w.init_master, cd, ns, out=new.master)
+            gather(mode, w.init_master, cd, ns, out=new.master)
         else:
             mode.handover.read_columns(w, new.master)
         m.zero_()

@@ -20,6 +20,7 @@ from zenflow.engine.accelerator import DONE
 from zenflow.engine.baselines import host_full_step
 from zenflow.engine.selection import column_scores
 from zenflow.engine.zenflow.handover import Handover
+from zenflow.engine.zenflow.host_layout import gather
 from zenflow.engine.zenflow.route import GradRoute
 from zenflow.engine.zenflow.state import ZfWeight
 from zenflow.engine.zenflow.window import Window
@@ -118,7 +119,7 @@ class Warmup:
                 sel = g.index_select(w.cd, w.sel_host).to(w.grad_sel.dtype)
                 e.accel.compute_wait(e.accel.copy_h2d(w.grad_sel, sel))
                 ns = self._compact_out(w, g)
-                torch.index_select(g, w.cd, w.nonsel_host, out=ns.view(w.compact_shape()))
+                gather(self.m, g, w.cd, w.nonsel_host, out=ns.view(w.compact_shape()))
                 if ns.dtype != self.m.link_dtype:  # as the pieces cross the link (compact)
                     ns = ns.to(self.m.link_dtype)
                 acc.add(DONE, ns, w.acc[0], self.m.plan.gate, True, None)
