@@ -104,15 +104,21 @@ def core_split(accel_kind: str) -> dict:
     overlap (the default ``pt_reserved_cores_perc``): training thread vs host work."""
     from zenflow.config.schema import ZenFlowConfig
     from zenflow.engine.accelerator import cores, make_accelerator
+    from zenflow.engine.accumulator import CoreShare
 
     reserved = float(ZenFlowConfig().pt_reserved_cores_perc)
     accel = make_accelerator(accel_kind)
     try:
         training, host = accel.compute_threads(reserved, True)
+        share = CoreShare(host, accel.host_yields)
     finally:
         accel.close()
     return {"cores": cores(), "cpu_count": os.cpu_count(), "pt_reserved_cores_perc": reserved,
-            "training_threads": training, "host_threads": host}  # fmt: skip
+            "training_threads": training, "host_threads": host,
+            # while a window's Adam runs: its threads and the accumulator's (CoreShare)
+            "adam_threads": share.adam_threads,
+            "accumulate_threads_beside_adam": host - share.adam_threads if share.yielding
+            else host}  # fmt: skip
 
 
 def parallel_info() -> list[str]:
@@ -188,22 +194,26 @@ class HostOps:
                              param_bf16=self.img, grad_scale=0.25, num_threads=threads)  # fmt: skip
 
 
-def together(ops: HostOps, threads: int, seconds: float) -> dict:
-    """The accumulate and the Adam at once, each in its own thread on ``threads`` OpenMP
-    threads, for ``seconds``: each one's GB/s while the other runs."""
+def together(ops: HostOps, acc_threads: int, adam_threads: int, seconds: float) -> dict:
+    """The accumulate and the Adam at once, each in its own thread on its OpenMP threads
+    (the engine's split while a window's Adam runs), for ``seconds``: each one's GB/s while
+    the other runs."""
     done = {}
     start = threading.Barrier(2)
 
-    def loop(name, fn, nbytes):
+    def loop(name, fn, nbytes, threads):
         start.wait()
         k, t0 = 0, time.perf_counter()
         while time.perf_counter() - t0 < seconds:
             fn(threads)
             k += 1
-        done[name] = {"gbs": nbytes * ops.n * k / (time.perf_counter() - t0) / 1e9, "calls": k}
+        done[name] = {"gbs": nbytes * ops.n * k / (time.perf_counter() - t0) / 1e9, "calls": k,
+                      "threads": threads}  # fmt: skip
 
-    workers = [threading.Thread(target=loop, args=("accumulate", ops.accumulate, ACC_BYTES)),
-               threading.Thread(target=loop, args=("adam", ops.adam, ADAM_BYTES))]  # fmt: skip
+    workers = [
+        threading.Thread(target=loop, args=("accumulate", ops.accumulate, ACC_BYTES, acc_threads)),
+        threading.Thread(target=loop, args=("adam", ops.adam, ADAM_BYTES, adam_threads)),
+    ]
     for w in workers:
         w.start()
     for w in workers:
@@ -237,7 +247,8 @@ def part_host(args) -> dict:
     emit(out)
     h = split["host_threads"]
     secs = 2.0 if args.scale == "gpu" else 1.0
-    out["together"] = {"threads_each": h, "seconds": secs, **together(hops, h, secs)}
+    acc_t, adam_t = split["accumulate_threads_beside_adam"], split["adam_threads"]
+    out["together"] = {"seconds": secs, **together(hops, acc_t, adam_t, secs)}
     print(f"host: together {json.dumps(out['together'])}", flush=True)
     # what a window end costs per element on this host, both ops at once at the engine's
     # split: the accumulate every step, the Adam once per window of S steps

@@ -83,6 +83,111 @@ def test_core_split_is_observed_on_the_threads(monkeypatch):
         assert "simulated" in e.resolved["device_description"]
 
 
+def test_cuda_split_keeps_two_cores_for_the_training_thread():
+    """On CUDA the training thread launches kernels: of its reserved share it keeps at most
+    2 cores, the host gets the rest (issue 28 item 6); no CUDA needed to check the rule."""
+    from zenflow.engine.accelerator import SimAccelerator
+    from zenflow.engine.accelerator.cuda import CudaAccelerator, cuda_core_split
+
+    assert cuda_core_split(8, 8) == (2, 14)
+    assert cuda_core_split(4, 4) == (2, 6)  # two ranks on 16 cores
+    assert cuda_core_split(2, 2) == (2, 2)
+    assert cuda_core_split(1, 15) == (1, 15)
+    assert cuda_core_split(1, 0) == (1, 0)  # one core: nothing to move
+    assert CudaAccelerator.host_yields and not SimAccelerator.host_yields
+
+
+def test_core_share_yields_half_to_a_running_window_adam():
+    """With yielding the accumulator takes every host thread until a window's Adam runs,
+    then the half the Adam does not take; without it (sim, cpu) both take all."""
+    from zenflow.engine.accumulator import CoreShare
+
+    share = CoreShare(14, yielding=True)
+    assert (share.accumulate_threads, share.adam_threads) == (14, 7)
+    with share.adam() as nt:
+        assert nt == 7 and share.accumulate_threads == 7
+        with share.adam():  # two at once (never in the engine): still yielded
+            assert share.accumulate_threads == 7
+        assert share.accumulate_threads == 7
+    assert share.accumulate_threads == 14
+    share = CoreShare(7, yielding=True)
+    with share.adam() as nt:
+        assert (nt, share.accumulate_threads) == (3, 4)
+    plain = CoreShare(6)
+    with plain.adam() as nt:
+        assert (nt, plain.accumulate_threads) == (6, 6)
+    assert not CoreShare(1, yielding=True).yielding  # one thread: nothing to share
+
+
+def test_the_accumulator_takes_the_yielded_threads():
+    """Each add asks the kernel for the share's current count: all the host threads, or
+    the yielded half while a window's Adam runs."""
+    from zenflow.engine.accelerator import DONE
+    from zenflow.engine.accumulator import Accumulator, CoreShare
+
+    seen = []
+
+    def accumulate(dst, src, scale, overwrite, sumsq, num_threads):
+        seen.append(num_threads)
+        dst.add_(src, alpha=scale)
+        return 0.0
+
+    share = CoreShare(8, yielding=True)
+    acc = Accumulator(accumulate, share)
+    dst = torch.zeros(4)
+    try:
+        acc.add(DONE, torch.ones(4), dst, None, False, None)
+        acc.drain()
+        with share.adam():
+            acc.add(DONE, torch.ones(4), dst, None, False, None)
+            acc.drain()
+    finally:
+        acc.close()
+    assert seen == [8, 4] and torch.equal(dst, torch.full((4,), 2.0))
+
+
+def test_yielding_host_threads_on_the_engine(monkeypatch):
+    """A backend that yields (as CUDA does; here sim with the flag set, 8 cores, 25% kept):
+    the window's Adam runs on half the host threads, the accumulator on all of them or the
+    other half, and the training is bit for bit the one without yielding."""
+    import zenflow.engine.accelerator.base as accel_mod
+    from zenflow.engine.accelerator import SimAccelerator
+
+    monkeypatch.setattr(accel_mod, "cores", lambda: 8)
+    cfg = make_config({"update_interval": 2, "overlap_step": True, "pt_reserved_cores_perc": 0.25})
+
+    def run(yields: bool):
+        monkeypatch.setattr(SimAccelerator, "host_yields", yields)
+        adam, accumulate = set(), set()
+
+        def kernel(*args, num_threads, **kw):
+            adam.add(num_threads)
+            torch_style_kernel(*args, num_threads=num_threads, **kw)
+
+        torch.manual_seed(0)
+        model = MLP()
+        e = ZenFlowEngine(model, cfg, host_kernel=kernel, accelerator="sim")
+        acc = e.impl.transport.accumulator
+        inner = acc._accumulate
+
+        def spy(*args):
+            accumulate.add(args[-1])
+            return inner(*args)
+
+        acc._accumulate = spy
+        with e:
+            train_engine(e, model, mlp_batches(6))
+            e.impl.drain()
+            params = [p.detach().clone() for p in model.parameters()]
+        return adam, accumulate, params, e.host_threads
+
+    adam, accumulate, yielded, host = run(True)
+    assert host == 6 and adam == {3} and 6 in accumulate and accumulate <= {6, 3}
+    adam, accumulate, plain, _ = run(False)
+    assert adam == {6} and accumulate == {6}
+    assert all(torch.equal(a, b) for a, b in zip(yielded, plain, strict=True))
+
+
 def test_second_submit_while_in_flight_is_refused():
     from zenflow.engine.host import HostJob, HostWorker
 

@@ -126,7 +126,8 @@ FIELD_DOCS: dict[str, str] = {
     "auto_ratio": 'Share of weights that must vote for a host update before an "auto" '
     "update_interval ends the window (0 < x <= 1).",
     "pt_reserved_cores_perc": "Share of CPU cores kept for the training thread when "
-    "overlap_step is on; the host worker gets the rest (0 < x < 1).",
+    "overlap_step is on; the host worker gets the rest (0 < x < 1). On a CUDA device the "
+    "training thread keeps at most 2 of them.",
 }
 
 
@@ -149,7 +150,8 @@ class ZenFlowConfig:
     auto_ratio: float = 0.99
     """Share of weights voting for a host update that ends an "auto" window (0 < x <= 1)."""
     pt_reserved_cores_perc: float = 0.5
-    """Share of cores kept for the training thread when overlapping (0 < x < 1)."""
+    """Share of cores kept for the training thread when overlapping (0 < x < 1); on CUDA
+    the training thread keeps at most 2 of them (``accelerator.cuda.cuda_core_split``)."""
 
 
 # The top-level "zfctl" block: settings of this engine that DeepSpeed has no key for. DeepSpeed

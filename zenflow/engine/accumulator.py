@@ -12,17 +12,24 @@ while the accumulator copies; it never waits for the gate, which the training th
 itself sets after backward. A deferred add into a sum a host step still reads waits for
 that step (``wait``), without holding up the pieces behind it.
 
-Owns ``StepGate``, ``Accumulator`` and ``reraise``; must not touch the host state, the
-window's job or the copies themselves (``transport``).
+The accumulator and the window's host step (the CPU Adam on the worker) share the host's
+threads through ``CoreShare``: where the host has the cores the training thread does not need
+(CUDA), the accumulator takes all of them while no window step runs and yields half to the
+window's Adam while one does, so the two OpenMP teams never ask for more cores than there
+are; elsewhere (sim, cpu) each takes all of them, as before.
+
+Owns ``StepGate``, ``CoreShare``, ``Accumulator`` and ``reraise``; must not touch the host
+state, the window's job or the copies themselves (``transport``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -65,6 +72,50 @@ class StepGate:
         return self._set.is_set()
 
 
+class CoreShare:
+    """The host threads (``threads``) of the accumulator and the window's Adam.
+
+    ``yielding`` False: both take all ``threads`` (a separate share each: sim and cpu,
+    whose training threads run the device's compute). ``yielding`` True (CUDA: the host
+    also has the cores the training thread does not need): the window's Adam takes half
+    (``adam_threads``), and the accumulator all of them while no window step runs, the
+    other half while one does (``accumulate_threads``, read before each add). The thread
+    count changes no result: both kernels are bit-identical for any count."""
+
+    def __init__(self, threads: int, yielding: bool = False) -> None:
+        self.threads = max(1, int(threads))
+        self.yielding = bool(yielding) and self.threads > 1
+        self._running = 0
+        self._lock = threading.Lock()
+
+    @property
+    def adam_threads(self) -> int:
+        return self.threads // 2 if self.yielding else self.threads
+
+    @property
+    def accumulate_threads(self) -> int:
+        if self.yielding and self._running:
+            return self.threads - self.adam_threads
+        return self.threads
+
+    @contextlib.contextmanager
+    def adam(self) -> Iterator[int]:
+        """While a window's Adam runs (on the worker): yields its thread count."""
+        with self._lock:
+            self._running += 1
+        try:
+            yield self.adam_threads
+        finally:
+            with self._lock:
+                self._running -= 1
+
+    def describe(self) -> str:
+        if not self.yielding:
+            return f"{self.threads} (accumulate and window Adam each)"
+        return (f"{self.threads} (accumulate; {self.threads - self.adam_threads} while a "
+                f"window's Adam runs on the other {self.adam_threads})")  # fmt: skip
+
+
 def _ready(gate, wait) -> bool:
     return (gate is None or gate.is_set()) and (wait is None or wait.is_set())
 
@@ -83,12 +134,15 @@ class Accumulator:
     step's host-side share of the global norm). ``call(fn)`` runs ``fn`` in order;
     ``fence()`` returns an event set once everything queued before it has run (deferred
     adds included). A failure is kept and re-raised by ``check()`` / the fence's waiters.
+    ``threads``: a count, or the ``CoreShare`` whose ``accumulate_threads`` each add takes.
     """
 
-    def __init__(self, accumulate, threads: int = 1, bind: Callable[[], None] | None = None):
+    def __init__(self, accumulate, threads: int | CoreShare = 1,
+                 bind: Callable[[], None] | None = None):  # fmt: skip
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._accumulate = accumulate
-        self.threads = max(1, int(threads))
+        self.cores = threads if isinstance(threads, CoreShare) else CoreShare(threads)
+        self.threads = self.cores.threads
         self._bind = bind
         self.error: BaseException | None = None
         self.sums: dict = {}
@@ -197,7 +251,8 @@ class Accumulator:
         if gate is not None and gate.skip:
             return
         t0 = time.perf_counter()
-        sq = self._accumulate(dst, src, scale, overwrite, stat is not None, self.threads)
+        threads = self.cores.accumulate_threads
+        sq = self._accumulate(dst, src, scale, overwrite, stat is not None, threads)
         self.busy_s += time.perf_counter() - t0
         self.elements += dst.numel()
         if stat is not None:

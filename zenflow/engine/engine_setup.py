@@ -230,6 +230,7 @@ def resolved_settings(engine, steps_per_epoch: int | None) -> dict:
         "copy_buckets": engine.copy_buckets,
         "training_threads": engine.training_threads,
         "host_threads": engine.host_threads,
+        "host_thread_share": engine.host_cores.describe(),
         "world_size": engine.dp.world,
         "steps_per_epoch": steps_per_epoch,
         **engine.impl.resolved(),

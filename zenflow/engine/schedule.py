@@ -39,6 +39,7 @@ import torch
 from zenflow.config.lr_schedule import lr_at
 from zenflow.config.schema import EarlyOptions
 from zenflow.engine.accelerator import OOM_FIX, Accelerator, DeviceOutOfMemory
+from zenflow.engine.accumulator import CoreShare
 from zenflow.engine.baselines import DeviceMode, OffloadMode
 from zenflow.engine.checkpoint import engine_state_dict, load_engine_state
 from zenflow.engine.dense import DenseState, dense_state, dense_update
@@ -195,6 +196,8 @@ class ZenFlowEngine:
         self.training_threads, self.host_threads = self.accel.compute_threads(
             reserved, overlap, ranks_per_node
         )
+        # the accumulator's and the window Adam's share of the host threads
+        self.host_cores = CoreShare(self.host_threads, self.accel.host_yields)
         torch.set_num_threads(self.training_threads)
 
     def _make_mode(self, masters: dict[str, torch.Tensor]):

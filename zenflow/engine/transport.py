@@ -58,7 +58,7 @@ class Transport:
             self.link_buckets = DeviceBuckets(e.accel, bucket_elems, self.link_dtype, buckets)
         self._ring_slots = max(RING_SLOTS, buckets)
         self._rings: dict[torch.dtype, StagingRing] = {}
-        self.accumulator = Accumulator(kernels.accumulate, e.host_threads, e.accel.bind_thread)
+        self.accumulator = Accumulator(kernels.accumulate, e.host_cores, e.accel.bind_thread)
         self._staging: dict = {}
         self._pending: deque = deque()  # (work, bucket index or None, continuation)
         self._bucket_pending: dict[int, int] = {}  # bucket -> serial of its pending item

@@ -191,6 +191,10 @@ class _TuneRun:
         # threads, cores - t host threads).
         shares = sorted({max(1, cores // 2)} | (set() if quick else {max(1, 3 * cores // 4)}))
         self.shares = [t for t in shares if t < cores] or [cores]
+        if device == "cuda":  # the engine's CUDA split: the training thread keeps at most 2
+            from zenflow.engine.accelerator.cuda import cuda_core_split
+
+            self.shares = sorted({cuda_core_split(t, cores - t)[0] for t in self.shares})
 
     def measure_host(self) -> None:
         """The host's CPU Adam on all cores and on each worker share, and (a separate device

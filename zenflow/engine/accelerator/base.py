@@ -108,6 +108,9 @@ class Accelerator:
     kind = "?"
     shared_memory = False  # device and host are the same memory (zero-copy paths allowed)
     models_pinning = False  # host buffers asked to be pinned are pinned (or modelled so)
+    # the host's threads: the accumulator yields half of them to a running window's Adam
+    # (CUDA: the host also has the cores the training thread does not need; accumulator.CoreShare)
+    host_yields = False
 
     def __init__(self, device: torch.device, *, budget_bytes: int | None = None):
         self.device = device

@@ -252,12 +252,12 @@ class Window:
                       meta={"ready": ready, "images": images})  # fmt: skip
         self.host_log.append(job)
         kernels = self.m.kernels
-        nt = e.host_threads
         lr, hp_host = self.host_step_lr(hp, n)
 
         def run():
             try:
-                run_host_tasks(tasks, kernels, lr, hp_host, nt, job, before)
+                with e.host_cores.adam() as nt:  # the accumulator yields to it where it shares
+                    run_host_tasks(tasks, kernels, lr, hp_host, nt, job, before)
             finally:  # a failed step must not leave the accumulator waiting forever
                 for ev in frees:
                     ev.set()
