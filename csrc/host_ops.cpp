@@ -460,7 +460,9 @@ void gather_columns_(at::Tensor out, const at::Tensor& src, const at::Tensor& in
   const int64_t es = src.element_size();
   const char* sb = static_cast<const char*>(src.data_ptr());
   char* ob = static_cast<char*>(out.data_ptr());
-  TORCH_CHECK(ob + out.numel() * es <= sb || sb + src.numel() * es <= ob, kGatherOp,
+  const auto o0 = reinterpret_cast<std::uintptr_t>(ob);
+  const auto s0 = reinterpret_cast<std::uintptr_t>(sb);
+  TORCH_CHECK(o0 + out.numel() * es <= s0 || s0 + src.numel() * es <= o0, kGatherOp,
               ": out overlaps src");
   int64_t outer = 1, inner = 1;
   for (int64_t d = 0; d < dim; ++d) outer *= src.size(d);
