@@ -117,8 +117,7 @@ def core_split(accel_kind: str) -> dict:
             "training_threads": training, "host_threads": host,
             # while a window's Adam runs: its threads and the accumulator's (CoreShare)
             "adam_threads": share.adam_threads,
-            "accumulate_threads_beside_adam": host - share.adam_threads if share.yielding
-            else host}  # fmt: skip
+            "accumulate_threads_beside_adam": share.beside_adam}  # fmt: skip
 
 
 def parallel_info() -> list[str]:

@@ -79,6 +79,7 @@ def main() -> None:
     x = torch.randn(a.batch, a.width)
     kinds: dict[str, list[float]] = {}
     stall, moved, first_stall = [], [], None
+    first = a.warm_up_rounds + 1  # the first selection's step
     with ZenFlowEngine(model, load_config(raw), mode="zenflow", accelerator="sim") as e:
         for _ in range(a.steps):
             x = x + 0.1 * torch.randn_like(x)  # a different gradient every step
@@ -87,7 +88,6 @@ def main() -> None:
             st = e.step()
             ms = 1e3 * (time.perf_counter() - t0)
             e.zero_grad()
-            first = a.warm_up_rounds + 1
             kind = "re-selection" if st.selection_changed and st.step > first else (
                 "first selection" if st.step == first else
                 "warm-up" if st.step < first else "steady")  # fmt: skip

@@ -83,11 +83,17 @@ def test_core_split_is_observed_on_the_threads(monkeypatch):
         assert "simulated" in e.resolved["device_description"]
 
 
-def test_cuda_split_keeps_two_cores_for_the_training_thread():
+def test_cuda_split_keeps_two_cores_for_the_training_thread(monkeypatch):
     """On CUDA the training thread launches kernels: of its reserved share it keeps at most
     2 cores, the host gets the rest (issue 28 item 6); no CUDA needed to check the rule."""
+    import zenflow.engine.accelerator.base as accel_mod
     from zenflow.engine.accelerator import SimAccelerator
     from zenflow.engine.accelerator.cuda import CudaAccelerator, cuda_core_split
+
+    monkeypatch.setattr(accel_mod, "cores", lambda: 16)
+    cuda = object.__new__(CudaAccelerator)  # the split needs no device
+    assert cuda.compute_threads(0.5, True) == (2, 14)
+    assert cuda.compute_threads(0.5, True, ranks_per_node=2) == (2, 6)
 
     assert cuda_core_split(8, 8) == (2, 14)
     assert cuda_core_split(4, 4) == (2, 6)  # two ranks on 16 cores
@@ -103,7 +109,7 @@ def test_core_share_yields_half_to_a_running_window_adam():
     from zenflow.engine.accumulator import CoreShare
 
     share = CoreShare(14, yielding=True)
-    assert (share.accumulate_threads, share.adam_threads) == (14, 7)
+    assert (share.accumulate_threads, share.adam_threads, share.beside_adam) == (14, 7, 7)
     with share.adam() as nt:
         assert nt == 7 and share.accumulate_threads == 7
         with share.adam():  # two at once (never in the engine): still yielded

@@ -93,10 +93,13 @@ class CoreShare:
         return self.threads // 2 if self.yielding else self.threads
 
     @property
+    def beside_adam(self) -> int:
+        """The accumulator's threads while a window's Adam runs."""
+        return self.threads - self.adam_threads if self.yielding else self.threads
+
+    @property
     def accumulate_threads(self) -> int:
-        if self.yielding and self._running:
-            return self.threads - self.adam_threads
-        return self.threads
+        return self.beside_adam if self._running else self.threads
 
     @contextlib.contextmanager
     def adam(self) -> Iterator[int]:
@@ -112,8 +115,8 @@ class CoreShare:
     def describe(self) -> str:
         if not self.yielding:
             return f"{self.threads} (accumulate and window Adam each)"
-        return (f"{self.threads} (accumulate; {self.threads - self.adam_threads} while a "
-                f"window's Adam runs on the other {self.adam_threads})")  # fmt: skip
+        return (f"{self.threads} (accumulate; {self.beside_adam} while a window's Adam "
+                f"runs on the other {self.adam_threads})")  # fmt: skip
 
 
 def _ready(gate, wait) -> bool:
