@@ -14,7 +14,8 @@ past what is left is stopped and recorded as cut, with what it had measured.
 3. ``link``: host<->device bandwidth, pinned and pageable; the pinned allocator's rounding.
 4. ``llama_<engine>_<tokens>``: zenflow and device AdamW at the large token count, then at
    the small one, then offload at both (gpu_check_case.py, one process each), each with
-   ``zfctl estimate``'s bytes for the same settings beside the measured peaks.
+   ``zfctl estimate``'s bytes for the same settings beside the measured peaks (the estimate
+   runs first, once per token count, and its time counts in the case's need).
 5. ``cuda_tier``: ``pytest -m cuda tests/cuda`` with what time is left.
 
 Then ``verdicts``: the figures that could contradict the design, each with its threshold
@@ -65,7 +66,7 @@ RESERVE_S = 8  # kept back at every decision for the verdicts and the last JSON 
 SCALES = {
     "gpu": {"arch": "llama-1b", "shape": None, "tokens": (16384, 4096), "seq": 1024,
             "need": {"environment": 15, "host": 45, "link": 25, "case_first": 100,
-                     "cuda_tier": 60}},
+                     "estimate": 20, "cuda_tier": 60}},
     "rehearsal": {"arch": None,
                   "shape": {"hidden_size": 256, "intermediate_size": 1024,
                             "num_hidden_layers": 4, "num_attention_heads": 4,
@@ -73,14 +74,14 @@ SCALES = {
                             "tie_word_embeddings": True, "max_position_embeddings": 1024},
                   "tokens": (1024, 256), "seq": 128,
                   "need": {"environment": 15, "host": 45, "link": 15, "case_first": 50,
-                           "cuda_tier": 30}},
+                           "estimate": 20, "cuda_tier": 30}},
     "tiny": {"arch": None,
              "shape": {"hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2,
                        "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 512,
                        "tie_word_embeddings": True, "max_position_embeddings": 256},
              "tokens": (256, 64), "seq": 32,
              "need": {"environment": 15, "host": 20, "link": 12, "case_first": 25,
-                      "cuda_tier": 30}},
+                      "estimate": 15, "cuda_tier": 30}},
 }  # fmt: skip
 CASE_ORDER = (("zenflow", 0), ("device", 0), ("zenflow", 1), ("device", 1), ("offload", 0),
               ("offload", 1))  # fmt: skip
@@ -197,6 +198,7 @@ class Check:
                           "sections": {}}  # fmt: skip
         self.seen: dict[int, float] = {}  # tokens -> seconds the last case of them took
         self.estimates: dict[int, dict] = {}
+        self.estimate_s: float | None = None  # what the last estimate took here (x 1.15)
 
     def say(self, text: str) -> None:
         print(f"gpu-check [{self.doc['run']}] {self.budget.elapsed():5.0f}s: {text}", flush=True)
@@ -308,6 +310,7 @@ class Check:
         ]
         if self.accel != "cuda":
             cmd += ["--device-mem", "80GiB"]
+        t0 = time.monotonic()
         try:
             r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
             try:  # a refusal (something does not fit) still prints the estimate
@@ -316,6 +319,7 @@ class Check:
                 est = {"error": f"exit {r.returncode}: {r.stderr.strip()[-500:]}"}
         except (OSError, subprocess.SubprocessError, json.JSONDecodeError) as exc:
             est = {"error": f"{type(exc).__name__}: {exc}"}
+        self.estimate_s = (time.monotonic() - t0) * 1.15
         self.estimates[tokens] = est
         self.doc.setdefault("estimates", {})[str(tokens)] = compact_estimate(est)
         return est
@@ -326,7 +330,11 @@ class Check:
             tokens = sc["tokens"][i]
             name = case_name(mode, tokens)
             need = self.seen.get(tokens, sc["need"]["case_first"] * (1 if i == 0 else 0.7))
-            if self.budget.allows(need)[0] and (
+            # the case's estimate runs first (once per token count): its time counts too,
+            # so that a case the budget cannot then cover does not spend it
+            first = need + (0 if tokens in self.estimates
+                            else self.estimate_s or sc["need"]["estimate"])  # fmt: skip
+            if self.budget.allows(first)[0] and (
                 not self.args.only or "llama" in self.args.only or name in self.args.only
             ):
                 self.estimate(tokens)
@@ -334,7 +342,7 @@ class Check:
                    str(tokens), "--seq", str(sc["seq"]), "--accel", self.accel,
                    "--host-kernel", self.args.host_kernel]  # fmt: skip
             cmd += ["--shape", json.dumps(sc["shape"])] if sc["shape"] else ["--arch", sc["arch"]]
-            entry = self.part(name, need, cmd)
+            entry = self.part(name, need if tokens in self.estimates else first, cmd)
             if entry is None:
                 continue
             if entry["status"] == "measured":

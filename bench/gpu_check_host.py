@@ -117,7 +117,9 @@ def core_split(accel_kind: str) -> dict:
             "training_threads": training, "host_threads": host,
             # while a window's Adam runs: its threads and the accumulator's (CoreShare)
             "adam_threads": share.adam_threads,
-            "accumulate_threads_beside_adam": share.beside_adam}  # fmt: skip
+            "accumulate_threads_beside_adam": share.beside_adam,
+            # set for a measurement's other arm (accelerator/cuda.py)
+            "training_threads_env": os.environ.get("ZENFLOW_CUDA_TRAINING_THREADS")}  # fmt: skip
 
 
 def parallel_info() -> list[str]:
@@ -139,6 +141,14 @@ def part_env(args) -> dict:
     env["core_split"] = core_split("cuda" if torch.cuda.is_available() else "sim")
     env["parallel_info"] = parallel_info()
     env["omp_env"] = {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "KMP_", "GOMP"))}
+    try:  # one runtime where the native op shares torch's libgomp (issue 28 item 6)
+        from zenflow.ops import loader
+
+        if loader.ops_mode() != "reference":
+            loader.load_native()
+        env["openmp_runtimes"] = loader.openmp_runtimes()
+    except Exception as exc:  # noqa: BLE001 - informational
+        env["openmp_runtimes"] = f"unavailable: {exc}"
     try:
         topo = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True,
                               timeout=20)  # fmt: skip

@@ -189,6 +189,13 @@ def native_rows(native: dict) -> list[Row]:
     ]  # fmt: skip
     if native.get("simd_path"):
         rows.append(("SIMD path", f"{native['simd_path']} (the vector body this build runs)"))
+    if native.get("openmp_runtimes") and state in ("built", "cached"):
+        runtimes = native["openmp_runtimes"].split(", ")
+        if len(runtimes) > 1:
+            note = "[yellow]more than one: their thread pools compete[/yellow]"
+        else:
+            note = "one" + (": torch's, shared by the native op" if "torch" in runtimes[0] else "")
+        rows.append(("OpenMP runtime", escape(", ".join(runtimes)) + f" ({note})"))
     compiler = native["compiler"]
     rows.append((
         "compiler",

@@ -172,8 +172,9 @@ def test_one_engine_case_on_sim_reports_every_phase():
 
 def test_the_rehearsal_writes_every_section_and_records_budget_skips(tmp_path):
     """The whole check on sim with 50 s: the environment and the host start (on a loaded
-    box the host may be cut: what it measured is kept), the engine cases and the tier do
-    not fit and are recorded as budget skips; the JSON says rehearsal."""
+    box the host may be cut: what it measured is kept), the first engine case (with its
+    estimate) and the tier do not fit and are recorded as budget skips; the JSON says
+    rehearsal."""
     out = tmp_path / "gc"
     cmd = [sys.executable, str(BENCH / "gpu_check.py"), "--out", str(out), "--budget", "50",
            "--scale", "tiny", "--host-kernel", "reference"]  # fmt: skip
@@ -192,7 +193,8 @@ def test_the_rehearsal_writes_every_section_and_records_budget_skips(tmp_path):
         assert host["result"]["alone"] and host["result"]["together"]["accumulate"]["gbs"] > 0
     assert doc["environment"]["cuda_available"] is False
     skipped = [n for n, s in doc["sections"].items() if s["status"] == "skipped"]
-    assert "cuda_tier" in skipped and "llama_offload_64" in skipped
+    # the first case with its estimate does not fit what the host left; smaller ones may
+    assert "cuda_tier" in skipped and "llama_zenflow_256" in skipped
     for n in skipped:
         assert doc["sections"][n]["note"].startswith("skipped (budget)"), n
     if doc["sections"]["link"]["status"] == "measured":
@@ -213,6 +215,40 @@ def test_the_host_is_compared_with_the_whole_runs_peak_as_well():
     assert out["engine_host_peak_over_estimate_peak"] == 1500 / 1200
     assert out["host_peak_rss_over_estimate_peak"] == 2000 / 1600
     assert out["estimate_host_peak_phase"] == "re-selection"
+
+
+def test_a_case_the_budget_cannot_cover_spends_nothing_on_its_estimate(tmp_path, monkeypatch):
+    """The case's estimate runs before it: the decision counts both, so a case that would be
+    skipped after its estimate is skipped before it (a GPU run lost 15 s that way), and a
+    case whose estimate is done needs only its own time."""
+    import argparse
+
+    only = {"llama_zenflow_256"}
+    args = argparse.Namespace(out=str(tmp_path / "gc"), budget=60.0, spent=0.0, scale="tiny",
+                              only=only, host_kernel="reference", set=[])  # fmt: skip
+    check = gc.Check(args)
+    check.scale, check.accel = TINY, "sim"
+    case = TINY["need"]["case_first"]
+    now = [0.0]
+    check.budget = gc.Budget(
+        case + TINY["need"]["estimate"] + gc.RESERVE_S - 1, clock=lambda: now[0]
+    )
+    estimated, started = [], []
+    monkeypatch.setattr(check, "estimate", lambda tokens: estimated.append(tokens))
+
+    def run_part(cmd, timeout, name, env, grace_s):
+        started.append(name)
+        return {"seconds": 1.0, "rc": 0, "cut": False, "result": {}, "tail": ""}
+
+    monkeypatch.setattr(gc, "run_part", run_part)
+    check.cases()
+    assert estimated == [] and started == []
+    entry = check.doc["sections"]["llama_zenflow_256"]
+    assert entry["status"] == "skipped" and f"needs about {case + 15} s" in entry["note"]
+
+    check.estimates[256] = {}  # estimated already: the case needs its own time only
+    check.cases()
+    assert started == ["llama_zenflow_256"]
 
 
 def test_the_estimate_is_of_the_cases_config(tmp_path):

@@ -90,6 +90,7 @@ def test_cuda_split_keeps_two_cores_for_the_training_thread(monkeypatch):
     from zenflow.engine.accelerator import SimAccelerator
     from zenflow.engine.accelerator.cuda import CudaAccelerator, cuda_core_split
 
+    monkeypatch.delenv("ZENFLOW_CUDA_TRAINING_THREADS", raising=False)
     monkeypatch.setattr(accel_mod, "cores", lambda: 16)
     cuda = object.__new__(CudaAccelerator)  # the split needs no device
     assert cuda.compute_threads(0.5, True) == (2, 14)
@@ -101,6 +102,24 @@ def test_cuda_split_keeps_two_cores_for_the_training_thread(monkeypatch):
     assert cuda_core_split(1, 15) == (1, 15)
     assert cuda_core_split(1, 0) == (1, 0)  # one core: nothing to move
     assert CudaAccelerator.host_yields and not SimAccelerator.host_yields
+
+
+def test_cuda_split_follows_the_environment(monkeypatch):
+    """ZENFLOW_CUDA_TRAINING_THREADS replaces the 2 the training thread keeps (the other
+    arm of a measurement: 8 is the even split of 16 cores); a bad value is one message."""
+    import zenflow.engine.accelerator.base as accel_mod
+    from zenflow.engine.accelerator.cuda import CudaAccelerator, cuda_core_split
+
+    monkeypatch.setattr(accel_mod, "cores", lambda: 16)
+    monkeypatch.setenv("ZENFLOW_CUDA_TRAINING_THREADS", "8")
+    assert object.__new__(CudaAccelerator).compute_threads(0.5, True) == (8, 8)
+    assert cuda_core_split(4, 12) == (4, 12)  # never more than the reserved share
+    monkeypatch.setenv("ZENFLOW_CUDA_TRAINING_THREADS", "1")
+    assert cuda_core_split(8, 8) == (1, 15)
+    for bad in ("0", "two", "-3"):
+        monkeypatch.setenv("ZENFLOW_CUDA_TRAINING_THREADS", bad)
+        with pytest.raises(ValueError, match="ZENFLOW_CUDA_TRAINING_THREADS"):
+            cuda_core_split(8, 8)
 
 
 def test_core_share_yields_half_to_a_running_window_adam():
@@ -192,6 +211,46 @@ def test_yielding_host_threads_on_the_engine(monkeypatch):
     adam, accumulate, plain, _ = run(False)
     assert adam == {6} and accumulate == {6}
     assert all(torch.equal(a, b) for a, b in zip(yielded, plain, strict=True))
+
+
+def test_the_first_selection_borrows_the_host_threads(monkeypatch):
+    """Where the training thread keeps few cores (CUDA: 2), the first selection's torch work
+    on it, which the step waits for while the host's kernels are idle, runs on the host's
+    threads too, and torch's count is the training thread's again after it; the training
+    is bit for bit the one that does not borrow (here sim with the flag set, 8 cores)."""
+    import zenflow.engine.accelerator.base as accel_mod
+    from zenflow.engine.accelerator import SimAccelerator
+    from zenflow.engine.zenflow.warmup import Warmup
+
+    monkeypatch.setattr(accel_mod, "cores", lambda: 8)
+    cfg = make_config({"update_interval": 2, "overlap_step": True, "full_warm_up_rounds": 1,
+                       "pt_reserved_cores_perc": 0.25})  # fmt: skip
+    inner = Warmup.first_selection
+
+    def run(lends: bool):
+        monkeypatch.setattr(SimAccelerator, "lends_host_cores", lends)
+        seen = []
+
+        def spy(self, t, coef):
+            seen.append(torch.get_num_threads())
+            return inner(self, t, coef)
+
+        monkeypatch.setattr(Warmup, "first_selection", spy)
+        torch.manual_seed(0)
+        model = MLP()
+        with ZenFlowEngine(model, cfg, accelerator="sim") as e:
+            train_engine(e, model, mlp_batches(5))
+            e.impl.drain()
+            after = torch.get_num_threads()
+            params = [p.detach().clone() for p in model.parameters()]
+            split = (e.training_threads, e.host_threads)
+        return seen, after, split, params
+
+    seen, after, split, lent = run(True)
+    assert split == (2, 6) and seen == [8] and after == 2
+    seen, after, _, plain = run(False)
+    assert seen == [2] and after == 2
+    assert all(torch.equal(a, b) for a, b in zip(lent, plain, strict=True))
 
 
 def test_second_submit_while_in_flight_is_refused():

@@ -155,6 +155,38 @@ def test_native_status_is_plain_data():
     assert all(isinstance(v, (str, bool, type(None))) for v in status.values())
 
 
+def test_openmp_runtimes_are_read_from_the_maps():
+    maps = (
+        "7f00-7f01 r-xp 00000000 08:01 1 /venv/torch/lib/libgomp.so.1\n"
+        "7f01-7f02 r--p 00001000 08:01 1 /venv/torch/lib/libgomp.so.1\n"
+        "7f02-7f03 r-xp 00000000 08:01 2 /usr/lib/libiomp5.so\n"
+        "7f03-7f04 r-xp 00000000 08:01 3 /usr/lib/libgompish.txt\n"
+        "7f04-7f05 rw-p 00000000 00:00 0\n"
+        "7f05-7f06 r-xp 00000000 08:01 4 /usr/lib/libc.so.6\n"
+    )
+    assert loader.openmp_runtimes(maps) == ["/usr/lib/libiomp5.so", "/venv/torch/lib/libgomp.so.1"]
+    assert loader.openmp_runtimes("") == []
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc (Linux)")
+def test_the_native_op_shares_torchs_openmp_runtime():
+    """The native kernels and torch's ops run on ONE OpenMP runtime (torch's libgomp), so
+    their waiting threads do not spin against a second pool (issue 28 item 6)."""
+    code = (
+        "import torch\n"
+        "from zenflow.ops import loader\n"
+        "before = loader.openmp_runtimes()\n"
+        "loader.load_native()\n"
+        "print(len(before), '|'.join(loader.openmp_runtimes()))\n"
+    )
+    env = {"ZENFLOW_BUILD_DIR": os.environ.get("ZENFLOW_BUILD_DIR", str(loader.build_root()))}
+    result = _run_python(code, env)
+    assert result.returncode == 0, result.stderr
+    before, after = result.stdout.split()
+    assert int(before) <= 1
+    assert len(after.split("|")) == 1, after
+
+
 def test_reference_mode_routes_to_reference(monkeypatch):
     def no_native():
         raise AssertionError("ZENFLOW_OPS=reference must not touch the native op")

@@ -467,6 +467,28 @@ def simd_path() -> str:
     return str(torch.ops.zenflow.simd_path())
 
 
+_OPENMP_NAMES = ("libgomp", "libiomp", "libomp")
+
+
+def openmp_runtimes(maps: str | None = None) -> list[str]:
+    """The OpenMP runtimes mapped into this process (``/proc/self/maps``; ``maps`` replaces
+    its text), by path. The native op links ``libgomp.so.1``; loaded after torch, whose
+    wheel ships a ``libgomp.so.1`` of its own, the loader resolves it to that copy: ONE
+    runtime, whose waiting threads the native kernels and torch's ops share (issue 28
+    item 6). Two here mean two thread pools spinning against each other. Empty off Linux."""
+    if maps is None:
+        try:
+            maps = Path("/proc/self/maps").read_text()
+        except OSError:
+            return []
+    found = set()
+    for line in maps.splitlines():
+        path = line.split()[-1] if line.split() else ""
+        if Path(path).name.startswith(_OPENMP_NAMES) and ".so" in Path(path).name:
+            found.add(path)
+    return sorted(found)
+
+
 def native_status() -> dict[str, Any]:
     """Plain data for ``zfctl env``: state, build dir, key, CPU capability, error, ops mode.
 
@@ -485,6 +507,8 @@ def native_status() -> dict[str, Any]:
         "error": _state["error"],
         # A lock file of a killed build that this process's build found and removed.
         "cleared_lock": _state.get("cleared_lock"),
+        # The OpenMP runtimes in this process (one where the loaded op shares torch's)
+        "openmp_runtimes": ", ".join(openmp_runtimes()) or None,
     }
     try:
         status["key"] = current_key()

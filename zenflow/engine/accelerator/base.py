@@ -111,6 +111,10 @@ class Accelerator:
     # the host's threads: the accumulator yields half of them to a running window's Adam
     # (CUDA: the host also has the cores the training thread does not need; accumulator.CoreShare)
     host_yields = False
+    # host work that blocks the step on the training thread while the host's own kernels
+    # are idle (the first selection) takes the host's threads too (CUDA: the training
+    # thread keeps 2 cores, too few for that torch work; Engine.lent_cores)
+    lends_host_cores = False
 
     def __init__(self, device: torch.device, *, budget_bytes: int | None = None):
         self.device = device

@@ -18,6 +18,7 @@ allocator, and are counted at its rounded size.
 from __future__ import annotations
 
 import mmap
+import os
 import warnings
 import weakref
 
@@ -89,13 +90,34 @@ def _cuda_event(timing: bool = False):
 # work is small. The host's memory-bound kernels scale with threads (an H200 box, make
 # gpu-check: the accumulate 70 GB/s on 8 threads, 112 on 16; the CPU Adam 75 and 100), so
 # of pt_reserved_cores_perc's share the training thread keeps this many (issue 28 item 6).
+# ZENFLOW_CUDA_TRAINING_THREADS replaces it (a measurement's other arm, e.g. 8 for the
+# even split an H200 box ran before).
 CUDA_TRAINING_THREADS = 2
+TRAINING_THREADS_ENV = "ZENFLOW_CUDA_TRAINING_THREADS"
+
+
+def cuda_training_threads() -> int:
+    """How many of its reserved cores the training thread keeps on CUDA: the environment's
+    ``ZENFLOW_CUDA_TRAINING_THREADS``, else ``CUDA_TRAINING_THREADS``."""
+    text = os.environ.get(TRAINING_THREADS_ENV, "").strip()
+    if not text:
+        return CUDA_TRAINING_THREADS
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(
+            f"{TRAINING_THREADS_ENV}={text!r} is not a whole number of threads "
+            f"(1 or more); unset it for the default {CUDA_TRAINING_THREADS}"
+        )
+    return value
 
 
 def cuda_core_split(training: int, host: int) -> tuple[int, int]:
     """(training, host) threads on a CUDA device from the reserved-share split: the training
-    thread keeps at most ``CUDA_TRAINING_THREADS``, the host gets the rest."""
-    kept = max(1, min(training, CUDA_TRAINING_THREADS))
+    thread keeps at most ``cuda_training_threads()``, the host gets the rest."""
+    kept = max(1, min(training, cuda_training_threads()))
     return kept, host + training - kept
 
 
@@ -120,11 +142,12 @@ class CudaAccelerator(Accelerator):
         return registered_empty(shape, dtype)
 
     host_yields = True
+    lends_host_cores = True
 
     def compute_threads(
         self, reserved_share: float, overlap: bool, ranks_per_node: int = 1
     ) -> tuple[int, int]:
-        """The base split, then the training thread keeps at most ``CUDA_TRAINING_THREADS``
+        """The base split, then the training thread keeps at most ``cuda_training_threads()``
         of its reserved cores and the host work takes the rest (``cuda_core_split``)."""
         return cuda_core_split(*super().compute_threads(reserved_share, overlap, ranks_per_node))
 

@@ -269,7 +269,8 @@ class ZenFlowMode:
                 scores = [column_scores(w.grad(), w.cd) for w in self.zweights]
                 self.handover.select(t, scores, None if e.dp.enabled else scores)
         elif self.plan.whole:  # the first selection, from the whole gradient on the host
-            self.warmup.first_selection(t, coef)
+            with e.lent_cores():
+                self.warmup.first_selection(t, coef)
         elif self.plan.first:  # the first selection, made in the hooks: the host side now
             self.handover.finish_first(t)
         else:

@@ -116,7 +116,7 @@ class Warmup:
         for w in self.m.zweights:
             if w.owned:
                 g = self._landing_grad(w)
-                sel = g.index_select(w.cd, w.sel_host).to(w.grad_sel.dtype)
+                sel = gather(self.m, g, w.cd, w.sel_host).to(w.grad_sel.dtype)
                 e.accel.compute_wait(e.accel.copy_h2d(w.grad_sel, sel))
                 ns = self._compact_out(w, g)
                 gather(self.m, g, w.cd, w.nonsel_host, out=ns.view(w.compact_shape()))
