@@ -155,7 +155,7 @@ class Case:
         self.accel = self.engine.accel
         keep = ("host_threads", "training_threads", "copy_buckets", "bucket_elems",
                 "host_kernel", "device_update", "stream_grads", "pinned_host_buffers",
-                "device_description", "dtype")  # fmt: skip
+                "device_description", "dtype", "host_thread_share", "numa_binding")  # fmt: skip
         zw = self.engine.zweights
         self.out["engine"] = {"build_s": time.perf_counter() - t0,
                               "resolved": {k: self.engine.resolved.get(k) for k in keep

@@ -148,6 +148,15 @@ def algorithm_options(header: dict) -> dict:
     return {k: resolved[k] for k in ALGORITHM_OPTIONS if k in resolved}
 
 
+def thread_note(resolved: dict) -> str:
+    """The engine's core split and its NUMA binding, as the run header says them."""
+    share = resolved.get("host_thread_share") or resolved["host_threads"]
+    text = f"{resolved.get('training_threads')} training, host {share}"
+    if resolved.get("numa_binding"):
+        text += f"; NUMA {resolved['numa_binding']}"
+    return text
+
+
 def render_header(header: dict) -> Panel:
     """Model, task, sources, engine and the resolved config."""
     t = Table.grid(padding=(0, 2))
@@ -184,6 +193,8 @@ def render_header(header: dict) -> Panel:
     )
     if resolved.get("unavailable_fields"):  # e.g. --engine deepspeed: no stall, no traffic
         t.add_row("not reported", escape(unavailable_note(resolved)))
+    if resolved.get("host_threads"):  # the core split and where its threads run
+        t.add_row("threads", escape(thread_note(resolved)))
     zf = header.get("zenflow")
     if zf and (header.get("engine_mode") == "zenflow" or resolved.get("zenflow")):
         t.add_row(
@@ -366,6 +377,8 @@ def format_plain_header(header: dict) -> list[str]:
         lines.append("zenflow: " + ", ".join(f"{k}={v}" for k, v in shown.items()))
     if (header.get("engine_resolved") or {}).get("unavailable_fields"):
         lines.append("not reported: " + unavailable_note(header["engine_resolved"]))
+    if (header.get("engine_resolved") or {}).get("host_threads"):
+        lines.append("threads: " + thread_note(header["engine_resolved"]))
     lines.append(f"run dir: {header.get('run_dir')}")
     if header.get("resumed_from"):
         lines.append(f"resumed from: {header['resumed_from']}")

@@ -114,6 +114,12 @@ def test_host_keeps_pace_is_host_time_against_the_backward():
     assert v["break_even_tokens"] == pytest.approx(1792.0)  # 175 ms at 100 ms per 1024 tokens
     v = _by_name(gv.verdicts(_doc(bwd_ms=200.0)))["host_keeps_pace_1024"]
     assert v["result"] == "holds"
+    # without device AdamW's backward: not ZenFlow's own (stretched by the host it is
+    # compared with), not measured
+    doc = _doc(bwd_ms=200.0)
+    doc["sections"]["llama_device_1k"] = {"status": "skipped", "note": "not asked for (--only)"}
+    v = _by_name(gv.verdicts(doc))["host_keeps_pace_1024"]
+    assert v["result"] == "not measured" and "llama_device_1k: skipped" in v["figure_text"]
 
 
 def test_step_ratio_syncs_and_copies_against_their_thresholds():

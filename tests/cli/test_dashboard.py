@@ -208,6 +208,24 @@ def test_reference_row_shows_the_reference_at_the_same_step():
     assert reference_text(state, 4, {"accuracy": 0.5}) == "adamw-s1: no accuracy at step 4"
 
 
+def test_header_says_the_core_split_and_the_numa_binding():
+    from zfctl.dashboard import format_plain_header
+
+    resolved = {"training_threads": 2, "host_threads": 14,
+                "host_thread_share": "14 (accumulate; 7 while a window's Adam runs on the "
+                                     "other 7)",
+                "numa_binding": "node 1: cpus 8-15"}  # fmt: skip
+    header = {**HEADER, "engine_resolved": resolved}
+    expected = ("2 training, host 14 (accumulate; 7 while a window's Adam runs on the other "
+                "7); NUMA node 1: cpus 8-15")  # fmt: skip
+    assert f"threads: {expected}" in format_plain_header(header)
+    state = DashboardState()
+    state.apply(RunStarted(header))
+    text = render_text(render_dashboard(state), width=240)
+    assert re.search(r"threads +" + re.escape(expected), text)
+    assert not any(x.startswith("threads") for x in format_plain_header(HEADER))
+
+
 def test_header_shows_the_zfctl_algorithm_options_beside_the_zenflow_block():
     """window_lr and select_schedule change ZenFlow's arithmetic: a run says which it used."""
     from zfctl.dashboard import format_plain_header

@@ -31,6 +31,7 @@ def test_values_read_and_written_back():
         "lora": {"rank": 8, "alpha": 8.0, "dropout": 0.0},
         "early": {"steps": 0, "windows": "ramp", "overlap": True},
         "return_image": "early",
+        "numa_binding": "auto",
     }
 
 

@@ -204,6 +204,7 @@ _ENGINE_CHOICES = {
     "select_schedule": ("fixed", "doubling"),
     "host_state": ("exact", "compact"),
     "return_image": ("early", "always", "never"),
+    "numa_binding": ("auto", "node", "off"),
 }
 
 

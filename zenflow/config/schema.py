@@ -223,6 +223,15 @@ ENGINE_FIELD_DOCS: dict[str, str] = {
     '"always": the whole run (the link is the bottleneck and the host has the memory); '
     '"never". An fp32 model, the CPU device and data parallelism send the master columns '
     "either way.",
+    "numa_binding": "Whether every thread of a run goes on the cores of its device's NUMA "
+    "node (a box with several; the node the kernel gives the GPU's PCI address, as "
+    "`nvidia-smi topo -m` shows), so that the host's work for that device and the host "
+    'state it first touches stay there: "auto" (default: when several ranks share the box, '
+    "each on its own GPU's node, as `torchrun --numa-binding node`; one rank stays unbound, "
+    "as binding it would halve the cores and memory channels of the host kernels that bound "
+    'its step), "node" (one rank too) or "off". One node, or a device whose node is '
+    "unknown: nothing is bound. The run header says what was done (numa_binding); the "
+    "engine unbinds at close.",
     "copy_buckets": "Device buffers the streamed gradient pieces wait in for the copy engine, "
     "each 1/64 of the offloaded elements (at most 4M) in the training dtype: an integer >= 2 "
     'or "auto" (2; 4 with data parallelism: the least device memory). Backward produces a '
@@ -291,6 +300,8 @@ class EngineOptions:
     """ZenFlow's early schedule: shorter or synchronous windows over the first steps."""
     return_image: str = "early"
     """A bf16 image of each host result for the return: "early", "always" or "never"."""
+    numa_binding: str = "auto"
+    """The threads on the device's NUMA node: "auto" (several ranks), "node" or "off"."""
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,11 @@ never step. Must not import ``schedule`` (the engine imports this) nor any mode.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-from zenflow.engine.accelerator import Accelerator, make_accelerator
+from zenflow.engine.accelerator import Accelerator, make_accelerator, numa
 from zenflow.engine.device_adam import DEVICE_ADAM_IMPLS, AdamHyper
 from zenflow.engine.selection import ParamSpec, classify_params
 from zenflow.errors import EngineError
@@ -144,6 +146,27 @@ def open_accelerator(
     )
 
 
+def bind_numa(accel: Accelerator, mode: str, ranks_per_node: int) -> numa.Binding:
+    """``zfctl.numa_binding``: every thread of the process on the cores of the device's
+    NUMA node where the rules say so (``accelerator.numa``), before the host state is
+    allocated (its pages then land on that node); the decision and its reason otherwise."""
+    try:
+        allowed = set(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux: nothing to bind
+        return numa.Binding("not bound: no CPU affinity on this system")
+    node = accel.numa_node() if mode != "off" else None
+    return numa.bind(numa.plan(mode, node, numa.node_cpus(), allowed, ranks_per_node))
+
+
+def sharing_ranks(accel: Accelerator, binding: numa.Binding, ranks_per_node: int) -> int:
+    """The ranks whose threads share this process's cores: all the box's, or, bound to a
+    node, those whose device is on the same node (local rank r drives device r)."""
+    if not binding.bound or ranks_per_node <= 1:
+        return ranks_per_node
+    same = sum(1 for r in range(ranks_per_node) if accel.numa_node(r) == binding.node)
+    return max(1, same)
+
+
 def _device_matches(param_device: torch.device, device: torch.device) -> bool:
     if param_device.type != device.type:
         return False
@@ -231,6 +254,7 @@ def resolved_settings(engine, steps_per_epoch: int | None) -> dict:
         "training_threads": engine.training_threads,
         "host_threads": engine.host_threads,
         "host_thread_share": engine.host_cores.describe(),
+        "numa_binding": engine.numa.reason,
         "world_size": engine.dp.world,
         "steps_per_epoch": steps_per_epoch,
         **engine.impl.resolved(),

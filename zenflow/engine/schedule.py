@@ -49,6 +49,7 @@ from zenflow.engine.engine_setup import (
     MODES,
     accelerator_kind,
     adam_hyper,
+    bind_numa,
     check_arguments,
     check_dtypes,
     check_model_device,
@@ -56,6 +57,7 @@ from zenflow.engine.engine_setup import (
     resolve_bf16,
     resolve_select_interval,
     resolved_settings,
+    sharing_ranks,
     take_masters_and_cast,
     trainable_specs,
     zenflow_settings,
@@ -134,25 +136,31 @@ class ZenFlowEngine:
         self.hp_base = adam_hyper(config.optimizer)
         self.clip = float(getattr(config, "gradient_clipping", 0.0) or 0.0)
         self._start_counters(config)
-
-        masters = take_masters_and_cast(model, self.specs, self.bf16, masters, mode)
-        self.model_bytes = sum(s.param.numel() * s.param.element_size() for s in self.specs)
-        self.accel.set_held("weights", sum(p.numel() * p.element_size()
-                                           for p in model.parameters()))  # fmt: skip
-        self.zf = None
-        if mode == "zenflow":
-            self.zf = zenflow_settings(config)
-            self.select_every = resolve_select_interval(self.zf, steps_per_epoch)
-        self._split_cores(ranks_per_node)
-        self.dense: list[DenseState] = []
-        self.impl = self._make_mode(masters)
-        masters.clear()  # consumed: the modes hold what they keep (no second copy)
-        del masters
-        self.stream = GradStream(
-            self, self.impl, streaming=self.stream_grads and mode != "device", gas=self.gas,
-            on_device_accumulation=self.grad_accumulation == "device",
-        )  # fmt: skip
-        self.resolved: dict = resolved_settings(self, steps_per_epoch)
+        # before the fp32 masters and the host state are first touched: their pages then
+        # land on the device's NUMA node where the threads are bound to it
+        self.numa = bind_numa(self.accel, self.numa_binding, ranks_per_node)
+        try:
+            masters = take_masters_and_cast(model, self.specs, self.bf16, masters, mode)
+            self.model_bytes = sum(s.param.numel() * s.param.element_size() for s in self.specs)
+            self.accel.set_held("weights", sum(p.numel() * p.element_size()
+                                               for p in model.parameters()))  # fmt: skip
+            self.zf = None
+            if mode == "zenflow":
+                self.zf = zenflow_settings(config)
+                self.select_every = resolve_select_interval(self.zf, steps_per_epoch)
+            self._split_cores(sharing_ranks(self.accel, self.numa, ranks_per_node))
+            self.dense: list[DenseState] = []
+            self.impl = self._make_mode(masters)
+            masters.clear()  # consumed: the modes hold what they keep (no second copy)
+            del masters
+            self.stream = GradStream(
+                self, self.impl, streaming=self.stream_grads and mode != "device", gas=self.gas,
+                on_device_accumulation=self.grad_accumulation == "device",
+            )  # fmt: skip
+            self.resolved: dict = resolved_settings(self, steps_per_epoch)
+        except BaseException:  # the process is not left bound by an engine that never was
+            self.numa.undo()
+            raise
 
     # ------------------------------------------------------------------ setup
     def _read_options(self, config) -> None:
@@ -173,6 +181,7 @@ class ZenFlowEngine:
         self.host_state = getattr(options, "host_state", "exact")
         self.early = getattr(options, "early", None) or EarlyOptions()
         self.return_image = getattr(options, "return_image", "early")
+        self.numa_binding = getattr(options, "numa_binding", "auto")
         self.gas = max(1, int(getattr(config, "gradient_accumulation_steps", 1) or 1))
 
     def _start_counters(self, config) -> None:
@@ -336,6 +345,7 @@ class ZenFlowEngine:
         finally:
             self.accel.close()
             torch.set_num_threads(self._torch_threads_orig)
+            self.numa.undo()
         if err is not None and self._failed is None:
             self._failed = err
             raise err

@@ -404,3 +404,8 @@ class Accelerator:
 
     def describe(self) -> str:
         return self.kind
+
+    def numa_node(self, index: int | None = None) -> int | None:
+        """The NUMA node the device ``index`` (default: this one) hangs off, where the
+        kernel knows it (CUDA: its PCI address); None for a device that is the host's."""
+        return None

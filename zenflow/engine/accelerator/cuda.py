@@ -25,6 +25,7 @@ import weakref
 import torch
 
 from zenflow.engine.accelerator.base import Accelerator, _nbytes
+from zenflow.engine.accelerator.numa import pci_numa_node
 
 PAGE = 4096
 
@@ -156,6 +157,16 @@ class CudaAccelerator(Accelerator):
 
     def bind_thread(self) -> None:
         torch.cuda.set_device(self.device)
+
+    def numa_node(self, index: int | None = None) -> int | None:
+        i = self.device.index if index is None else index
+        props = torch.cuda.get_device_properties(0 if i is None else i)
+        try:  # the sysfs PCI address, as nvidia-smi topo reads it
+            address = (f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:"
+                       f"{props.pci_device_id:02x}.0")  # fmt: skip
+        except AttributeError:  # a torch without the PCI fields
+            return None
+        return pci_numa_node(address)
 
     def _copy(self, dst, src, direction: str, after, dev_tensor):
         compute = torch.cuda.current_stream(self.device)
