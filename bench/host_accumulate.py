@@ -12,10 +12,14 @@ per step. Contenders, interleaved round-robin so that drifting load hits all ali
   widened on the fly) at the same thread counts;
 - ``index_add_``: the layout the engine had before the compact window sums (a strided
   column gather, ``dst.index_add_(1, cols, src)`` into a full-shape sum), one thread, for
-  reference.
+  reference;
+- ``via store``: the path before a piece landed in its step store: the piece copied from
+  the staging ring into the store (``store.copy_(src)``, torch, the same threads), then
+  ``accumulate_`` from the store (each piece read twice more and written once more).
 
-Bytes per element: read src (2 bf16 / 4 fp32), read and write dst (8): 10 or 12. The table
-gives elements/s, GB/s at those bytes, and each thread count's speed-up over one thread.
+Bytes per element: read src (2 bf16 / 4 fp32), read and write dst (8): 10 or 12 (via
+store: 14 or 20). The table gives elements/s, GB/s at those bytes, and each thread count's
+speed-up over one thread.
 
     python bench/host_accumulate.py [--numel N] [--threads 1,2] [--fp32] [--repeats R] [--json]
 """
@@ -72,6 +76,20 @@ def main(argv=None) -> int:
 
         return run
 
+    store = torch.empty_like(src)
+
+    def via_store(t):
+        def run():
+            before = torch.get_num_threads()
+            torch.set_num_threads(t)
+            try:
+                store.copy_(src)
+            finally:
+                torch.set_num_threads(before)
+            ops.accumulate_(dst, store, 0.5, num_threads=t)
+
+        return run
+
     def index_add():
         before = torch.get_num_threads()
         torch.set_num_threads(1)
@@ -86,6 +104,8 @@ def main(argv=None) -> int:
     for t in threads:
         contenders[f"torch add_, {t} thread{'s' * (t > 1)}"] = (torch_add(t), t, n)
     contenders["index_add_ (old layout), 1 thread"] = (index_add, 1, rows * cols_n)
+    for t in threads:
+        contenders[f"via store, {t} thread{'s' * (t > 1)}"] = (via_store(t), t, n)
     times = {name: [] for name in contenders}
     for fn, _, _ in contenders.values():
         fn()  # warm-up (and the native build)
@@ -99,9 +119,10 @@ def main(argv=None) -> int:
     out = {}
     for name, (_, t, numel) in contenders.items():
         s = statistics.median(times[name])
+        moved = bytes_per + (2 * per if name.startswith("via store") else 0)
         out[name] = {"threads": t, "numel": numel, "ms": s * 1e3, "elements_per_s": numel / s,
-                     "gb_per_s": numel * bytes_per / s / 1e9}  # fmt: skip
-    for kind in ("native", "torch add_"):
+                     "bytes_per_element": moved, "gb_per_s": numel * moved / s / 1e9}  # fmt: skip
+    for kind in ("native", "torch add_", "via store"):
         one = out.get(f"{kind}, 1 thread")
         for name, r in out.items():
             if one and name.startswith(kind):

@@ -157,6 +157,18 @@ def thread_note(resolved: dict) -> str:
     return text
 
 
+def engine_notes(resolved: dict | None) -> list[tuple[str, str]]:
+    """The header's lines about the engine's own run: the fields it does not report (e.g.
+    --engine deepspeed: no stall, no traffic), its core split and NUMA binding."""
+    resolved = resolved or {}
+    notes = []
+    if resolved.get("unavailable_fields"):
+        notes.append(("not reported", unavailable_note(resolved)))
+    if resolved.get("host_threads"):
+        notes.append(("threads", thread_note(resolved)))
+    return notes
+
+
 def render_header(header: dict) -> Panel:
     """Model, task, sources, engine and the resolved config."""
     t = Table.grid(padding=(0, 2))
@@ -191,10 +203,8 @@ def render_header(header: dict) -> Panel:
             )
         ),
     )
-    if resolved.get("unavailable_fields"):  # e.g. --engine deepspeed: no stall, no traffic
-        t.add_row("not reported", escape(unavailable_note(resolved)))
-    if resolved.get("host_threads"):  # the core split and where its threads run
-        t.add_row("threads", escape(thread_note(resolved)))
+    for name, text in engine_notes(resolved):
+        t.add_row(name, escape(text))
     zf = header.get("zenflow")
     if zf and (header.get("engine_mode") == "zenflow" or resolved.get("zenflow")):
         t.add_row(
@@ -375,10 +385,7 @@ def format_plain_header(header: dict) -> list[str]:
     if zf and header.get("engine_mode") == "zenflow":
         shown = {**zf, **algorithm_options(header)}
         lines.append("zenflow: " + ", ".join(f"{k}={v}" for k, v in shown.items()))
-    if (header.get("engine_resolved") or {}).get("unavailable_fields"):
-        lines.append("not reported: " + unavailable_note(header["engine_resolved"]))
-    if (header.get("engine_resolved") or {}).get("host_threads"):
-        lines.append("threads: " + thread_note(header["engine_resolved"]))
+    lines += [f"{name}: {text}" for name, text in engine_notes(header.get("engine_resolved"))]
     lines.append(f"run dir: {header.get('run_dir')}")
     if header.get("resumed_from"):
         lines.append(f"resumed from: {header['resumed_from']}")

@@ -162,6 +162,16 @@ def cpu_rows(cpu: dict) -> list[Row]:
     return rows
 
 
+def openmp_text(runtimes_text: str) -> str:
+    """The OpenMP runtimes loaded beside the native op, and whether there is one."""
+    runtimes = runtimes_text.split(", ")
+    if len(runtimes) > 1:
+        note = "[yellow]more than one: their thread pools compete[/yellow]"
+    else:
+        note = "one" + (": torch's, shared by the native op" if "torch" in runtimes[0] else "")
+    return escape(", ".join(runtimes)) + f" ({note})"
+
+
 def native_rows(native: dict) -> list[Row]:
     if (rows := _error_rows(native)) is not None:
         return rows
@@ -190,12 +200,7 @@ def native_rows(native: dict) -> list[Row]:
     if native.get("simd_path"):
         rows.append(("SIMD path", f"{native['simd_path']} (the vector body this build runs)"))
     if native.get("openmp_runtimes") and state in ("built", "cached"):
-        runtimes = native["openmp_runtimes"].split(", ")
-        if len(runtimes) > 1:
-            note = "[yellow]more than one: their thread pools compete[/yellow]"
-        else:
-            note = "one" + (": torch's, shared by the native op" if "torch" in runtimes[0] else "")
-        rows.append(("OpenMP runtime", escape(", ".join(runtimes)) + f" ({note})"))
+        rows.append(("OpenMP runtime", openmp_text(native["openmp_runtimes"])))
     compiler = native["compiler"]
     rows.append((
         "compiler",

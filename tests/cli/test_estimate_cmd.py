@@ -47,7 +47,8 @@ def test_json_for_a_7b_architecture(cli):
     # streamed: 2 + 14k bytes per parameter, the gradient in flight and 16 copy buckets of
     # 4M elements ("auto" for a model this size: 128 MiB, 0.02 bytes per parameter)
     assert 3.40 <= data["engines"]["zenflow"]["bytes_per_param"] <= 3.48
-    assert data["engines"]["zenflow"]["pinned_bytes"] / data["params"] <= 4.0
+    # pinned: the fp32 master and the bf16 step store of the non-selected 0.9: 6 x 0.9
+    assert 5.3 <= data["engines"]["zenflow"]["pinned_bytes"] / data["params"] <= 5.5
 
 
 def test_flags_change_the_estimate(cli):

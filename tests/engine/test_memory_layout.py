@@ -69,8 +69,9 @@ def test_bf16_zenflow_streams_its_gradients():
     # held 5.3 between steps and more during them
     assert st.device_peak_bytes / params < 4.6
     # pinned: what the device reads or writes directly: the compact fp32 master of the
-    # non-selected columns (4 x ~0.9), the staging ring and the read buffer (a few buckets)
-    assert 0 < pinned / params <= 4.5 and st.pinned_host_bytes == pinned
+    # non-selected columns (4 x ~0.9), the step store the pieces land in (bf16: 2 x ~0.9),
+    # the read buffer and any staging ring (a few buckets)
+    assert 5.2 < pinned / params <= 5.6 and st.pinned_host_bytes == pinned
 
 
 def test_whole_gradients_without_streaming():

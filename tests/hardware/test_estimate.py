@@ -41,14 +41,15 @@ GIB = 2**30
 # flat chunks: BO = min(4Mi, P/64, largest) = 194.
 # The host keeps the non-selected columns: W1 128 x 57 = 7296, W2 32 x 115 = 3680 (N), 172
 # columns (a step count each, 8 bytes: 1376), and a step's pieces until its clipping (a
-# store of N in the link's dtype). The link: 2 device copy buckets ("auto": N / (32 B) < 2),
-# a pinned ring of max(4, 2) = 4 slots of B and the accelerator's pinned read buffer (RB).
+# store of N in the link's dtype, pinned: the pieces land there). The link: 2 device copy
+# buckets ("auto": N / (32 B) < 2) and the accelerator's pinned read buffer (RB); a pinned
+# ring of max(4, 2) = 4 slots of B only with micro-batches summed on the host.
 P, PZ, PD, S, K, N, B = 12448, 12288, 160, 1312, 20, 10976, 192
 L, BO = 8192, 194
 COUNTS = 172 * 8
 RB = READ_BUFFER_BYTES
-LINK_BF16 = 4 * B * 2 + RB  # ring (bf16) + read buffer
-STEADY = N * 16 + COUNTS + N * 2 + LINK_BF16  # exact, bf16: 200480 + RB
+ZF_LINK = RB  # the read buffer (no ring: the pieces land in the step store)
+STEADY = N * 16 + COUNTS + N * 2 + ZF_LINK  # exact, bf16: 198944 + RB
 # compact: two fp32 scales per 256 elements of each weight's q8 moments: 8 * (29 + 15)
 SCALES = 8 * (-(-7296 // 256)) + 8 * (-(-3680 // 256))
 # The bf16 device update widens the selected gradients to fp32 in a scratch buffer of
@@ -120,7 +121,7 @@ def test_census_uses_the_conv1d_column_axis():
                     + 8 * K
                     + 2 * B * 2
                     + 2 * B * 4,
-                    N * 16 + COUNTS + N * 2 + LINK_BF16,
+                    N * 16 + COUNTS + N * 2 + ZF_LINK,
                 ),
             },
         ),
@@ -132,7 +133,7 @@ def test_census_uses_the_conv1d_column_axis():
                 "offload": (P * 4 + L * 4 + 2 * BO * 4, P * 12 + P * 4),
                 "zenflow": (
                     P * 4 + PD * 4 + L * 4 + S * 4 + S * 8 + PD * 8 + 8 * K + 2 * B * 4,
-                    N * 16 + COUNTS + N * 4 + 4 * B * 4 + RB,  # an fp32 step store
+                    N * 16 + COUNTS + N * 4 + RB,  # an fp32 step store
                 ),
             },
         ),
@@ -144,7 +145,7 @@ def test_layout_matches_the_hand_computation(settings, expected):
         assert sides(c, mode, settings) == (dev, host), mode
     # the numbers themselves, once, for the bf16 + overlap case
     if settings.bf16:
-        assert sides(c, "zenflow", settings) == (67936, 200480 + RB) == (67936, STEADY)
+        assert sides(c, "zenflow", settings) == (67936, 198944 + RB) == (67936, STEADY)
         assert sides(c, "offload", settings) == (42056, 199168)
 
 
@@ -152,15 +153,16 @@ def test_layout_matches_the_hand_computation(settings, expected):
 def test_the_compact_host_state_by_hand(bf16):
     """zfctl.host_state "compact": fp32 master 4N, 8-bit moments 2N + two fp32 scales per
     256 elements, bf16 window sum 2N; the pieces cross the link in bf16 even for an fp32
-    model (a bf16 ring). The device's bytes are the exact state's."""
+    model (a bf16 step store). The device's bytes are the exact state's."""
     c = mlp_census()
     s = Settings(bf16=bf16, host_state="compact")
     dev, host = sides(c, "zenflow", s)
-    assert host == N * 4 + N * 2 + SCALES + COUNTS + N * 2 + N * 2 + LINK_BF16
+    assert host == N * 4 + N * 2 + SCALES + COUNTS + N * 2 + N * 2 + ZF_LINK
     exact_dev, _ = sides(c, "zenflow", Settings(bf16=bf16))
     assert dev == exact_dev
     items = est.layout(c, "zenflow", s)
-    assert sum(i.bytes for i in items if i.pinned) == N * 4 + LINK_BF16  # master + link
+    # the master, the step store (bf16), the read buffer
+    assert sum(i.bytes for i in items if i.pinned) == N * 4 + N * 2 + ZF_LINK
 
 
 def test_the_whole_run_host_phases_by_hand():
@@ -177,12 +179,12 @@ def test_the_whole_run_host_phases_by_hand():
     phases = {p.name: p.bytes for p in e.phases}
     assert phases == {
         "set-up": 6 * P,
-        "first selection": LINK_BF16 + (STEADY - LINK_BF16) + 4 * 8192,
+        "first selection": ZF_LINK + (STEADY - ZF_LINK) + 4 * 8192,
         "steps": STEADY,
         "checkpoint": STEADY + 2 * 8192,
         "re-selection": STEADY + 16 * 896,
         "evaluation": STEADY,
-        "final save": LINK_BF16 + 2 * P,  # the host state is released before the save
+        "final save": ZF_LINK + 2 * P,  # the host state is released before the save
     }
     assert e.host_bytes == STEADY
     assert (e.host_peak_bytes, e.host_peak_phase) == (STEADY + 4 * 8192 + RUNTIME_BYTES,
@@ -190,12 +192,12 @@ def test_the_whole_run_host_phases_by_hand():
     # sim: its tensors are host memory already, saving copies nothing; the link is left
     sim = est.check(c, "zenflow", Settings(bf16=True, copies_on_save=False), Budget(GIB, GIB,
                     False, "d", "h"))  # fmt: skip
-    assert {p.name: p.bytes for p in sim.phases}["final save"] == LINK_BF16
+    assert {p.name: p.bytes for p in sim.phases}["final save"] == ZF_LINK
     # fp32 on a separate device: no host master before the first selection (read from the
     # device), set-up is the fp32 model alone
     e32 = est.check(c, "zenflow", Settings(bf16=False), Budget(GIB, GIB, False, "d", "h"))
     f32 = {p.name: p.bytes for p in e32.phases}
-    steady32 = N * 16 + COUNTS + N * 4 + 4 * B * 4 + RB
+    steady32 = N * 16 + COUNTS + N * 4 + RB
     assert f32["set-up"] == 4 * P and f32["first selection"] == steady32
     # compact: the in-place re-layout goes through fp32 moments (4 + 4 per element, and the
     # float64 square root of the second, 8) into the same codes; the first selection fills
@@ -277,13 +279,14 @@ def test_whole_gradients_land_on_the_host_only_at_the_first_selection():
     plain, steady = phases()
     assert plain["first selection"] == steady + 4 * 8192  # no landing
     gas, steady_gas = phases(gradient_accumulation_steps=2)
-    # the micro-batch sum (fp32) is steady, in place of the step store (bf16)
-    assert steady_gas == steady - N * 2 + N * 4
+    # the micro-batch sum (fp32) is steady, in place of the step store (bf16), and its
+    # pieces land in a ring of 4 slots of B (bf16)
+    assert steady_gas == steady - N * 2 + N * 4 + 4 * B * 2
     assert gas["first selection"] == steady_gas + PZ * 4 + 4 * 8192  # fp32 landing
     nostream, _ = phases(stream_grads=False)
     assert nostream["first selection"] == steady + PZ * 2 + 4 * 8192  # bf16 landing
     warm, _ = phases(warmup=True)
-    link = LINK_BF16
+    link = ZF_LINK
     assert warm["warm-up"] == link + 12 * PZ + PZ * 2
     # exact at k 0.1 holds 16 x 0.9 > 12 bytes per param: the compact state is the larger
     assert warm["first selection"] == link + PZ * 2 + max(steady - link, 12 * PZ) + 12 * 8192
@@ -319,10 +322,10 @@ def test_holders_group_items_by_engine_category():
     assert h["host"] == {
         "master_moments": N * 12 + COUNTS,
         "accumulators": N * 4 + N * 2,  # the window sum and the step store
-        "staging": LINK_BF16,
+        "staging": ZF_LINK,
     }
     # the fixed 16 MiB read buffer outweighs this small model's state
-    assert e.largest_holders(2) == [("host", "staging", LINK_BF16),
+    assert e.largest_holders(2) == [("host", "staging", ZF_LINK),
                                     ("host", "master_moments", N * 12 + COUNTS)]  # fmt: skip
 
 
@@ -460,8 +463,8 @@ def test_fits_on_a_separate_device_the_host_at_its_whole_run_peak():
     s = Settings(bf16=True, overlap_step=True)
     dev, peak = 67936, STEADY + 4 * 8192 + RUNTIME_BYTES  # zenflow, by hand
     exact = est.estimate(c, s, Budget(dev, peak, False, "d", "h")).engines["zenflow"]
-    # pinned: what the link reads and writes: the fp32 master, the ring, the read buffer
-    assert exact.fits and exact.pinned_bytes == N * 4 + LINK_BF16
+    # pinned: what the link reads and writes: the fp32 master, the step store, the read buffer
+    assert exact.fits and exact.pinned_bytes == N * 4 + N * 2 + ZF_LINK
     assert exact.host_peak_bytes == peak and exact.spare == {"device": 0, "host": 0}
     short = est.estimate(c, s, Budget(dev - 1, peak - 5, False, "d", "h")).engines["zenflow"]
     assert not short.fits and short.short == {"device": 1, "host": 5}

@@ -2,15 +2,18 @@
 into fp32 (or, for the compact host state, bf16) sums, and the step gate its adds wait on.
 
 A step's pieces arrive during backward, before the step's clipping coefficient and skip
-decision are known (the global norm needs the whole step). Each piece lands in a slot of
-the link's bounded pinned staging ring (``copies.StagingRing``); the accumulator gives the
-slot back at once: it adds the piece straight away when the step's gate is already set,
-else it moves the piece into the weight's step store (pageable, one step's non-selected
-gradient in the link's dtype, ``store``) and defers the add until the gate is set
-(``StepGate.set`` pokes the thread). So the training thread waits for a ring slot only
-while the accumulator copies; it never waits for the gate, which the training thread
-itself sets after backward. A deferred add into a sum a host step still reads waits for
-that step (``wait``), without holding up the pieces behind it.
+decision are known (the global norm needs the whole step). A streamed piece of a window
+sum lands straight in its place in its weight's step store (pinned, one step's non-selected
+gradient in the link's dtype; ``land``), and its add waits there, in order, until the
+step's gate is set (``StepGate.set`` pokes the thread). The training thread waits only
+before it lands a weight's first piece of a step, for the adds of that weight's previous
+step still reading its store (``wait_free``): the accumulator has the next step's whole
+forward and the backward up to that weight to finish them, and the host never copies a
+piece from one buffer into another. Other transfers (whole gradients, micro-batches summed
+on the host) land in a slot of the link's bounded pinned staging ring
+(``copies.StagingRing``) and are added from there, in order (``add``). A deferred add
+into a sum a host step still reads waits for that step (``wait``), without holding up the
+pieces behind it.
 
 The accumulator and the window's host step (the CPU Adam on the worker) share the host's
 threads through ``CoreShare``: where the host has the cores the training thread does not need
@@ -42,6 +45,9 @@ def reraise(exc: BaseException):
     except Exception:  # exotic constructor: re-raise the original object
         raise exc from None
     raise again from exc
+
+
+POKE_S = 0.05  # how often ``wait_free`` wakes the thread while it waits
 
 
 class StepGate:
@@ -126,13 +132,16 @@ def _ready(gate, wait) -> bool:
 class Accumulator:
     """A thread adding gradient pieces into sums (compact layout), in order.
 
-    ``add(event, src, dst, gate, overwrite, release, stat, wait, store)``: wait for the copy
+    ``add(event, src, dst, gate, overwrite, release, stat, wait)``: wait for the copy
     ``event``; then, once ``wait`` (the host step reading ``dst``) and ``gate`` (None: no
-    coefficient, e.g. a micro-batch into its step's sum) are set, ``dst = coef * src``
-    (``overwrite``) or ``dst += coef * src`` on ``threads`` host threads, and
-    ``release()`` (the staging slot back to its ring). With a ``store`` (the piece's place in
-    its weight's step store) an add that cannot run yet copies ``src`` there, releases, and
-    runs from the store later (in order). A skipped step's pieces are dropped. ``stat``: a
+    coefficient, e.g. a micro-batch into its step's sum) are set and the adds queued before
+    it ran, ``dst = coef * src`` (``overwrite``) or ``dst += coef * src`` on ``threads``
+    host threads, and ``release()`` (the staging slot back to its ring).
+    ``land(event, store, dst, gate, overwrite, key, stat, wait)``: the same add of a piece
+    the device copies into ``store`` (its place in its weight's step store) itself, waiting
+    there for its gate without holding up the thread (no ring slot, no host copy);
+    ``wait_free(key)`` blocks until no queued add of ``key`` (a weight) reads its store. A
+    skipped step's pieces are dropped. ``stat``: a
     key under which the sum of squares of ``dst`` after the add is totalled (``sums``: a
     step's host-side share of the global norm). ``call(fn)`` runs ``fn`` in order;
     ``fence()`` returns an event set once everything queued before it has run (deferred
@@ -152,16 +161,61 @@ class Accumulator:
         self.busy_s = 0.0  # time spent adding (throughput figures)
         self.elements = 0
         self.deferred_max = 0  # most adds waiting for their gate at once (tests, figures)
-        self._deferred: deque = deque()  # (store, dst, gate, overwrite, stat, wait)
+        # landed pieces waiting for their gates: (store, dst, gate, overwrite, stat, wait,
+        # event, key)
+        self._deferred: deque = deque()
+        self._lock = threading.Lock()
+        self._reading: dict = {}  # key -> landed adds queued that still read its store
+        self._free: dict = {}  # key -> threading.Event, set while none does
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="zenflow-accum", daemon=True)
         self._thread.start()
 
-    def add(self, event, src, dst, gate, overwrite, release, stat=None, wait=None,
-            store=None) -> None:  # fmt: skip
+    def add(self, event, src, dst, gate, overwrite, release, stat=None, wait=None) -> None:
         """Queue an add; ``wait``: an event to wait for before ``dst`` is written (the host
-        step still reading the window sum); ``store``: where the piece waits for its gate."""
-        self._q.put(("add", event, src, dst, gate, overwrite, release, stat, wait, store))
+        step still reading the window sum)."""
+        self._q.put(("add", event, src, dst, gate, overwrite, release, stat, wait))
+
+    def land(self, event, store, dst, gate, overwrite, key, stat=None, wait=None) -> None:
+        """Queue the add of a piece the device copies (``event``) straight into ``store``,
+        its place in the step store of ``key`` (its weight): once ``wait`` and ``gate`` are
+        set, ``dst (+)= coef * store``, in order with the other adds. The caller lands a
+        key's pieces only after ``wait_free(key)``: nothing of an earlier step still reads
+        that store."""
+        with self._lock:
+            n = self._reading.get(key, 0)
+            if n == 0:
+                self._free.setdefault(key, threading.Event()).clear()
+            self._reading[key] = n + 1
+        self._q.put(("land", event, store, dst, gate, overwrite, key, stat, wait))
+
+    def wait_free(self, key) -> None:
+        """Block until no queued add of ``key`` reads its store (the previous step's pieces
+        of that weight are added, or dropped); then re-raise a failure of the thread."""
+        free = self._free.get(key)
+        if free is not None:
+            # an add waits for its gate and its sum (``wait``); whoever sets them pokes the
+            # thread, and so does this wait now and then, so that no add that could run
+            # sits in the queue while the training thread waits for it
+            while not free.wait(POKE_S):
+                self.check()
+                self.poke()
+        self.check()
+
+    def _read(self, key) -> None:
+        """One landed add of ``key`` is done with its store (run, skipped or dropped)."""
+        with self._lock:
+            n = self._reading.get(key, 0) - 1
+            self._reading[key] = max(0, n)
+            if n <= 0:
+                self._free[key].set()
+
+    def _release_all(self) -> None:
+        """Nothing reads a store any more (the thread stops): every waiter goes on."""
+        with self._lock:
+            self._reading.clear()
+            for free in self._free.values():
+                free.set()
 
     def poke(self) -> None:
         """Wake the thread: a gate was set, deferred adds may run."""
@@ -184,11 +238,14 @@ class Accumulator:
             if item is None:
                 self._progress(block=False)
                 self._deferred.clear()
+                self._release_all()
                 return
             kind = item[0]
             try:
                 if kind == "add":
                     self._add(*item[1:])
+                elif kind == "land":
+                    self._land(*item[1:])
                 elif kind == "poke":
                     self._progress(block=False)
                 else:
@@ -202,47 +259,42 @@ class Accumulator:
                 if kind == "fence":
                     item[1].set()
 
-    def _add(self, event, src, dst, gate, overwrite, release, stat, wait, store) -> None:
+    def _add(self, event, src, dst, gate, overwrite, release, stat, wait) -> None:
         try:
             if self.error is not None:
                 return
             event.synchronize()
-            if store is None or (not self._deferred and _ready(gate, wait)):
-                self._progress(block=True)  # in order: the adds deferred before this one
-                self._apply(src, dst, gate, overwrite, stat, wait)
-                return
-            self._make_room(store)
-            store.copy_(src)
-            self._deferred.append((store, dst, gate, overwrite, stat, wait))
-            self.deferred_max = max(self.deferred_max, len(self._deferred))
+            self._progress(block=True)  # in order: the adds deferred before this one
+            self._apply(src, dst, gate, overwrite, stat, wait)
         finally:
             if release is not None:
                 release()
 
-    def _make_room(self, store: torch.Tensor) -> None:
-        """Run the deferred adds up to the last one still reading ``store`` (an earlier
-        step's piece: its gate is set, so this waits at most for a host step's read)."""
-        ptr = store.data_ptr()
-        last = -1
-        for i, item in enumerate(self._deferred):
-            if item[0].data_ptr() == ptr:
-                last = i
-        for _ in range(last + 1):
-            self._run_deferred()
+    def _land(self, event, store, dst, gate, overwrite, key, stat, wait) -> None:
+        if self.error is not None:
+            self._read(key)
+            return
+        self._deferred.append((store, dst, gate, overwrite, stat, wait, event, key))
+        self.deferred_max = max(self.deferred_max, len(self._deferred))
+        self._progress(block=False)  # an earlier step's adds whose gates are set
 
     def _progress(self, block: bool) -> None:
         """Run the deferred adds in order: all of them (``block``: waiting for their gates
         and host steps), or those that are ready now."""
         while self._deferred:
-            _, _, gate, _, _, wait = self._deferred[0]
-            if not block and not _ready(gate, wait):
+            head = self._deferred[0]
+            if not block and not _ready(head[2], head[5]):
                 return
             self._run_deferred()
 
     def _run_deferred(self) -> None:
-        store, dst, gate, overwrite, stat, wait = self._deferred.popleft()
-        if self.error is None:
-            self._apply(store, dst, gate, overwrite, stat, wait)
+        store, dst, gate, overwrite, stat, wait, event, key = self._deferred.popleft()
+        try:
+            if self.error is None:
+                event.synchronize()  # the piece's copy into the store
+                self._apply(store, dst, gate, overwrite, stat, wait)
+        finally:
+            self._read(key)
 
     def _apply(self, src, dst, gate, overwrite, stat, wait) -> None:
         if wait is not None:

@@ -306,22 +306,6 @@ class ZenFlowEngine:
             f"{self.global_step + 1} ({first}; engine state held: {held or 'n/a'}). {OOM_FIX}"
         )
 
-    @contextlib.contextmanager
-    def lent_cores(self):
-        """Host work on the training thread that the step waits for while the host's own
-        kernels are idle (the first selection: scores, concatenations, casts): torch takes
-        the host's threads too where the training thread keeps only a few of them
-        (``accel.lends_host_cores``: CUDA, whose training thread keeps 2 of 16 cores; an
-        H200 box's first selection spent 1.9 s more in those ops on 2 threads than on 8)."""
-        if not self.accel.lends_host_cores:
-            yield
-            return
-        torch.set_num_threads(self.training_threads + self.host_threads)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(self.training_threads)
-
     def zero_grad(self) -> None:
         for s in self.specs:
             s.param.grad = None

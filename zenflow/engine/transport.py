@@ -5,10 +5,12 @@ One ``Transport`` per engine holds the device buckets, the pinned staging buffer
 accumulator thread and, with data parallelism, the reductions in flight. Two kinds of
 movement:
 
-- ``send_piece``: a gathered piece (a bucket) goes to a slot of the pinned staging ring
-  (``copies.StagingRing``) on the copy engine and the accumulator adds it into a sum (a
-  window sum, or a step's micro-batch sum), through the weight's step store when the
-  step's gate is not set yet (``accumulator``);
+- ``land_piece``: a gathered piece (a bucket) of a window sum goes on the copy engine
+  straight to its place in its weight's pinned step store, where its add waits for the
+  step's gate (``accumulator``; ``store_free`` first waits, once per weight and step, for
+  the previous step's adds still reading that store);
+- ``send_piece``: a gathered piece of a step's micro-batch sum goes to a slot of the pinned
+  staging ring (``copies.StagingRing``) and the accumulator adds it into that sum;
 - ``send_whole``: a whole gradient goes to a host landing buffer in contiguous chunks, each
   through a device bucket (the gradient is freed at once; only buckets are in flight), or
   through the ring into an fp32 sum (micro-batches summed on the host).
@@ -119,24 +121,45 @@ class Transport:
         return w
 
     # ------------------------------------------------------------------ movement
+    def _on_link(self, bucket_i: int, bucket: torch.Tensor):
+        """(buckets, index, tensor) of what crosses the link for ``bucket``: itself, or its
+        cast to the link's dtype, made on the device in a link bucket of its own."""
+        if self.link_buckets is None:
+            return self.buckets, bucket_i, bucket
+        j, cast = self.link_buckets.take(bucket.shape)
+        cast.copy_(bucket)
+        self.buckets.mark(bucket_i, self.accel.record_compute())
+        return self.link_buckets, j, cast
+
     def send_piece(self, bucket_i: int, bucket: torch.Tensor, dst, gate, overwrite: bool,
-                   stat=None, wait=None, store=None) -> None:  # fmt: skip
+                   stat=None, wait=None) -> None:  # fmt: skip
         """Copy a gathered ``bucket`` (in the link's dtype) to a ring slot, then add it into
-        ``dst`` (the piece's compact view of a sum) with the step's ``gate`` (after
-        ``wait``), through ``store`` (the piece's place in the step store) until the gate
-        is set."""
-        buckets = self.buckets
-        if self.link_buckets is not None:  # cast on the device, then the cast crosses
-            j, cast = self.link_buckets.take(bucket.shape)
-            cast.copy_(bucket)
-            buckets.mark(bucket_i, self.accel.record_compute())
-            buckets, bucket_i, bucket = self.link_buckets, j, cast
+        ``dst`` (the piece's compact view of a sum) with ``gate`` (after ``wait``) once the
+        adds queued before it ran (micro-batches summed on the host: no gate)."""
+        buckets, bucket_i, bucket = self._on_link(bucket_i, bucket)
         ring = self.ring(bucket.dtype)
         i, staged = self.take_slot(ring, bucket.shape)
         ev = self.accel.copy_d2h(staged, bucket)
         buckets.mark(bucket_i, ev)
-        self.accumulator.add(ev, staged, dst, gate, overwrite, lambda: ring.give(i), stat, wait,
-                             store)  # fmt: skip
+        self.accumulator.add(ev, staged, dst, gate, overwrite, lambda: ring.give(i), stat, wait)
+
+    def store_free(self, key) -> None:
+        """Wait until no add of the previous step reads ``key``'s step store (a wait here is
+        the host stalling backward), before that weight's first piece of the step lands."""
+        t0 = time.perf_counter()
+        self.accumulator.wait_free(key)
+        self.wait_s += time.perf_counter() - t0
+
+    def land_piece(self, bucket_i: int, bucket: torch.Tensor, store: torch.Tensor, dst, gate,
+                   overwrite: bool, key, wait=None) -> None:  # fmt: skip
+        """Copy a gathered ``bucket`` straight into ``store`` (its place in its weight's
+        pinned step store: no ring slot, no host copy), then add it into ``dst`` with the
+        step's ``gate`` (after ``wait``), in order (``Accumulator.land``). The caller waited
+        for ``store_free(key)`` before the weight's first piece of the step."""
+        buckets, bucket_i, bucket = self._on_link(bucket_i, bucket)
+        ev = self.accel.copy_d2h(store, bucket)
+        buckets.mark(bucket_i, ev)
+        self.accumulator.land(ev, store, dst, gate, overwrite, key, wait=wait)
 
     def send_whole(self, g: torch.Tensor, chunks, owner: int, *, landing=None, sums=None,
                    staging=None, first: bool = True, stat=None, sq_out: list | None = None,

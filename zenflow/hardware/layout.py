@@ -20,9 +20,10 @@ ZenFlow's host keeps only the non-selected columns of each weight, compact
 (16 N bytes), "compact" the fp32 master, 8-bit block-wise moments with two fp32 scales per
 256 elements and a bf16 window sum (8 N + 8 N/256); both an int64 step count per
 non-selected column, and a store of the step's pieces in the link's dtype while they wait
-for the step's clipping coefficient (N x 2 in bf16; micro-batches summed on the host: their
-fp32 sum instead). The link is a bounded ring of pinned staging slots and one pinned read
-buffer; the master is pinned too (the host->device return reads it). These are the steady
+for the step's clipping coefficient (N x 2 in bf16, pinned: the device copies the pieces
+there; micro-batches summed on the host: their fp32 sum instead, and a bounded ring of
+pinned staging slots their pieces land in). The link has one pinned read buffer; the
+master is pinned too (the host->device return reads it). These are the steady
 state, between steps; ``zenflow.hardware.host_peak`` adds what a whole run holds on top.
 
 Every item has a category the engine's own memory accounting uses: on the device "weights",
@@ -379,15 +380,17 @@ def _zenflow_host_link(b: _Buffers) -> None:
                "N*4")  # fmt: skip
     else:
         # a piece is added with its step's clipping coefficient, known at the step's end:
-        # until then the step's pieces wait in a store of their own (pageable, the link's
-        # dtype) and their ring slots go back (zenflow.engine.accumulator)
+        # until then the step's pieces wait in a store of their own, where the device
+        # copies them (pinned, the link's dtype; zenflow.engine.accumulator.land)
         b.host("accumulators", f"step store: a step's pieces awaiting its clipping ({ldn})",
-               N * lb, f"N*{lb}")  # fmt: skip
-    # pinned: a ring of bucket-sized staging slots the pieces land in (given back by the
-    # accumulator), and one reused read buffer for checkpoints and hand-overs
-    slots = max(RING_MIN_SLOTS, b.copy_buckets)
-    b.host("staging", f"device->host staging ring ({slots} slots of B, {ldn})",
-           slots * B * lb, f"{slots}*B*{lb}", True)  # fmt: skip
+               N * lb, f"N*{lb}", True)  # fmt: skip
+    # pinned: with micro-batches summed on the host, a ring of bucket-sized staging slots
+    # their pieces land in (given back by the accumulator); and one reused read buffer
+    # for checkpoints and hand-overs
+    if s.host_sums:
+        slots = max(RING_MIN_SLOTS, b.copy_buckets)
+        b.host("staging", f"device->host staging ring ({slots} slots of B, {ldn})",
+               slots * B * lb, f"{slots}*B*{lb}", True)  # fmt: skip
     b.host("staging", "read buffer (device->host reads)", READ_BUFFER_BYTES,
            f"{READ_BUFFER_BYTES >> 20} MiB", True)  # fmt: skip
     if s.return_images(early=False):  # the host step's bf16 image, read by the return

@@ -53,10 +53,10 @@ DEVICE_ADAM_BYTES = 28
 
 # The host's bytes per non-selected element (ZenFlow), by zfctl.host_state:
 HOST_BYTES = {
-    # each piece: the DMA writes it into the staging ring (link dtype), the accumulator reads
-    # it (link dtype) and, until the step's clipping coefficient is known, writes it to the
-    # step store and reads it back (2 x link dtype, zenflow.engine.accumulator), then reads +
-    # writes the window sum (fp32 4 + 4, bf16 2 + 2)
+    # each piece: the DMA writes it into its place in the step store (link dtype), where its
+    # add waits for the step's clipping coefficient; the accumulator reads it there (link
+    # dtype, zenflow.engine.accumulator.land) and reads + writes the window sum (fp32 4 + 4,
+    # bf16 2 + 2)
     "sum_rmw": {"exact": 8, "compact": 4},
     # once per window (/S), the CPU Adam: read the window sum (4; bf16 2), read + write the
     # fp32 master (8), the fp32 moments (16) or their 8-bit codes (2 + 2) and two fp32
@@ -79,7 +79,7 @@ def zenflow_host_bytes(s: Settings) -> float:
     if s.host_sums:  # DMA write + read, then the fp32 micro-batch sum; one fold per step
         micro = s.gradient_accumulation_steps
         return micro * (2 * lb + HOST_BYTES["micro_rmw"][st]) + HOST_BYTES["fold"][st] + window
-    return 4 * lb + HOST_BYTES["sum_rmw"][st] + window  # ring write + read, store write + read
+    return 2 * lb + HOST_BYTES["sum_rmw"][st] + window  # store: DMA write, accumulator read
 
 
 def offload_host_bytes(s: Settings) -> float:

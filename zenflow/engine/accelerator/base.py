@@ -113,7 +113,7 @@ class Accelerator:
     host_yields = False
     # host work that blocks the step on the training thread while the host's own kernels
     # are idle (the first selection) takes the host's threads too (CUDA: the training
-    # thread keeps 2 cores, too few for that torch work; Engine.lent_cores)
+    # thread keeps 2 cores, too few for that torch work; engine_setup.lent_cores)
     lends_host_cores = False
 
     def __init__(self, device: torch.device, *, budget_bytes: int | None = None):

@@ -17,6 +17,7 @@ import time
 import torch
 
 from zenflow.engine.copies import bucket_count, bucket_elems_for
+from zenflow.engine.engine_setup import lent_cores
 from zenflow.engine.host import StepGate
 from zenflow.engine.selection import column_scores, num_selected
 from zenflow.engine.transport import Transport
@@ -269,7 +270,7 @@ class ZenFlowMode:
                 scores = [column_scores(w.grad(), w.cd) for w in self.zweights]
                 self.handover.select(t, scores, None if e.dp.enabled else scores)
         elif self.plan.whole:  # the first selection, from the whole gradient on the host
-            with e.lent_cores():
+            with lent_cores(e):
                 self.warmup.first_selection(t, coef)
         elif self.plan.first:  # the first selection, made in the hooks: the host side now
             self.handover.finish_first(t)

@@ -84,6 +84,8 @@ class GradRoute:
         # per column first, as the whole gradient's scores would be)
         scoring = plan.score or self.m.update_interval is None
         overwrite_acc = w.owned and w.fresh[plan.slot]
+        if w.owned and not host_gas:  # the previous step's adds done with w's step store
+            tr.store_free(w.position)
         for pc in w.pieces:
             i, bucket = tr.take_bucket(pc.shape)
             src, dim, idx = pc.select(g, w.nonsel_dev)
@@ -107,9 +109,9 @@ class GradRoute:
                         w.stat_done = True
                     tr.send_piece(i, bucket, pc.of(w.step_buf), None, n == 0, stat)
                 else:
-                    tr.send_piece(i, bucket, pc.of(w.acc[plan.slot]), plan.gate, overwrite_acc,
-                                  wait=w.free if overwrite_acc else None,
-                                  store=pc.of(w.store))  # fmt: skip
+                    tr.land_piece(i, bucket, pc.of(w.store), pc.of(w.acc[plan.slot]), plan.gate,
+                                  overwrite_acc, w.position,
+                                  wait=w.free if overwrite_acc else None)  # fmt: skip
 
             if dp.enabled:
                 tr.after_reduce(dp.reduce_async(bucket, w.owner), i, onward)

@@ -19,8 +19,8 @@ n = n_cols - k non-selected ones:
 |        | the backend pins), exp_avg, exp_avg_sq, int64 count per column                    |
 | host   | the window sum of the non-selected columns, compact (CPU device: full shape, where |
 |        | autograd writes, 2 slots with overlap)                                           |
-| host   | the step store: one step's pieces in the link's dtype while the step's gate is    |
-|        | not set (the link's pinned staging is the transport's bounded ring)               |
+| host   | the step store: one step's pieces in the link's dtype (pinned where the backend   |
+|        | pins: the device copies them there), their adds waiting for the step's gate       |
 
 Before the first selection the host holds warm-up's full-shape state, or only the masters
 taken at set-up (``init_master``; none for an fp32 weight on a separate device: the device
@@ -179,7 +179,10 @@ class ZfWeight:
         if mode.host_gas:
             self.step_buf = accel.host_empty((n,), torch.float32, False, "window_sums")
         else:
-            self.store = accel.host_empty((n,), mode.link_dtype, False, "step_pieces")
+            # pinned: the pieces land here from the device, and their adds wait here for
+            # the step's gate (accumulator.land)
+            self.store = accel.host_empty((n,), mode.link_dtype, mode.e.pin_link,
+                                          "step_pieces")  # fmt: skip
 
     def set_selection(self, sel_dev: torch.Tensor, sel_host: torch.Tensor | None = None,
                       nonsel_dev: torch.Tensor | None = None,

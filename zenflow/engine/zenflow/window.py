@@ -181,10 +181,13 @@ class Window:
                 w.acc[slot].zero_()
             w.free = threading.Event()  # set by the worker once its host step read the sum
             frees.append(w.free)
+            acc = self.m.transport.accumulator if self.m.transport is not None else None
 
-            def after(w=w, free=w.free):
+            def after(w=w, free=w.free, acc=acc):
                 ready.add(w.position)
                 free.set()
+                if acc is not None:  # the adds waiting for this sum may run now
+                    acc.poke()
 
             image = None if images is None else images.get(w.position)
             tasks.append(HostTask(w.host, w.acc[slot].view(w.compact_shape()), 1.0 / n,
