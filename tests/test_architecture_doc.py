@@ -23,7 +23,7 @@ def test_both_diagrams_are_there():
     assert any(k.startswith("flowchart") for k in kinds)  # the packages
     step = blocks[kinds.index("sequenceDiagram")]
     for word in ("compute stream", "copy stream d2h", "accumulator thread", "worker thread",
-                 "copy stream h2d", "staging", "window sum", "bucket"):  # fmt: skip
+                 "copy stream h2d", "step store", "window sum", "bucket"):  # fmt: skip
         assert word in step, word
 
 
