@@ -48,7 +48,8 @@ def host_keeps_pace(doc: dict, tokens: int, source: str) -> dict:
     """The host's accumulate + 1/S of a window's Adam, over the non-selected elements, at
     the rates both ops reached together, against the device's backward at ``tokens``: device
     AdamW's backward, the compute alone. Never ZenFlow's own: its backward waits for the
-    host when the host is slower (the ring of staged pieces fills), so it would always
+    host when the host is slower (a weight's pieces wait until the previous step's adds
+    are done with its step store), so it would always
     "keep pace" with itself (a GPU run's 4k case: backward 318 ms, as long as at 16k)."""
     name = f"host_keeps_pace_{tokens}"
     explain = (

@@ -27,6 +27,7 @@ speed-up over one thread.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -40,6 +41,17 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from zenflow import ops  # noqa: E402
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's own ops on ``n`` threads inside the block."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def main(argv=None) -> int:
@@ -67,12 +79,8 @@ def main(argv=None) -> int:
 
     def torch_add(t):
         def run():
-            before = torch.get_num_threads()
-            torch.set_num_threads(t)
-            try:
+            with torch_threads(t):
                 dst.add_(src, alpha=0.5)
-            finally:
-                torch.set_num_threads(before)
 
         return run
 
@@ -80,23 +88,15 @@ def main(argv=None) -> int:
 
     def via_store(t):
         def run():
-            before = torch.get_num_threads()
-            torch.set_num_threads(t)
-            try:
+            with torch_threads(t):
                 store.copy_(src)
-            finally:
-                torch.set_num_threads(before)
             ops.accumulate_(dst, store, 0.5, num_threads=t)
 
         return run
 
     def index_add():
-        before = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
+        with torch_threads(1):
             full.index_add_(1, cols, piece.float(), alpha=0.5)
-        finally:
-            torch.set_num_threads(before)
 
     contenders = {}
     for t in threads:
