@@ -6,13 +6,17 @@ in both host states (``zfctl.host_state`` exact and compact), each under
 run, and prints per run: the process's peak RSS, the simulated device's peak (its memory
 lives in the same process: weights, gradients, the selected columns' state, buckets, from
 summary.json), the host peak = RSS peak - device peak, and the engine's own whole-run host
-accounting (summary.json ``host_peak_bytes``); then, per host state, the slope in bytes per
-parameter between the two models (the process's constant part - Python, torch, the data -
-cancels). Each run's checkpoints and model are deleted once read (summary.json stays).
-Owns nothing else; must not import the engine (it measures the CLI, as a user runs it).
+accounting (summary.json ``host_peak_bytes``), and the estimate's whole-run host peak for
+the same settings (``zenflow.hardware.preflight``, what ``zfctl finetune``'s preflight
+computes for a sim run, the runtime included) with measured / estimate; then, per host
+state, the slope in bytes per parameter between the two models (the process's constant
+part - Python, torch, the data - cancels). ``--set`` adds config overrides to every run
+(e.g. ``--set gradient_clipping=0 --set zfctl.step_store=off``). Each run's checkpoints
+and model are deleted once read (summary.json stays). Owns nothing else; must not import
+the engine (it measures the CLI, as a user runs it).
 
     .venv/bin/python bench/host_memory.py [--models gpt2 gpt2-medium] [--states exact compact]
-        [--steps 8] [--out DIR]
+        [--steps 8] [--set KEY=VALUE ...] [--out DIR]
 """
 
 from __future__ import annotations
@@ -41,10 +45,24 @@ SETTINGS = [
 ]
 
 
-def run_one(model: str, state: str, steps: int, out: Path) -> dict:
+def estimated_peak(model: str, settings: list[str]) -> int:
+    """The estimate's whole-run host peak of the run (zenflow, the template with
+    ``settings``), as the preflight of a sim run computes it."""
+    from zenflow.config import load_config, parse_set_args
+    from zenflow.hardware.preflight import preflight
+
+    cfg = load_config(ROOT / "templates" / "zenflow.json", parse_set_args(settings))
+    est = preflight(model, mode="zenflow", config=cfg, micro_batch=2, seq_len=32,
+                    device_mem=2**50, host_mem=2**50, separate_device=True,
+                    device_kind="sim")  # fmt: skip
+    return est.engines["zenflow"].host_peak_bytes
+
+
+def run_one(model: str, state: str, steps: int, out: Path, extra: list[str]) -> dict:
     """One ``zfctl finetune`` under /usr/bin/time -v -> its figures."""
     run_dir = out / f"{model}-{state}"
-    sets = [a for s in SETTINGS + [f"zfctl.host_state={state}"] for a in ("--set", s)]
+    settings = SETTINGS + [f"zfctl.host_state={state}"] + extra
+    sets = [a for s in settings for a in ("--set", s)]
     cmd = ["/usr/bin/time", "-v", str(ZFCTL), "finetune", model, "--init", "random",
            "--device", "sim", "--task", "sst2", "--max-steps", str(steps),
            "--micro-batch", "2", "--seq-len", "32", "--checkpoint-every", "3",
@@ -66,6 +84,7 @@ def run_one(model: str, state: str, steps: int, out: Path) -> dict:
         "device_peak": device_peak, "host_peak": rss_kb * 1024 - device_peak,
         "engine_host_peak": summary.get("host_peak_bytes"),
         "engine_host_per_param": summary.get("host_bytes_per_param"),
+        "estimate": estimated_peak(model, settings),
         "command": " ".join(cmd[2:]),
     }  # fmt: skip
 
@@ -81,22 +100,25 @@ def slope(rows: list[dict], key: str) -> float | None:
 def table(rows: list[dict]) -> str:
     gib = 2**30
     lines = ["| model | host state | params | RSS peak | sim device peak | host peak "
-             "(RSS - device) | engine host peak |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+             "(RSS - device) | engine host peak | estimate | measured / estimate |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         eng = r["engine_host_peak"]
         lines.append(
             f"| {r['model']} | {r['state']} | {r['params'] / 1e6:.1f}M | "
             f"{r['rss_peak'] / gib:.2f} GiB | {r['device_peak'] / gib:.2f} GiB | "
             f"{r['host_peak'] / gib:.2f} GiB | "
-            f"{'-' if eng is None else f'{eng / gib:.2f} GiB'} |"
+            f"{'-' if eng is None else f'{eng / gib:.2f} GiB'} | "
+            f"{r['estimate'] / gib:.2f} GiB | {r['host_peak'] / r['estimate']:.2f} |"
         )
-    lines += ["", "| host state | slope of the host peak | slope of the engine's host peak |",
-              "|---|---|---|"]  # fmt: skip
+    lines += ["", "| host state | slope of the host peak | slope of the engine's host peak | "
+              "slope of the estimate |", "|---|---|---|---|"]  # fmt: skip
     for state in sorted({r["state"] for r in rows}):
         mine = [r for r in rows if r["state"] == state]
         s1, s2 = slope(mine, "host_peak"), slope(mine, "engine_host_peak")
+        s3 = slope(mine, "estimate")
         fmt = lambda v: "-" if v is None else f"{v:.2f} B/param"  # noqa: E731
-        lines.append(f"| {state} | {fmt(s1)} | {fmt(s2)} |")
+        lines.append(f"| {state} | {fmt(s1)} | {fmt(s2)} | {fmt(s3)} |")
     return "\n".join(lines)
 
 
@@ -105,13 +127,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--models", nargs="+", default=["gpt2", "gpt2-medium"])
     ap.add_argument("--states", nargs="+", default=["exact", "compact"])
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument(
+        "--set",
+        dest="extra",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for every run (repeatable)",
+    )
     ap.add_argument("--out", type=Path, default=Path("/tmp/zfctl-host-memory"))
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     for state in args.states:
         for model in args.models:
-            rows.append(run_one(model, state, args.steps, args.out))
+            rows.append(run_one(model, state, args.steps, args.out, args.extra))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     (args.out / "results.json").write_text(json.dumps(rows, indent=1))
     print(table(rows))

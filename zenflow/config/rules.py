@@ -81,14 +81,8 @@ def validate(raw: Mapping, source: str, world_size: int) -> Config:
     zenflow, stage, device, pin = parse_zero(r, raw, zf_problems)
     monitor = _parse_monitor(r, raw)
     engine = _parse_engine(r, raw)
-    if zenflow is not None and engine.early.on and engine.early.windows == "ramp" \
-            and zenflow.update_interval == "auto":  # fmt: skip
-        r.problem("zfctl.early.windows", "ramp",
-                  'ramps the window length up to update_interval, which is "auto" here',
-                  'set zero_optimization.zenflow.update_interval to a number of steps, '
-                  'zfctl.early.windows to "fixed", or zfctl.early.steps to 0 (the zenflow '
-                  'template turns the ramp on)')  # fmt: skip
-
+    if zenflow is not None:
+        _check_zenflow_options(r, zenflow, engine, clip, gas)
     problems = r.problems + zf_problems
     if problems:
         raise ConfigError(problems, source)
@@ -113,6 +107,32 @@ def validate(raw: Mapping, source: str, world_size: int) -> Config:
         source=source,
         raw=copy.deepcopy(dict(raw)),
     )
+
+
+def _check_zenflow_options(r: Reader, zenflow, engine: EngineOptions, clip: float,
+                           gas: int) -> None:  # fmt: skip
+    """The zfctl options that depend on the rest: the early ramp needs an integer
+    update_interval; zfctl.step_store "off" adds each piece as it arrives, so no clipping
+    coefficient to wait for and no micro-batch sum on the host (its fp32 sum would take the
+    store's place)."""
+    if engine.early.on and engine.early.windows == "ramp" and zenflow.update_interval == "auto":
+        r.problem("zfctl.early.windows", "ramp",
+                  'ramps the window length up to update_interval, which is "auto" here',
+                  'set zero_optimization.zenflow.update_interval to a number of steps, '
+                  'zfctl.early.windows to "fixed", or zfctl.early.steps to 0 (the zenflow '
+                  'template turns the ramp on)')  # fmt: skip
+    if engine.step_store != "off":
+        return
+    if clip > 0:
+        r.problem("zfctl.step_store", "off",
+                  f"needs gradient_clipping 0 (it is {clip:g}): a step's pieces must wait "
+                  "for its clipping coefficient, known at the end of backward",
+                  'set "gradient_clipping": 0, or zfctl.step_store "on"')  # fmt: skip
+    if gas > 1 and engine.grad_accumulation == "host":
+        r.problem("zfctl.step_store", "off",
+                  f"with gradient_accumulation_steps {gas} the micro-batches are summed on "
+                  "the host in fp32, a store of its own",
+                  'set zfctl.grad_accumulation "device", or zfctl.step_store "on"')  # fmt: skip
 
 
 def _parse_precision(r: Reader, raw: Mapping) -> bool | str:
@@ -205,6 +225,7 @@ _ENGINE_CHOICES = {
     "host_state": ("exact", "compact"),
     "return_image": ("early", "always", "never"),
     "numa_binding": ("auto", "node", "off"),
+    "step_store": ("on", "off"),
 }
 
 

@@ -211,6 +211,19 @@ ENGINE_FIELD_DOCS: dict[str, str] = {
     "without a setting; the zenflow template turns it on with steps 200 (measured: "
     'docs/BENCHMARKS.md, "The early schedule"). It changes when the host updates the '
     "non-selected columns; with topk_ratio 1.0 it is AdamW either way.",
+    "step_store": 'Where a step\'s non-selected gradient pieces wait on the host: "on" '
+    "(default): in a store of their own (pinned, the link's dtype: 2 bytes per non-selected "
+    "parameter in bf16, 4 in fp32), where the device copies them, until the step's clipping "
+    "coefficient is known at the end of backward; the host adds them into the window sum "
+    'from there, while the next step\'s forward runs. "off": no store; each piece crosses '
+    "into a small ring and is added into the window sum as it arrives, which needs no "
+    "coefficient: only with gradient_clipping 0 (and, with gradient_accumulation_steps > 1, "
+    'zfctl.grad_accumulation "device"). It saves the store\'s host memory; the backward '
+    "then waits for the host's adds when they are slower than the pieces, and a window's "
+    "first step waits for the previous window's host step to read the sum. A non-finite "
+    "step is still skipped on the device; on the host its pieces that are not finite are "
+    "dropped (zeroed on the device before they cross) and its finite pieces stay in the "
+    "window sum. With no non-finite step both settings give the same weights, bit for bit.",
     "return_image": "How a host step's result (the non-selected columns' fp32 master) goes "
     "back to a bf16 model's device: as the fp32 master columns themselves, cast to bf16 on "
     "the device (no host copy of them), or as a bf16 image the host step writes in the same "
@@ -302,6 +315,8 @@ class EngineOptions:
     """A bf16 image of each host result for the return: "early", "always" or "never"."""
     numa_binding: str = "auto"
     """The threads on the device's NUMA node: "auto" (several ranks), "node" or "off"."""
+    step_store: str = "on"
+    """A step's pieces wait for its clipping coefficient in a host store: "on" or "off"."""
 
 
 @dataclass(frozen=True)

@@ -182,6 +182,7 @@ class ZenFlowEngine:
         self.early = getattr(options, "early", None) or EarlyOptions()
         self.return_image = getattr(options, "return_image", "early")
         self.numa_binding = getattr(options, "numa_binding", "auto")
+        self.step_store = getattr(options, "step_store", "on")
         self.gas = max(1, int(getattr(config, "gradient_accumulation_steps", 1) or 1))
 
     def _start_counters(self, config) -> None:

@@ -25,8 +25,8 @@ dt the training dtype's bytes, C the compact host state, L the largest tensor):
   counts on their way to the device (16 x the largest weight's selected elements; the
   leaving columns arrive in the read buffer, part of the steady state); compact also
   dequantises the largest weight's 8-bit moments into fp32 arrays, merges them and
-  quantises them again (20 N_w at the peak: the two fp32 moments and the float64 square
-  root of the second).
+  quantises them again (8 N_w at the peak: the two fp32 moments; the second is squared and
+  square-rooted in place, a chunk at a time).
 - **evaluation**: nothing material on the host.
 - **final save**: ZenFlow's host state (not its link) is released before it
   (``ZenFlowEngine.release_host_state``); on cuda, safetensors (0.8) moves every tensor of a
@@ -148,10 +148,10 @@ def _zenflow_phases(census: ParamCensus, s: Settings, items: list[Item], steady:
                          "steady + the return's bf16 images (2*N, zfctl.early)"))  # fmt: skip
     out.append(Phase("steps", steady, "steady state"))
     # a hand-over re-lays one weight at a time, in place: the entering columns' values
-    # (16*S) are extra; compact also goes through fp32 moments (4*N + 4*N) and the float64
-    # square root of the second (8*N) before quantising them into the same codes
+    # (16*S) are extra; compact also goes through fp32 moments (4*N + 4*N, the second
+    # squared and square-rooted in place) before quantising them into the same codes
     moving = 16 * census.largest_selected(k)
-    per_elem = 20 if s.compact else 0
+    per_elem = 8 if s.compact else 0
     terms = "steady + the entering columns' values (16*S)"
     if per_elem:
         terms += f" + the largest weight's moments through fp32 ({per_elem}*N)"

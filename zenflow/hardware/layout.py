@@ -22,7 +22,8 @@ ZenFlow's host keeps only the non-selected columns of each weight, compact
 non-selected column, and a store of the step's pieces in the link's dtype while they wait
 for the step's clipping coefficient (N x 2 in bf16, pinned: the device copies the pieces
 there; micro-batches summed on the host: their fp32 sum instead, and a bounded ring of
-pinned staging slots their pieces land in). The link has one pinned read buffer; the
+pinned staging slots their pieces land in; ``zfctl.step_store`` "off", without clipping:
+neither, only the ring). The link has one pinned read buffer; the
 master is pinned too (the host->device return reads it). These are the steady
 state, between steps; ``zenflow.hardware.host_peak`` adds what a whole run holds on top.
 
@@ -72,6 +73,7 @@ class Settings:
     host_state: str = "exact"  # zfctl.host_state: "exact" or "compact"
     update_interval: int = 4  # S, steps per host window ("auto" is taken as 4)
     return_image: str = "early"  # zfctl.return_image: "early", "always" or "never"
+    step_store: str = "on"  # zfctl.step_store: "off" adds pieces as they arrive (no clipping)
     early_steps: int = 0  # zfctl.early.steps (0: no early phase)
     lora_rank: int = 8  # --engine lora: the adapters' rank (zfctl.lora.rank)
     # saving copies device tensors to the host, one storage at a time (cuda); sim's and the
@@ -90,6 +92,12 @@ class Settings:
     def host_sums(self) -> bool:
         """Micro-batches summed on the host in fp32."""
         return self.gradient_accumulation_steps > 1 and not self.whole_grads
+
+    @property
+    def store_free(self) -> bool:
+        """ZenFlow adds each piece as it arrives, through the ring (zfctl.step_store "off";
+        not with micro-batches summed on the host, nor on the CPU device)."""
+        return self.step_store == "off" and not self.host_sums and not self.cpu_device
 
     @property
     def dtype_bytes(self) -> int:
@@ -138,6 +146,7 @@ def settings_from_config(config=None, **overrides: Any) -> Settings:
         values["host_state"] = getattr(config.engine, "host_state", "exact")
         values["lora_rank"] = int(config.engine.lora.rank)
         values["return_image"] = getattr(config.engine, "return_image", "early")
+        values["step_store"] = getattr(config.engine, "step_store", "on")
         values["early_steps"] = int(config.engine.early.steps)
         if config.zenflow is not None:
             values["topk_ratio"] = float(config.zenflow.topk_ratio)
@@ -378,16 +387,16 @@ def _zenflow_host_link(b: _Buffers) -> None:
     if s.host_sums:  # the micro-batches' sum, fp32 in both states
         b.host("accumulators", "micro-batch sum of the non-selected columns (fp32)", N * 4,
                "N*4")  # fmt: skip
-    else:
+    elif not s.store_free:
         # a piece is added with its step's clipping coefficient, known at the step's end:
         # until then the step's pieces wait in a store of their own, where the device
         # copies them (pinned, the link's dtype; zenflow.engine.accumulator.land)
         b.host("accumulators", f"step store: a step's pieces awaiting its clipping ({ldn})",
                N * lb, f"N*{lb}", True)  # fmt: skip
-    # pinned: with micro-batches summed on the host, a ring of bucket-sized staging slots
-    # their pieces land in (given back by the accumulator); and one reused read buffer
-    # for checkpoints and hand-overs
-    if s.host_sums:
+    # pinned: with micro-batches summed on the host or without a step store, a ring of
+    # bucket-sized staging slots the pieces land in (given back by the accumulator); and
+    # one reused read buffer for checkpoints and hand-overs
+    if s.host_sums or s.store_free:
         slots = max(RING_MIN_SLOTS, b.copy_buckets)
         b.host("staging", f"device->host staging ring ({slots} slots of B, {ldn})",
                slots * B * lb, f"{slots}*B*{lb}", True)  # fmt: skip

@@ -98,6 +98,10 @@ class ZenFlowMode:
             self.slots = 2
         gas = engine.gas
         self.host_gas = gas > 1 and engine.grad_accumulation == "host" and not self.zero_copy
+        # zfctl.step_store "off" (no clipping): each piece is added into the window sum as
+        # it arrives, through the ring, with no step store to wait in
+        self.store_free = engine.step_store == "off" and not self.host_gas \
+            and not self.zero_copy  # fmt: skip
         # The first selection in each weight's gradient hook (no whole gradient on the host):
         # streamed, no micro-batches summed on the host, no warm-up, one rank (several: the
         # averaged gradient's scores need the averaged gradient, which lands on its owner)

@@ -29,7 +29,7 @@ import torch
 
 from zenflow.engine.host import ColumnSteps
 from zenflow.ops import q8_num_blocks
-from zenflow.ops.q8_reference import sqrt_rounded
+from zenflow.ops.q8_reference import sqrt_rounded_
 
 MOMENT_KEYS = ("m_codes", "m_scales", "u_codes", "u_scales")
 
@@ -77,17 +77,22 @@ class Q8HostState:
             getattr(self, k).zero_()
 
     def moments_fp32(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(exp_avg, exp_avg_sq) dequantised, fp32, in the master's shape (``v = u * u``)."""
+        """(exp_avg, exp_avg_sq) dequantised, fp32, in the master's shape (``v = u * u``,
+        squared in place: two fp32 arrays at the peak, 8 bytes per element)."""
         m = torch.empty(self.master.shape, dtype=torch.float32)
-        u = torch.empty(self.master.shape, dtype=torch.float32)
+        v = torch.empty(self.master.shape, dtype=torch.float32)
         self.kernels.dequantize(self.m_codes, self.m_scales, m, fmt="m")
-        self.kernels.dequantize(self.u_codes, self.u_scales, u, fmt="u")
-        return m, u * u
+        self.kernels.dequantize(self.u_codes, self.u_scales, v, fmt="u")
+        return m, v.mul_(v)
 
     def set_moments(self, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
-        """Quantise fp32 moments (the master's layout) into the codes and scales."""
+        """Quantise fp32 moments (the master's layout) into the codes and scales.
+        Consumes ``exp_avg_sq``: its square root is taken in place (``sqrt_rounded_``, a
+        chunk at a time), so nothing beside the two arrays is allocated."""
         self.kernels.quantize(exp_avg.contiguous(), self.m_codes, self.m_scales, fmt="m")
-        u = sqrt_rounded(exp_avg_sq.contiguous())
+        if not exp_avg_sq.is_contiguous():
+            exp_avg_sq = exp_avg_sq.contiguous()
+        u = sqrt_rounded_(exp_avg_sq)
         self.kernels.quantize(u, self.u_codes, self.u_scales, fmt="u")
 
     def step(self, grad: torch.Tensor, **kw) -> None:

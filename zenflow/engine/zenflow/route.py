@@ -12,7 +12,8 @@ One step t (after warm-up): as backward produces W's gradient (``zenflow.engine.
 its selected columns are gathered into the device buffer and its non-selected columns go to
 the host in pieces (``zenflow.engine.copies``: gathered into a device bucket, copied on the
 copy engine, added into the fp32 window sum by the accumulator thread, scaled there by the
-step's clipping coefficient once it is known); the gradient is then freed. The step's
+step's clipping coefficient once it is known; with ``zfctl.step_store`` "off", no
+clipping, added as it arrives); the gradient is then freed. The step's
 norm, non-finite check and auto-interval masses come from the pieces as they pass (device
 scalars, read once per step with the loss). On a CPU device without streaming the gradient
 is instead summed where autograd wrote it, with no copy at all (ZENFLOW.md section 7).
@@ -70,7 +71,7 @@ class GradRoute:
     def _route_split(self, w: ZfWeight, g: torch.Tensor, n: int, last: bool) -> None:
         """Selected columns into the device buffer, the rest in pieces to the host."""
         tr, plan, dp = self.m.transport, self.m.plan, self.e.dp
-        host_gas = self.m.host_gas
+        host_gas, store_free = self.m.host_gas, self.m.store_free
         if n == 0:
             torch.index_select(g, w.cd, w.sel_dev, out=w.grad_sel)
         else:
@@ -84,8 +85,8 @@ class GradRoute:
         # per column first, as the whole gradient's scores would be)
         scoring = plan.score or self.m.update_interval is None
         overwrite_acc = w.owned and w.fresh[plan.slot]
-        if w.owned and not host_gas:  # the previous step's adds done with w's step store
-            tr.store_free(w.position)
+        if w.owned and not host_gas and not store_free:  # the previous step's adds done
+            tr.store_free(w.position)  # with w's step store
         for pc in w.pieces:
             i, bucket = tr.take_bucket(pc.shape)
             src, dim, idx = pc.select(g, w.nonsel_dev)
@@ -108,6 +109,11 @@ class GradRoute:
                         stat = ("sq", w.spec.name)
                         w.stat_done = True
                     tr.send_piece(i, bucket, pc.of(w.step_buf), None, n == 0, stat)
+                elif store_free:  # added as it arrives: no clipping coefficient to wait for;
+                    # a piece that is not finite is zeroed (its step is skipped on the device)
+                    bucket.masked_fill_(~torch.isfinite(sq), 0)
+                    tr.send_piece(i, bucket, pc.of(w.acc[plan.slot]), None, overwrite_acc,
+                                  wait=w.free if overwrite_acc else None)  # fmt: skip
                 else:
                     tr.land_piece(i, bucket, pc.of(w.store), pc.of(w.acc[plan.slot]), plan.gate,
                                   overwrite_acc, w.position,

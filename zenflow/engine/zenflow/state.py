@@ -21,6 +21,7 @@ n = n_cols - k non-selected ones:
 |        | autograd writes, 2 slots with overlap)                                           |
 | host   | the step store: one step's pieces in the link's dtype (pinned where the backend   |
 |        | pins: the device copies them there), their adds waiting for the step's gate       |
+|        | (none with ``zfctl.step_store`` "off": each piece is added as it arrives)         |
 
 Before the first selection the host holds warm-up's full-shape state, or only the masters
 taken at set-up (``init_master``; none for an fp32 weight on a separate device: the device
@@ -178,7 +179,7 @@ class ZfWeight:
         self.acc = [accel.host_empty((n,), mode.sum_dtype, False, "window_sums")]
         if mode.host_gas:
             self.step_buf = accel.host_empty((n,), torch.float32, False, "window_sums")
-        else:
+        elif not mode.store_free:
             # pinned: the pieces land here from the device, and their adds wait here for
             # the step's gate (accumulator.land)
             self.store = accel.host_empty((n,), mode.link_dtype, mode.e.pin_link,

@@ -1,0 +1,101 @@
+"""The compact host state's moments through fp32 (``Q8HostState.moments_fp32`` /
+``set_moments``, a hand-over's re-layout and the first selection) hold two fp32 arrays at
+their peak, nothing more: the second moment is squared and square-rooted in place
+(``zenflow.ops.q8_reference.sqrt_rounded_``, a float64 chunk at a time) with the same bits
+as the whole-tensor definition. The allocations are read from torch's profiler
+(``profile_memory``: every CPU allocation an op makes, by size)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from zenflow import ops
+from zenflow.engine.host import ColumnSteps, resolve_kernel
+from zenflow.engine.zenflow.q8_state import Q8HostState
+from zenflow.ops import q8_reference
+from zenflow.ops.q8_reference import sqrt_rounded, sqrt_rounded_
+
+
+def _allocations(fn) -> list[int]:
+    """The sizes of the CPU allocations ``fn()`` makes, in bytes."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return [ev.cpu_memory_usage for ev in prof.events() if ev.cpu_memory_usage > 0]
+
+
+@pytest.mark.parametrize("n", [1, 255, 4097, 70_001])
+@pytest.mark.parametrize("chunk", [1, 1000, 1 << 20])
+def test_the_chunked_square_root_is_the_whole_ones_bit_for_bit(n, chunk):
+    x = torch.rand(n, generator=torch.Generator().manual_seed(n)) ** 7 * 1e-3
+    x[::5] = 0.0
+    want = sqrt_rounded(x)
+    y = x.clone()
+    out = sqrt_rounded_(y, chunk=chunk)
+    assert out.data_ptr() == y.data_ptr()  # in place
+    assert torch.equal(out.view(torch.int32), want.view(torch.int32))
+
+
+def test_the_chunked_square_root_refuses_a_strided_view():
+    with pytest.raises(ValueError, match="contiguous"):
+        sqrt_rounded_(torch.rand(8, 8).t())
+
+
+def test_its_float64_temporary_is_one_chunk():
+    x = torch.rand(1_000_000)
+    assert max(_allocations(lambda: sqrt_rounded(x))) >= 8 * x.numel()  # what it replaces
+    assert max(_allocations(lambda: sqrt_rounded_(x, chunk=4096))) <= 8 * 4096
+
+
+def _state(shape, kernels) -> Q8HostState:
+    numel = shape[0] * shape[1]
+    blocks = ops.q8_num_blocks(numel)
+    moments = {
+        "m_codes": torch.zeros(numel, dtype=torch.uint8),
+        "m_scales": torch.zeros(blocks),
+        "u_codes": torch.zeros(numel, dtype=torch.uint8),
+        "u_scales": torch.zeros(blocks),
+    }
+    steps = ColumnSteps(torch.zeros(shape[1], dtype=torch.int64), None)
+    return Q8HostState(torch.zeros(shape), moments, steps, kernels)
+
+
+@pytest.mark.parametrize("kernel", ["native", "reference"])
+def test_moments_through_fp32_hold_two_arrays_and_keep_the_codes(kernel, monkeypatch):
+    """Quantise, dequantise, quantise again: the codes are the reference's (the plain
+    definition: m as is, u = sqrt(v) correctly rounded), with either kernel. With the
+    native one (the engine's), no allocation on the way is larger than one fp32 array, and
+    all of them together are two arrays plus chunk-sized temporaries (the plain reference
+    kernels allocate as they please: they are the definition, not the engine's path)."""
+    ops.load_native()
+    kernels = resolve_kernel(kernel)
+    if kernels.name != kernel:
+        pytest.skip(f"the native op is not available here: {kernels.name}")
+    shape = (300, 1001)
+    numel = shape[0] * shape[1]
+    g = torch.Generator().manual_seed(3)
+    m = torch.randn(shape, generator=g) * 1e-3
+    v = torch.rand(shape, generator=g) ** 4 * 1e-6
+    st = _state(shape, kernels)
+    st.set_moments(m.clone(), v.clone())
+
+    want = {k: torch.empty_like(t) for k, t in st.moment_tensors().items()}
+    ops.quantize_q8_reference_(m.reshape(-1), want["m_codes"], want["m_scales"], fmt="m")
+    ops.quantize_q8_reference_(sqrt_rounded(v).reshape(-1), want["u_codes"],
+                               want["u_scales"], fmt="u")  # fmt: skip
+    for k, t in st.moment_tensors().items():
+        assert torch.equal(t, want[k]), k
+
+    codes = {k: t.clone() for k, t in st.moment_tensors().items()}
+    got = {}
+    sizes = _allocations(lambda: got.setdefault("mv", st.moments_fp32()))
+    m2, v2 = got.pop("mv")
+    if kernel == "native":
+        assert sorted(sizes) == [4 * numel, 4 * numel]  # m and v, v squared in place
+    monkeypatch.setattr(q8_reference, "SQRT_CHUNK", 4096)  # well below the array
+    sizes = _allocations(lambda: st.set_moments(m2, v2))
+    if kernel == "native":
+        assert max(sizes, default=0) <= 8 * 4096
+    for k, t in st.moment_tensors().items():  # a round trip gives the same codes
+        assert torch.equal(t, codes[k]), k
