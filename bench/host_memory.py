@@ -12,8 +12,9 @@ computes for a sim run, the runtime included) with measured / estimate; then, pe
 state, the slope in bytes per parameter between the two models (the process's constant
 part - Python, torch, the data - cancels). ``--set`` adds config overrides to every run
 (e.g. ``--set gradient_clipping=0 --set zfctl.step_store=off``). Each run's checkpoints
-and model are deleted once read (summary.json stays). Owns nothing else; must not import
-the engine (it measures the CLI, as a user runs it).
+and model are deleted once read (summary.json stays). Owns nothing else; must not run
+the engine itself (it measures the CLI, as a user runs it; the estimate is
+``zenflow.hardware``'s, which reads the model's config only).
 
     .venv/bin/python bench/host_memory.py [--models gpt2 gpt2-medium] [--states exact compact]
         [--steps 8] [--set KEY=VALUE ...] [--out DIR]
