@@ -90,9 +90,7 @@ class Q8HostState:
         Consumes ``exp_avg_sq``: its square root is taken in place (``sqrt_rounded_``, a
         chunk at a time), so nothing beside the two arrays is allocated."""
         self.kernels.quantize(exp_avg.contiguous(), self.m_codes, self.m_scales, fmt="m")
-        if not exp_avg_sq.is_contiguous():
-            exp_avg_sq = exp_avg_sq.contiguous()
-        u = sqrt_rounded_(exp_avg_sq)
+        u = sqrt_rounded_(exp_avg_sq.contiguous())  # the array itself when contiguous
         self.kernels.quantize(u, self.u_codes, self.u_scales, fmt="u")
 
     def step(self, grad: torch.Tensor, **kw) -> None:
