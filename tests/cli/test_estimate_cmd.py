@@ -222,15 +222,17 @@ def test_finetune_refuses_a_run_whose_whole_run_host_peak_does_not_fit(
 ):
     """Issue 27: the host is checked at the whole run's peak (here --host-mem, tiny), before
     the model loads (no run folder made), exit 2, and the message names the levers it tried:
-    the compact host state, the offload engine. (Which fix fits where, by hand:
-    tests/hardware/test_estimate.py.)"""
+    the compact host state, the offload engine, no step store. Just under the whole-run
+    peak the fixes that fit are named, and the store's, taken as given, runs. (Which fix
+    fits where, by hand: tests/hardware/test_estimate.py.)"""
     root = tmp_path / "runs"
     r = cli("finetune", tiny_gpt2_dir, "--task", "sst2", "--data-dir", glue_dir,
             "--runs-root", root, "--device", "sim", "--device-mem", "1GiB",
             "--host-mem", "1MiB", *SHORT)  # fmt: skip
     assert_user_error(r, "will not fit", "zfctl.host_state exact", "on the host over the whole",
                       "--host-mem)", "short by", 'zfctl.host_state "compact"',
-                      "--engine offload", "--force")  # fmt: skip
+                      "--engine offload", 'zfctl.step_store "off" with gradient_clipping 0',
+                      "--force")  # fmt: skip
     assert not root.exists()  # refused before anything was made
     # just under the whole-run peak (the steady state would fit): the fix that fits, named
     from zenflow.config import load_config
@@ -246,8 +248,14 @@ def test_finetune_refuses_a_run_whose_whole_run_host_peak_does_not_fit(
     r = cli("finetune", tiny_gpt2_dir, "--task", "sst2", "--data-dir", glue_dir,
             "--runs-root", root, "--device", "sim", "--device-mem", "1GiB",
             "--host-mem", str(host), *SHORT)  # fmt: skip
-    assert_user_error(r, "will not fit", "short by 1 B", "Fix:", "--engine offload")
+    store_off = "--set gradient_clipping=0 --set zfctl.step_store=off"
+    assert_user_error(r, "will not fit", "short by 1 B", "Fix:", "--engine offload", store_off)
     assert not root.exists()
+    # the advice taken as given: the same host, no store, and the run goes
+    r = cli("finetune", tiny_gpt2_dir, "--task", "sst2", "--data-dir", glue_dir,
+            "--runs-root", root, "--device", "sim", "--device-mem", "1GiB",
+            "--host-mem", str(host), *SHORT, *store_off.split())  # fmt: skip
+    assert r.exit_code == 0, r.output
 
 
 def test_finetune_runs_without_the_early_images_where_they_do_not_fit(

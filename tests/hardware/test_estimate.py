@@ -690,6 +690,43 @@ def test_a_host_refusal_names_the_compact_state_and_how_to_set_it():
     assert r.host_state_verdict()["choice"] == "compact"
 
 
+def test_a_host_refusal_names_the_step_store_off_with_clipping_off():
+    """The whole run's host peak is short in both host states with the step store, and fits
+    without it (llama-1b, compact): the refusal names zfctl.step_store off, and with the
+    template's clipping on it turns clipping off too (the config refuses "off" with it).
+    Not offered where it changes nothing (micro-batches summed on the host, the CPU
+    device) nor where it is already off; with clipping already off only the store flag."""
+    c = resolve_census("llama-1b")
+    s = Settings(bf16=True, overlap_step=True, host_state="compact", clipping=True)
+    big = Budget(1 << 40, 1 << 40, False, "d", "h")
+    on = est.estimate(c, s, big).engines["zenflow"].host_peak_bytes
+    off_s = dataclasses.replace(s, step_store="off", clipping=False)
+    off = est.estimate(c, off_s, big).engines["zenflow"].host_peak_bytes
+    assert off < on
+    budget = Budget(1 << 40, (on + off) // 2, False, "d", "--host-mem")
+    r = est.estimate(c, s, budget)
+    assert set(r.engines["zenflow"].short) == {"host"}
+    msg = pf.refusal_message(r, "zenflow")
+    assert "--set gradient_clipping=0 --set zfctl.step_store=off" in msg, msg
+    unclipped = est.estimate(c, dataclasses.replace(s, clipping=False), budget)
+    msg = pf.refusal_message(unclipped, "zenflow")
+    assert "--set zfctl.step_store=off" in msg and "gradient_clipping=0" not in msg, msg
+    # a refusal that lists its levers names it among them; never where it is set or moot
+    none = Budget(1 << 40, 1 << 20, False, "d", "h")
+    assert 'zfctl.step_store "off" with gradient_clipping 0' in pf.refusal_message(
+        est.estimate(c, s, none), "zenflow")  # fmt: skip
+    for moot in (off_s, dataclasses.replace(s, gradient_accumulation_steps=2),
+                 dataclasses.replace(s, cpu_device=True, stream_grads=False)):  # fmt: skip
+        assert "step_store" not in pf.refusal_message(est.estimate(c, moot, none), "zenflow")
+
+
+def test_settings_know_whether_a_step_waits_for_its_clipping():
+    cfg = load_config(TEMPLATE)
+    assert cfg.gradient_clipping > 0 and est.settings_from_config(cfg).clipping
+    off = load_config(TEMPLATE, {"gradient_clipping": 0})
+    assert not est.settings_from_config(off).clipping
+
+
 def test_advice_never_names_a_lever_already_set():
     """Issue 31: "enable bf16" was advised with bf16 on. Nothing fits here; the refusal lists
     the levers it tried, and bf16 is one only when it is off; compact only when exact."""

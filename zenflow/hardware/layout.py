@@ -74,6 +74,7 @@ class Settings:
     update_interval: int = 4  # S, steps per host window ("auto" is taken as 4)
     return_image: str = "early"  # zfctl.return_image: "early", "always" or "never"
     step_store: str = "on"  # zfctl.step_store: "off" adds pieces as they arrive (no clipping)
+    clipping: bool = True  # gradient_clipping > 0: a step's pieces wait for its coefficient
     early_steps: int = 0  # zfctl.early.steps (0: no early phase)
     lora_rank: int = 8  # --engine lora: the adapters' rank (zfctl.lora.rank)
     # saving copies device tensors to the host, one storage at a time (cuda); sim's and the
@@ -147,6 +148,7 @@ def settings_from_config(config=None, **overrides: Any) -> Settings:
         values["lora_rank"] = int(config.engine.lora.rank)
         values["return_image"] = getattr(config.engine, "return_image", "early")
         values["step_store"] = getattr(config.engine, "step_store", "on")
+        values["clipping"] = float(config.gradient_clipping or 0) > 0
         values["early_steps"] = int(config.engine.early.steps)
         if config.zenflow is not None:
             values["topk_ratio"] = float(config.zenflow.topk_ratio)

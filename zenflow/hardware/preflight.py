@@ -6,7 +6,8 @@ step, the host at the whole run's peak (set-up, steps, checkpoints, re-selection
 save, the process's runtime). A refusal (``WillNotFitError``, exit 2) names the shortfall,
 the largest holders and the changes that make the run fit, each one checked by the same
 estimate: ``zfctl.host_state`` compact, another topk_ratio, bf16, a smaller micro-batch, fewer
-``zfctl.copy_buckets``, another engine. A lever the run already uses is never advised.
+``zfctl.copy_buckets``, no step store (``zfctl.step_store`` off, which needs clipping off),
+another engine. A lever the run already uses is never advised.
 
 Must not hold a formula (``zenflow.hardware.layout`` / ``host_peak`` do) nor print anything.
 """
@@ -33,6 +34,9 @@ from zenflow.hardware.estimate import (
 TOPK_LOWER = (0.05, 0.02, 0.01)  # lower topk_ratio values a device shortfall may take
 TOPK_HIGHER = (0.2, 0.3, 0.5)  # higher ones shrink the host state (1 - k of each weight)
 COMPACT_SET = "--set zfctl.host_state=compact"
+# the Settings fields a Change may set (a combination applies each one's on top of the last)
+CHANGED_FIELDS = ("topk_ratio", "bf16", "micro_batch", "host_state", "copy_buckets",
+                  "step_store", "clipping")  # fmt: skip
 
 
 class WillNotFitError(UserInputError):
@@ -82,6 +86,8 @@ def _changes(census: ParamCensus, s: Settings, budget: Budget, mode: str) -> lis
         mb = next((m for m in smaller if fits(mode, rep(s, micro_batch=m))), 1)
         out.append(Change(f"--micro-batch {mb}", mode, rep(s, micro_batch=mb),
                           "a smaller --micro-batch"))  # fmt: skip
+    if mode == "zenflow" and s.step_store == "on" and not s.host_sums and not s.cpu_device:
+        out.append(_store_change(s))
     n = copy_bucket_fix(census, mode, s, budget)
     if n is not None:
         out.append(Change(f"--set zfctl.copy_buckets={n}", mode, rep(s, copy_buckets=n),
@@ -90,6 +96,15 @@ def _changes(census: ParamCensus, s: Settings, budget: Budget, mode: str) -> lis
         if other != mode:
             out.append(Change(f"--engine {other}", other, s, f"--engine {other}"))
     return out
+
+
+def _store_change(s: Settings) -> Change:
+    """No step store: each piece is added as it arrives, so no step waits for a clipping
+    coefficient (the config refuses "off" with clipping on: the change turns both off)."""
+    no_clip = "--set gradient_clipping=0 " if s.clipping else ""
+    lever = 'zfctl.step_store "off"' + (" with gradient_clipping 0" if s.clipping else "")
+    settings = dataclasses.replace(s, step_store="off", clipping=False)
+    return Change(f"{no_clip}--set zfctl.step_store=off", "zenflow", settings, lever)
 
 
 def copy_bucket_fix(census: ParamCensus, mode: str, s: Settings, budget: Budget) -> int | None:
@@ -136,8 +151,7 @@ def fixes(census: ParamCensus, s: Settings, budget: Budget, mode: str) -> tuple[
         flags_all.append(c.flags)
         m = c.mode
         # each change's own field on top of the ones before it
-        changed = {f: getattr(c.settings, f) for f in ("topk_ratio", "bf16", "micro_batch",
-                                                         "host_state", "copy_buckets")
+        changed = {f: getattr(c.settings, f) for f in CHANGED_FIELDS
                    if getattr(c.settings, f) != getattr(s, f)}  # fmt: skip
         st = dataclasses.replace(st, **changed)
         if e := fitting(m, st):
