@@ -332,15 +332,10 @@ def finetune(
     # run is a new run (resume_or_new) and is checked like one.
     if not force and resume_or_new(spec)[0].resume is None:
         fitted = _preflight(flags, spec, cfg, task)
-        if fitted is not None:  # the early phase's return images do not fit this host
-            spec = dataclasses.replace(spec, return_image=fitted)
-            if rank == 0 and not json_output:
-                out.print(
-                    '[yellow]note:[/] zfctl.return_image runs as "never": the early '
-                    "phase's bf16 images of the host results do not fit this host's memory "
-                    "(`zfctl estimate` shows them), so its return sends the fp32 masters "
-                    "(slower early steps, the same weights)"
-                )
+        spec = dataclasses.replace(spec, **fitted)  # what the run fits with (same weights)
+        if rank == 0 and not json_output:
+            for key in fitted:
+                out.print(FITTED_NOTES[key])
     renderer = choose_renderer(rank, json_output, no_dashboard, out, cfg.steps_per_print)
     if reference is not None and rank == 0:  # checked with --json too, shown where drawn
         ref_name, ref_evals = _reference_evals(reference, runs_root)
@@ -423,14 +418,32 @@ def _run_spec(flags: SimpleNamespace, cfg, task: str | None, data_dir, device_me
     )  # fmt: skip
 
 
-def _preflight(flags: SimpleNamespace, spec, cfg, task: str | None) -> str | None:
+# Said when the preflight fits a run by a setting that changes none of its arithmetic.
+FITTED_NOTES = {
+    "return_image": (
+        '[yellow]note:[/] zfctl.return_image runs as "never": the early '
+        "phase's bf16 images of the host results do not fit this host's memory "
+        "(`zfctl estimate` shows them), so its return sends the fp32 masters "
+        "(slower early steps, the same weights)"
+    ),
+    "step_store": (
+        '[yellow]note:[/] zfctl.step_store runs as "off": the step store (a step\'s '
+        "gradient pieces kept until its clipping coefficient is known) does not fit this "
+        "host's memory and this run does not clip, so each piece is added as it arrives (the "
+        "same weights; the backward waits for the host's adds when they are slower)"
+    ),
+}
+
+
+def _preflight(flags: SimpleNamespace, spec, cfg, task: str | None) -> dict[str, str]:
     """A new run's memory check (zfctl estimate's numbers): the device at a step's peak, the
     host at the whole run's peak (default: this machine's MemAvailable). It runs here, after
     the flags, the config and the data table's labels are read and before the model loads
     or anything model-sized is allocated (the model's config only, on the meta device):
-    exit 2 when it cannot fit, naming the fixes (--force skips it). Returns the
-    ``zfctl.return_image`` the run fits with where it is not the config's ("never": the
-    early phase's images are what does not fit), else None."""
+    exit 2 when it cannot fit, naming the fixes (--force skips it). Returns the settings
+    the run fits with where they are not the config's, as RunSpec fields (``return_image``
+    "never": the early phase's images do not fit; ``step_store`` "off": the step store of a
+    run without clipping does not fit; ``zenflow.hardware.estimate.fallbacks``)."""
     from zenflow.engine.accelerator import default_kind
     from zenflow.hardware.preflight import preflight
     from zenflow.train.data import get_task
@@ -451,9 +464,10 @@ def _preflight(flags: SimpleNamespace, spec, cfg, task: str | None) -> str | Non
                     gradient_checkpointing=f.gradient_checkpointing,
                     separate_device=kind != "cpu", device_kind=kind)  # fmt: skip
     if est is None or f.engine != "zenflow":
-        return None
-    checked = est.engines["zenflow"].return_image
-    return None if checked == cfg.engine.return_image else checked
+        return {}
+    zf = est.engines["zenflow"]
+    checked = {"return_image": zf.return_image, "step_store": zf.step_store}
+    return {k: v for k, v in checked.items() if v != getattr(cfg.engine, k)}
 
 
 def _run(run_finetune, spec, renderer, rank: int) -> dict:

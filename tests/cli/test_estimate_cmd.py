@@ -313,6 +313,60 @@ def test_finetune_runs_without_the_early_images_where_they_do_not_fit(
     assert "runs as" not in out and config["engine_resolved"]["return_image"] == "early"
 
 
+def test_finetune_without_clipping_runs_without_the_step_store_where_it_does_not_fit(
+    cli, tmp_path, tiny_gpt2_dir, glue_dir
+):
+    """gradient_clipping 0 on sim: a host with room for the run but not for the step store
+    is not refused. The run takes zfctl.step_store "off", says so, records it in its
+    config and in what the engine ran, and a resume keeps it; with room it keeps the store;
+    with clipping on the same host refuses, naming the store with clipping off."""
+    from zenflow.config import load_config
+    from zenflow.hardware.preflight import preflight
+    from zfctl.init_cmd import template_path
+
+    no_clip = ["--set", "gradient_clipping=0"]
+
+    def peak(store: str):
+        c = load_config(template_path("zenflow"),
+                        overrides={"gradient_clipping": 0, "zfctl.step_store": store})  # fmt: skip
+        est = preflight(str(tiny_gpt2_dir), mode="zenflow", config=c, seq_len=16,
+                        micro_batch=4, device_mem="1GiB", host_mem="1TiB",
+                        device_kind="sim")  # fmt: skip
+        return est.engines["zenflow"].host_peak_bytes
+
+    with_store, without = peak("on"), peak("off")
+    assert with_store > without
+
+    def run(host: int, *extra: str):
+        root = tmp_path / f"runs-{host}-{len(extra)}"
+        r = cli("finetune", tiny_gpt2_dir, "--task", "sst2", "--data-dir", glue_dir,
+                "--runs-root", root, "--device", "sim", "--device-mem", "1GiB",
+                "--host-mem", str(host), "--no-dashboard", *extra, *SHORT)  # fmt: skip
+        return r, root
+
+    r, root = run(without, *no_clip)
+    assert r.exit_code == 0, r.output
+    out, run_dir = " ".join(r.output.split()), runs.latest_run(root)
+    assert 'zfctl.step_store runs as "off"' in out
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["zfctl"]["step_store"] == "off"
+    assert config["engine_resolved"]["step_store"] == "off"  # what the engine ran
+    assert config["run"]["step_store"] == "off"
+    assert config["run"]["config_input"]["zfctl"].get("step_store") is None  # yours
+    r = cli("finetune", tiny_gpt2_dir, "--resume", run_dir, "--max-steps", "3",
+            "--device", "sim", "--no-dashboard", *no_clip)  # fmt: skip
+    assert r.exit_code == 0, r.output
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["engine_resolved"]["step_store"] == "off" and "runs as" not in r.output
+    r, root = run(with_store, *no_clip)
+    assert r.exit_code == 0 and "runs as" not in r.output, r.output
+    resolved = json.loads((runs.latest_run(root) / "config.json").read_text())["engine_resolved"]
+    assert resolved["step_store"] == "on"
+    r, root = run(without)  # the template's clipping: refused, the fix named
+    assert_user_error(r, "will not fit", "--set gradient_clipping=0 --set zfctl.step_store=off")
+    assert not root.exists()
+
+
 def test_a_causal_lm_preflight_counts_the_lm_heads_logits(cli, tmp_path, tiny_gpt2_dir):
     """--objective causal-lm checks the fit with the LM head's fp32 logits and their
     gradient (b*s*vocab*8 bytes): a device that holds the classifier run refuses the LM."""

@@ -264,6 +264,44 @@ def test_early_images_that_do_not_fit_are_checked_as_never():
     assert short.short == {"host": 1} and short.return_image == "never"
 
 
+def test_a_step_store_that_does_not_fit_a_run_without_clipping_is_checked_as_off():
+    """Without clipping nothing waits for a coefficient: where the step store is all that
+    does not fit, ZenFlow is checked (and zfctl finetune runs) with zfctl.step_store "off"
+    (the same weights); with clipping on, or the store set off by hand, never; with the
+    early images too, the images go first and the store only where that is not enough."""
+    c = resolve_census("gpt2")
+    s = Settings(bf16=True, overlap_step=True, clipping=False)
+    big = Budget(GIB, 2**40, False, "d", "h")
+    on = est.check(c, "zenflow", s, big)
+    off = est.check(c, "zenflow", dataclasses.replace(s, step_store="off"), big)
+    assert on.step_store == "on" and off.step_store == "off"
+    assert on.host_peak_bytes > off.host_peak_bytes and on.to_json()["step_store"] == "on"
+    tight = Budget(GIB, off.host_peak_bytes, False, "d", "h")
+    got = est.check(c, "zenflow", s, tight)
+    assert got.fits and got.step_store == "off" and got.host_peak_bytes == off.host_peak_bytes
+    assert est.check(c, "zenflow", s, Budget(GIB, on.host_peak_bytes, False, "d", "h")
+                     ).step_store == "on"  # fmt: skip
+    clipped = est.check(c, "zenflow", dataclasses.replace(s, clipping=True), tight)
+    assert not clipped.fits and clipped.step_store == "on"
+    for moot in (dataclasses.replace(s, gradient_accumulation_steps=2),  # host sums
+                 dataclasses.replace(s, cpu_device=True, stream_grads=False)):  # fmt: skip
+        assert est.check(c, "zenflow", moot, Budget(GIB, 1, False, "d", "h")).step_store == "on"
+    verdict = est.estimate(c, s, tight).host_state_verdict()
+    assert verdict["choice"] == "exact" and 'runs zfctl.step_store as "off"' in verdict["sentence"]
+    assert "step_store" not in est.estimate(c, s, big).host_state_verdict()["sentence"]
+    # with early images: the images go first; the store too only where they are not enough
+    early = dataclasses.replace(s, early_steps=100)
+    images = est.check(c, "zenflow", early, big).host_peak_bytes
+    assert images > on.host_peak_bytes  # the images make the peak
+    got = est.check(c, "zenflow", early, Budget(GIB, on.host_peak_bytes, False, "d", "h"))
+    assert got.fits and (got.return_image, got.step_store) == ("never", "on")
+    got = est.check(c, "zenflow", early, tight)
+    assert got.fits and (got.return_image, got.step_store) == ("never", "off")
+    # below everything: the last tried (both), its shortfall
+    short = est.check(c, "zenflow", early, Budget(GIB, off.host_peak_bytes - 1, False, "d", "h"))
+    assert short.short == {"host": 1} and (short.return_image, short.step_store) == ("never", "off")
+
+
 def test_whole_gradients_land_on_the_host_only_at_the_first_selection():
     """Micro-batches summed on the host, warm-up rounds or no streaming: the first
     selection (and warm-up) see whole gradients on the host, Pz x dt (fp32 when summed on
@@ -695,7 +733,8 @@ def test_a_host_refusal_names_the_step_store_off_with_clipping_off():
     without it (llama-1b, compact): the refusal names zfctl.step_store off, and with the
     template's clipping on it turns clipping off too (the config refuses "off" with it).
     Not offered where it changes nothing (micro-batches summed on the host, the CPU
-    device) nor where it is already off; with clipping already off only the store flag."""
+    device) nor where it is already off; with clipping already off the check itself runs
+    without the store (the next test)."""
     c = resolve_census("llama-1b")
     s = Settings(bf16=True, overlap_step=True, host_state="compact", clipping=True)
     big = Budget(1 << 40, 1 << 40, False, "d", "h")
@@ -708,9 +747,9 @@ def test_a_host_refusal_names_the_step_store_off_with_clipping_off():
     assert set(r.engines["zenflow"].short) == {"host"}
     msg = pf.refusal_message(r, "zenflow")
     assert "--set gradient_clipping=0 --set zfctl.step_store=off" in msg, msg
+    # with clipping already off there is nothing to refuse: the check takes the store off
     unclipped = est.estimate(c, dataclasses.replace(s, clipping=False), budget)
-    msg = pf.refusal_message(unclipped, "zenflow")
-    assert "--set zfctl.step_store=off" in msg and "gradient_clipping=0" not in msg, msg
+    assert unclipped.engines["zenflow"].fits and unclipped.engines["zenflow"].step_store == "off"
     # a refusal that lists its levers names it among them; never where it is set or moot
     none = Budget(1 << 40, 1 << 20, False, "d", "h")
     assert 'zfctl.step_store "off" with gradient_clipping 0' in pf.refusal_message(

@@ -160,6 +160,9 @@ class EngineEstimate:
     # ZenFlow's zfctl.return_image as checked ("never" where the early phase's images do not
     # fit: ``check``); None for the other engines
     return_image: str | None = None
+    # ZenFlow's zfctl.step_store as checked ("off" where a run without clipping fits only
+    # without the store: ``check``); None for the other engines
+    step_store: str | None = None
 
     @property
     def fits(self) -> bool:
@@ -224,6 +227,7 @@ class EngineEstimate:
             "mode": self.mode,
             "host_state": self.host_state,
             "return_image": self.return_image,
+            "step_store": self.step_store,
             "device_bytes": self.device_bytes,
             "host_bytes": self.host_bytes,
             "host_peak_bytes": self.host_peak_bytes,
@@ -255,13 +259,34 @@ def check(
     """``mode``'s layout and whole-run host phases, checked against the budget: the device at
     the peak of a step, the host at the whole run's peak (with one memory, both together).
 
-    ZenFlow with ``zfctl.return_image`` "early" whose early-phase images do not fit is
-    checked as "never" (``return_image`` of the result): ``zfctl finetune`` runs it so."""
+    A ZenFlow run that does not fit is checked again with what changes none of its
+    arithmetic (``fallbacks``), the first that fits taken (else the last tried):
+    ``zfctl.return_image`` "early" as "never", and without clipping ``zfctl.step_store``
+    "on" as "off" (``return_image`` and ``step_store`` of the result): ``zfctl finetune``
+    runs it so."""
     e = _check(census, mode, s, budget, runtime)
-    if mode == "zenflow" and not e.fits and s.return_images(early=True):
-        return _check(census, mode, dataclasses.replace(s, return_image="never"), budget,
-                      runtime)  # fmt: skip
+    if mode != "zenflow" or e.fits:
+        return e
+    for other in fallbacks(s):
+        e = _check(census, mode, other, budget, runtime)
+        if e.fits:
+            break
     return e
+
+
+def fallbacks(s: Settings) -> list[Settings]:
+    """ZenFlow's settings that run the same weights in less host memory, mildest first: no
+    early-phase return images (slower early steps), no step store where nothing waits for a
+    clipping coefficient (the backward may wait for the host's adds), both."""
+    rep = dataclasses.replace
+    images = s.return_images(early=True)
+    store = s.step_store == "on" and not s.clipping and rep(s, step_store="off").store_free
+    out = [rep(s, return_image="never")] if images else []
+    if store:
+        out.append(rep(s, step_store="off"))
+        if images:
+            out.append(rep(s, return_image="never", step_store="off"))
+    return out
 
 
 def _check(census: ParamCensus, mode: str, s: Settings, budget: Budget,
@@ -284,7 +309,8 @@ def _check(census: ParamCensus, mode: str, s: Settings, budget: Budget,
     zenflow = mode == "zenflow"
     return EngineEstimate(mode, tuple(items), pinned, short, census.params, spare,
                           s.host_state if zenflow else None, phases, runtime,
-                          s.return_image if zenflow else None)  # fmt: skip
+                          s.return_image if zenflow else None,
+                          s.step_store if zenflow else None)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -363,6 +389,12 @@ class Estimate:
             sentence += (
                 " The early phase's bf16 return images do not fit beside it: zfctl finetune "
                 'runs zfctl.return_image as "never" (the same weights, slower early steps).'
+            )
+        if choice is not None and states[choice].step_store != self.settings.step_store:
+            sentence += (
+                " The step store does not fit beside it: without clipping zfctl finetune runs "
+                'zfctl.step_store as "off" (the same weights; the backward may wait for the '
+                "host's adds)."
             )
         return {**figures, "choice": choice, "sentence": sentence}
 

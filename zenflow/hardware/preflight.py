@@ -86,7 +86,9 @@ def _changes(census: ParamCensus, s: Settings, budget: Budget, mode: str) -> lis
         mb = next((m for m in smaller if fits(mode, rep(s, micro_batch=m))), 1)
         out.append(Change(f"--micro-batch {mb}", mode, rep(s, micro_batch=mb),
                           "a smaller --micro-batch"))  # fmt: skip
-    if mode == "zenflow" and s.step_store == "on" and not s.host_sums and not s.cpu_device:
+    # no step store needs clipping off (without clipping ``check`` takes the store off itself)
+    store = s.step_store == "on" and s.clipping and rep(s, step_store="off").store_free
+    if mode == "zenflow" and store:
         out.append(_store_change(s))
     n = copy_bucket_fix(census, mode, s, budget)
     if n is not None:
@@ -99,12 +101,11 @@ def _changes(census: ParamCensus, s: Settings, budget: Budget, mode: str) -> lis
 
 
 def _store_change(s: Settings) -> Change:
-    """No step store: each piece is added as it arrives, so no step waits for a clipping
+    """No step store: each piece is added as it arrives, so no step may wait for a clipping
     coefficient (the config refuses "off" with clipping on: the change turns both off)."""
-    no_clip = "--set gradient_clipping=0 " if s.clipping else ""
-    lever = 'zfctl.step_store "off"' + (" with gradient_clipping 0" if s.clipping else "")
     settings = dataclasses.replace(s, step_store="off", clipping=False)
-    return Change(f"{no_clip}--set zfctl.step_store=off", "zenflow", settings, lever)
+    return Change("--set gradient_clipping=0 --set zfctl.step_store=off", "zenflow", settings,
+                  'zfctl.step_store "off" with gradient_clipping 0')  # fmt: skip
 
 
 def copy_bucket_fix(census: ParamCensus, mode: str, s: Settings, budget: Budget) -> int | None:

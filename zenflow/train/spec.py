@@ -75,6 +75,9 @@ class RunSpec:
     # zfctl.return_image as the preflight fitted it ("never": the early phase's images do
     # not fit the host), over the config's; None: the config's. A resumed run keeps it.
     return_image: str | None = None
+    # zfctl.step_store as the preflight fitted it ("off": a run without clipping whose step
+    # store does not fit the host), over the config's; None: the config's. Kept on resume.
+    step_store: str | None = None
 
 
 # Fields that define the trajectory: a resumed run takes them from the saved run.
@@ -86,8 +89,8 @@ _DEFAULTS = {f.name: f.default for f in dataclasses.fields(RunSpec)}
 
 
 def effective_config(spec: RunSpec):
-    """The spec's config with --lr / --micro-batch (and the preflight's return_image)
-    applied (validated again)."""
+    """The spec's config with --lr / --micro-batch (and the preflight's return_image and
+    step_store) applied (validated again)."""
     from zenflow.config import load_config
 
     config = spec.config
@@ -97,8 +100,10 @@ def effective_config(spec: RunSpec):
         sched = (config.raw.get("scheduler") or {}).get("params") or {}
         if "warmup_max_lr" in sched:  # the scheduler's peak is the lr the user means
             overrides["scheduler.params.warmup_max_lr"] = spec.lr
-    if spec.return_image is not None and spec.return_image != config.engine.return_image:
-        overrides["zfctl.return_image"] = spec.return_image
+    for key in ("return_image", "step_store"):  # the preflight's fitted settings
+        fitted = getattr(spec, key)
+        if fitted is not None and fitted != getattr(config.engine, key):
+            overrides[f"zfctl.{key}"] = fitted
     if spec.micro_batch is not None and spec.micro_batch != config.train_micro_batch_size_per_gpu:
         overrides["train_micro_batch_size_per_gpu"] = spec.micro_batch
         overrides["gradient_accumulation_steps"] = config.gradient_accumulation_steps
@@ -269,7 +274,7 @@ def merge_resumed_spec(spec: RunSpec, run_dir: Path, notes: list[str] | None = N
             load_config(saved["config_input"]), source=saved.get("config_source", "<dict>")
         )
     for name in ("max_steps", "epochs", "eval_every", "max_eval_samples", "checkpoint_every",
-                 "sim_profile", "device_mem", "return_image"):  # fmt: skip
+                 "sim_profile", "device_mem", "return_image", "step_store"):  # fmt: skip
         if getattr(spec, name) is None and saved.get(name) is not None:
             changes[name] = saved[name]
     if not spec.gradient_checkpointing and saved.get("gradient_checkpointing"):

@@ -196,6 +196,9 @@ class ZenFlowMode:
             "auto_ratio": self.auto_ratio,
             "window_lr": self.e.window_lr,
             "host_state": self.host_state,
+            # "off": each piece added as it arrives; "on": a step's pieces wait in the store
+            # for the step's coefficient (None: no pieces, the CPU device)
+            "step_store": None if self.zero_copy else "off" if self.store_free else "on",
             "grad_path": path,
             "bucket_elems": None if self.zero_copy else self.bucket_elems,
             "zenflow_weights": len(self.zweights),
