@@ -208,7 +208,8 @@ def tune_hw(
 
 def config_layout(doc: dict) -> dict:
     """The config document's settings that change the memory layout topk is bounded by:
-    micro-batch accumulation and where it is summed, streaming, the copy buckets."""
+    micro-batch accumulation and where it is summed, streaming, the copy buckets, the step
+    store and whether clipping needs it."""
     import copy
 
     from zenflow.config import load_config
@@ -220,6 +221,8 @@ def config_layout(doc: dict) -> dict:
         "grad_accumulation": s.grad_accumulation,
         "stream_grads": s.stream_grads,
         "copy_buckets": s.copy_buckets,
+        "step_store": s.step_store,
+        "clipping": s.clipping,
     }
 
 

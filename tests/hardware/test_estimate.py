@@ -297,7 +297,7 @@ def test_a_step_store_that_does_not_fit_a_run_without_clipping_is_checked_as_off
     assert got.fits and (got.return_image, got.step_store) == ("never", "on")
     got = est.check(c, "zenflow", early, tight)
     assert got.fits and (got.return_image, got.step_store) == ("never", "off")
-    # below everything: the last tried (both), its shortfall
+    # below everything: the one short by least (both), its shortfall
     short = est.check(c, "zenflow", early, Budget(GIB, off.host_peak_bytes - 1, False, "d", "h"))
     assert short.short == {"host": 1} and (short.return_image, short.step_store) == ("never", "off")
 

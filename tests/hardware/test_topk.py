@@ -200,3 +200,35 @@ def test_memory_table_matches_the_estimate(census, bf16, fp32_state):
         assert r.host_peak_bytes == est.host_peak_bytes  # the whole run's, for shared RAM
     assert len({r.other_device_bytes for r in rows}) == 1  # the rest does not depend on k
     assert rows[-1].selected_bytes > rows[0].selected_bytes
+
+
+def test_memory_table_of_a_run_without_clipping_peaks_without_the_step_store(census):
+    """Without clipping zfctl finetune drops the step store where it does not fit, so the
+    table's whole-run peaks (what tune-hw chooses the host state by) are the lower of with
+    and without it, in both host states (without: a fixed ring, so at a large k the store
+    is the smaller); with clipping the store's; the steady state keeps the store."""
+    from zenflow.hardware.estimate import Settings
+
+    s = Settings(bf16=True, overlap_step=True, micro_batch=2, seq_len=8)
+    clipped = topk.memory_table(census, s)
+    free = topk.memory_table(census, dataclasses.replace(s, clipping=False))
+    off = topk.memory_table(census, dataclasses.replace(s, clipping=False, step_store="off"))
+    for c, f, o in zip(clipped, free, off, strict=True):
+        assert f.host_peak_bytes == min(c.host_peak_bytes, o.host_peak_bytes)
+        assert f.host_peak_compact_bytes == min(c.host_peak_compact_bytes,
+                                                o.host_peak_compact_bytes)  # fmt: skip
+        assert f.host_bytes == c.host_bytes
+    assert free[0].host_peak_bytes < clipped[0].host_peak_bytes  # k 0.01: the store is 99%
+    assert free[0].host_peak_compact_bytes < clipped[0].host_peak_compact_bytes
+    # at a large k the ring without the store outweighs the store (6% of the columns): the
+    # check keeps the store, and a run that fits in neither is reported with it (short by
+    # least)
+    from zenflow.hardware.estimate import Budget, check
+
+    big_k = dataclasses.replace(s, clipping=False, topk_ratio=0.94)
+    room = Budget(2**40, 2**40, False, "d", "h")
+    kept = check(census, "zenflow", big_k, room).host_peak_bytes
+    ring = check(census, "zenflow", dataclasses.replace(big_k, step_store="off"), room)
+    assert ring.host_peak_bytes > kept
+    got = check(census, "zenflow", big_k, Budget(2**40, kept - 1, False, "d", "h"))
+    assert got.short == {"host": 1} and got.step_store == "on"

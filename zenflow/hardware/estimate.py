@@ -260,18 +260,19 @@ def check(
     the peak of a step, the host at the whole run's peak (with one memory, both together).
 
     A ZenFlow run that does not fit is checked again with what changes none of its
-    arithmetic (``fallbacks``), the first that fits taken (else the last tried):
+    arithmetic (``fallbacks``), the first that fits taken (else the one short by least):
     ``zfctl.return_image`` "early" as "never", and without clipping ``zfctl.step_store``
     "on" as "off" (``return_image`` and ``step_store`` of the result): ``zfctl finetune``
     runs it so."""
     e = _check(census, mode, s, budget, runtime)
     if mode != "zenflow" or e.fits:
         return e
+    tried = [e]
     for other in fallbacks(s):
-        e = _check(census, mode, other, budget, runtime)
-        if e.fits:
-            break
-    return e
+        tried.append(_check(census, mode, other, budget, runtime))
+        if tried[-1].fits:
+            return tried[-1]
+    return min(tried, key=lambda t: sum(t.short.values()))
 
 
 def fallbacks(s: Settings) -> list[Settings]:
@@ -280,9 +281,8 @@ def fallbacks(s: Settings) -> list[Settings]:
     clipping coefficient (the backward may wait for the host's adds), both."""
     rep = dataclasses.replace
     images = s.return_images(early=True)
-    store = s.step_store == "on" and not s.clipping and rep(s, step_store="off").store_free
     out = [rep(s, return_image="never")] if images else []
-    if store:
+    if s.store_optional:
         out.append(rep(s, step_store="off"))
         if images:
             out.append(rep(s, return_image="never", step_store="off"))

@@ -101,6 +101,13 @@ class Settings:
         return self.step_store == "off" and not self.host_sums and not self.cpu_device
 
     @property
+    def store_optional(self) -> bool:
+        """The step store is on where nothing waits for a clipping coefficient: the run
+        computes the same weights without it (``zenflow.hardware.estimate.fallbacks``)."""
+        return self.step_store == "on" and not self.clipping and not self.host_sums \
+            and not self.cpu_device  # fmt: skip
+
+    @property
     def dtype_bytes(self) -> int:
         return 2 if self.bf16 else 4
 

@@ -116,8 +116,16 @@ def memory_table(census, settings, grid: tuple[float, ...] = TOPK_GRID) -> tuple
     from zenflow.hardware.host_peak import host_peak, host_phases
     from zenflow.hardware.layout import layout
 
-    def peak(s) -> int:
+    def layout_peak(s) -> int:
         return host_peak(host_phases(census, "zenflow", s, layout(census, "zenflow", s)))[0]
+
+    def peak(s) -> int:
+        # without clipping zfctl finetune runs without the step store where it does not fit
+        # (zenflow.hardware.estimate.fallbacks): the lower peak is the one to fit (not always
+        # the store-free one: its ring is fixed, the store shrinks as k grows)
+        if s.store_optional:
+            return min(layout_peak(s), layout_peak(dataclasses.replace(s, step_store="off")))
+        return layout_peak(s)
 
     rows = []
     for k in grid:
