@@ -258,6 +258,15 @@ def test_finetune_refuses_a_run_whose_whole_run_host_peak_does_not_fit(
     assert r.exit_code == 0, r.output
 
 
+def assert_fitted(config: dict, key: str, value: str) -> None:
+    """A run's config.json holds the zfctl setting ``key`` the preflight fitted it with: in
+    the config it ran, in what the engine ran, in the run's spec, and not in your config."""
+    assert config["zfctl"][key] == value
+    assert config["engine_resolved"][key] == value  # what the engine ran
+    assert config["run"][key] == value
+    assert config["run"]["config_input"]["zfctl"].get(key) is None  # yours
+
+
 def test_finetune_runs_without_the_early_images_where_they_do_not_fit(
     cli, tmp_path, wide_mlp_gpt2_dir, glue_dir
 ):
@@ -298,10 +307,7 @@ def test_finetune_runs_without_the_early_images_where_they_do_not_fit(
 
     out, config, run_dir = run(without.host_peak_bytes)
     assert 'zfctl.return_image runs as "never"' in out
-    assert config["zfctl"]["return_image"] == "never"
-    assert config["engine_resolved"]["return_image"] == "never"  # what the engine ran
-    assert config["run"]["return_image"] == "never"
-    assert config["run"]["config_input"]["zfctl"].get("return_image") is None  # yours
+    assert_fitted(config, "return_image", "never")
     # a resume (no preflight: it keeps what the run was checked with) keeps it, given the
     # same --set as the run (your config, unchanged)
     r = cli("finetune", wide_mlp_gpt2_dir, "--resume", run_dir, "--max-steps", "3",
@@ -348,11 +354,7 @@ def test_finetune_without_clipping_runs_without_the_step_store_where_it_does_not
     assert r.exit_code == 0, r.output
     out, run_dir = " ".join(r.output.split()), runs.latest_run(root)
     assert 'zfctl.step_store runs as "off"' in out
-    config = json.loads((run_dir / "config.json").read_text())
-    assert config["zfctl"]["step_store"] == "off"
-    assert config["engine_resolved"]["step_store"] == "off"  # what the engine ran
-    assert config["run"]["step_store"] == "off"
-    assert config["run"]["config_input"]["zfctl"].get("step_store") is None  # yours
+    assert_fitted(json.loads((run_dir / "config.json").read_text()), "step_store", "off")
     r = cli("finetune", tiny_gpt2_dir, "--resume", run_dir, "--max-steps", "3",
             "--device", "sim", "--no-dashboard", *no_clip)  # fmt: skip
     assert r.exit_code == 0, r.output

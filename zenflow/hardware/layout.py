@@ -95,17 +95,21 @@ class Settings:
         return self.gradient_accumulation_steps > 1 and not self.whole_grads
 
     @property
+    def _store_setting_applies(self) -> bool:
+        """zfctl.step_store decides the layout: not with micro-batches summed on the host
+        (their fp32 sum instead), nor on the CPU device (no pieces)."""
+        return not self.host_sums and not self.cpu_device
+
+    @property
     def store_free(self) -> bool:
-        """ZenFlow adds each piece as it arrives, through the ring (zfctl.step_store "off";
-        not with micro-batches summed on the host, nor on the CPU device)."""
-        return self.step_store == "off" and not self.host_sums and not self.cpu_device
+        """ZenFlow adds each piece as it arrives, through the ring (zfctl.step_store "off")."""
+        return self.step_store == "off" and self._store_setting_applies
 
     @property
     def store_optional(self) -> bool:
         """The step store is on where nothing waits for a clipping coefficient: the run
         computes the same weights without it (``zenflow.hardware.estimate.fallbacks``)."""
-        return self.step_store == "on" and not self.clipping and not self.host_sums \
-            and not self.cpu_device  # fmt: skip
+        return self.step_store == "on" and not self.clipping and self._store_setting_applies
 
     @property
     def dtype_bytes(self) -> int:

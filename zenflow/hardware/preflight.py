@@ -87,8 +87,7 @@ def _changes(census: ParamCensus, s: Settings, budget: Budget, mode: str) -> lis
         out.append(Change(f"--micro-batch {mb}", mode, rep(s, micro_batch=mb),
                           "a smaller --micro-batch"))  # fmt: skip
     # no step store needs clipping off (without clipping ``check`` takes the store off itself)
-    store = s.step_store == "on" and s.clipping and rep(s, step_store="off").store_free
-    if mode == "zenflow" and store:
+    if mode == "zenflow" and s.clipping and rep(s, clipping=False).store_optional:
         out.append(_store_change(s))
     n = copy_bucket_fix(census, mode, s, budget)
     if n is not None:
