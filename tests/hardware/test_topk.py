@@ -218,6 +218,12 @@ def test_memory_table_of_a_run_without_clipping_peaks_without_the_step_store(cen
         assert f.host_peak_compact_bytes == min(c.host_peak_compact_bytes,
                                                 o.host_peak_compact_bytes)  # fmt: skip
         assert f.host_bytes == c.host_bytes
+        # the peak with the store is kept where the one to fit is without it
+        store_off = o.host_peak_bytes < c.host_peak_bytes
+        assert f.host_peak_store_bytes == (c.host_peak_bytes if store_off else 0)
+        store_off = o.host_peak_compact_bytes < c.host_peak_compact_bytes
+        assert f.host_peak_compact_store_bytes == (c.host_peak_compact_bytes if store_off else 0)
+        assert c.host_peak_store_bytes == c.host_peak_compact_store_bytes == 0  # clipping
     assert free[0].host_peak_bytes < clipped[0].host_peak_bytes  # k 0.01: the store is 99%
     assert free[0].host_peak_compact_bytes < clipped[0].host_peak_compact_bytes
     # at a large k the ring without the store outweighs the store (6% of the columns): the

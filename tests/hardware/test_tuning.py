@@ -390,6 +390,32 @@ def test_host_state_is_compact_when_only_compact_fits_and_says_why():
     assert '"zfctl": {"host_state": "compact"}' in why
 
 
+def test_a_host_state_that_fits_only_without_the_step_store_says_so():
+    """No clipping: the table's peaks are without the store where that is lower (exact 600,
+    with the store 900; compact 400, with it 500). The choice says when it relies on the
+    store being off, and not when the state fits with the store too."""
+    rows = tuple(dataclasses.replace(r, host_peak_store_bytes=900,
+                                     host_peak_compact_store_bytes=500)
+                 for r in host_rows(600, 400))  # fmt: skip
+    budget = topk.MemoryBudget(10**6, 1000, False, "test")
+
+    def choose(available: int):
+        return tuning.choose(inputs(memory_table=rows, memory_budget=budget,
+                                    mem_available_bytes=available))  # fmt: skip
+
+    c = choose(700)
+    assert c.memory["host_state"] == "exact" and c.memory["step_store_off"] is True
+    why = c.reasons["host_state"]
+    assert "fits without the step store only (with it exact needs 900 B)" in why
+    assert '"zfctl": {"step_store": "off"}' in why
+    c = choose(950)
+    assert c.memory["host_state"] == "exact" and c.memory["step_store_off"] is False
+    assert "step store" not in c.reasons["host_state"]
+    c = choose(450)
+    assert c.memory["host_state"] == "compact" and c.memory["step_store_off"] is True
+    assert "with it compact needs 500 B" in c.reasons["host_state"]
+
+
 def test_when_neither_host_state_fits_the_refusal_is_said():
     c = tuning.choose(host_inputs(500))
     assert c.memory["host_state"] is None and c.memory["ok"] is False

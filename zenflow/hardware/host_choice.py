@@ -42,15 +42,25 @@ def memory_check(
     side = row.device_bytes if shared else 0  # the device's tensors in the same RAM
     need = {"exact": side + row.host_peak_bytes, "compact": side + row.host_peak_compact_bytes}
     choice = next((st for st in ("exact", "compact") if need[st] <= available), None)
+    reason = _reason(need, available, choice, shared)
+    store = {"exact": row.host_peak_store_bytes, "compact": row.host_peak_compact_store_bytes}
+    store_off = choice is not None and store[choice] and side + store[choice] > available
+    if store_off:
+        reason += (
+            f"; it fits without the step store only (with it {choice} needs "
+            f"{human_bytes(side + store[choice])}): the run has no gradient clipping, so "
+            'zfctl finetune runs it with "zfctl": {"step_store": "off"}, the same weights'
+        )
     out: dict[str, object] = {
         "checked": True,
         "topk": row.topk,
         "host_state": choice,
         "ok": choice is not None,
         "needed": need,
+        "step_store_off": bool(store_off),
         "device_side_in_host": side,
         "available": available,
-        "reason": _reason(need, available, choice, shared),
+        "reason": reason,
         "pinned_needed": None,
         "memlock": memlock,
         "pinned_ok": None,

@@ -56,7 +56,8 @@ HOST_BYTES = {
     # each piece: the DMA writes it into its place in the step store (link dtype), where its
     # add waits for the step's clipping coefficient; the accumulator reads it there (link
     # dtype, zenflow.engine.accumulator.land) and reads + writes the window sum (fp32 4 + 4,
-    # bf16 2 + 2)
+    # bf16 2 + 2), except the window's first add, which only writes it (``overwrite``):
+    # per step sum_rmw x (1 - 1 / 2S)
     "sum_rmw": {"exact": 8, "compact": 4},
     # once per window (/S), the CPU Adam: read the window sum (4; bf16 2), read + write the
     # fp32 master (8), the fp32 moments (16) or their 8-bit codes (2 + 2) and two fp32
@@ -65,21 +66,30 @@ HOST_BYTES = {
     # once per window (/S), the host->device return reads the fp32 master
     "return": {"exact": 4, "compact": 4},
     # micro-batches summed on the host: each piece goes straight into their fp32 sum (read +
-    # write 8, no store); once per step the sum is folded into the window sum (read 4 +
-    # the window sum's read + write)
+    # write 8, no store; the step's first micro-batch writes it only: 4); once per step the
+    # sum is folded into the window sum (read 4 + the window sum's part, as sum_rmw)
     "micro_rmw": {"exact": 8, "compact": 8},
-    "fold": {"exact": 12, "compact": 8},
+    "fold": {"exact": 4, "compact": 4},
 }
+
+
+def window_sum_bytes(state: str, update_interval: int) -> float:
+    """Per step, the window sum's bytes: read + write, but only a write at the window's
+    first add (``accumulate_``'s ``overwrite``)."""
+    return HOST_BYTES["sum_rmw"][state] * (1 - 0.5 / max(1, update_interval))
 
 
 def zenflow_host_bytes(s: Settings) -> float:
     """Host bytes per non-selected element per optimizer step (ZenFlow, ``s.host_state``)."""
     st, lb, S = s.host_state, s.link_bytes, max(1, s.update_interval)
     window = (HOST_BYTES["adam"][st] + HOST_BYTES["return"][st]) / S
+    acc = window_sum_bytes(st, S)
     if s.host_sums:  # DMA write + read, then the fp32 micro-batch sum; one fold per step
         micro = s.gradient_accumulation_steps
-        return micro * (2 * lb + HOST_BYTES["micro_rmw"][st]) + HOST_BYTES["fold"][st] + window
-    return 2 * lb + HOST_BYTES["sum_rmw"][st] + window  # store: DMA write, accumulator read
+        first = HOST_BYTES["micro_rmw"][st] / 2  # the step's first micro-batch: a write
+        steps = micro * (2 * lb + HOST_BYTES["micro_rmw"][st]) - first
+        return steps + HOST_BYTES["fold"][st] + acc + window
+    return 2 * lb + acc + window  # store: DMA write, accumulator read
 
 
 def offload_host_bytes(s: Settings) -> float:

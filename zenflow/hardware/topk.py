@@ -68,6 +68,10 @@ class TopkMemory:
     host_peak_bytes: int = 0  # the whole run's host peak (zenflow.hardware.host_peak), exact
     host_peak_compact_bytes: int = 0  # the same with zfctl.host_state "compact"
     pinned_bytes: int = 0  # the host bytes the link pins (the master, the ring)
+    # the same two peaks with the step store, where the peaks above are without it (no
+    # clipping: zfctl finetune takes the store off where it does not fit); else 0
+    host_peak_store_bytes: int = 0
+    host_peak_compact_store_bytes: int = 0
 
     @property
     def device_bytes(self) -> int:
@@ -119,13 +123,16 @@ def memory_table(census, settings, grid: tuple[float, ...] = TOPK_GRID) -> tuple
     def layout_peak(s) -> int:
         return host_peak(host_phases(census, "zenflow", s, layout(census, "zenflow", s)))[0]
 
-    def peak(s) -> int:
-        # without clipping zfctl finetune runs without the step store where it does not fit
-        # (zenflow.hardware.estimate.fallbacks): the lower peak is the one to fit (not always
-        # the store-free one: its ring is fixed, the store shrinks as k grows)
-        if s.store_optional:
-            return min(layout_peak(s), layout_peak(dataclasses.replace(s, step_store="off")))
-        return layout_peak(s)
+    def peak(s) -> tuple[int, int]:
+        """(the peak to fit, the peak with the store where that is not it, else 0).
+        Without clipping zfctl finetune runs without the step store where it does not fit
+        (zenflow.hardware.estimate.fallbacks): the lower peak is the one to fit (not always
+        the store-free one: its ring is fixed, the store shrinks as k grows)."""
+        with_store = layout_peak(s)
+        if not s.store_optional:
+            return with_store, 0
+        without = layout_peak(dataclasses.replace(s, step_store="off"))
+        return (without, with_store) if without < with_store else (with_store, 0)
 
     rows = []
     for k in grid:
@@ -135,8 +142,10 @@ def memory_table(census, settings, grid: tuple[float, ...] = TOPK_GRID) -> tuple
         device = sum(i.bytes for i in items if i.side == "device")
         host = sum(i.bytes for i in items if i.side == "host")
         pinned = sum(i.bytes for i in items if i.side == "host" and i.pinned)
-        compact = peak(dataclasses.replace(s, host_state="compact"))
-        rows.append(TopkMemory(k, selected, device - selected, host, peak(s), compact, pinned))
+        (exact, exact_store), (compact, compact_store) = peak(s), peak(
+            dataclasses.replace(s, host_state="compact"))  # fmt: skip
+        rows.append(TopkMemory(k, selected, device - selected, host, exact, compact, pinned,
+                               exact_store, compact_store))  # fmt: skip
     return tuple(rows)
 
 
