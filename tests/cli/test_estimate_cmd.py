@@ -44,9 +44,10 @@ def test_json_for_a_7b_architecture(cli):
         # a separate device: only the buffers that cross the link are pinned
         pinned = sum(i["bytes"] for i in eng["items"] if i["side"] == "host" and i["pinned"])
         assert eng["pinned_bytes"] == pinned
-    # streamed: 2 + 14k bytes per parameter, the gradient in flight and 16 copy buckets of
-    # 4M elements ("auto" for a model this size: 128 MiB, 0.02 bytes per parameter)
-    assert 3.40 <= data["engines"]["zenflow"]["bytes_per_param"] <= 3.48
+    # streamed: 2 + 14k bytes per parameter, the gradient in flight, 4 copy buckets of 16M
+    # elements ("auto" for a model this size: 128 MiB, 0.02 bytes per parameter) and 2 fp32
+    # return buckets (128 MiB)
+    assert 3.42 <= data["engines"]["zenflow"]["bytes_per_param"] <= 3.50
     # pinned: the fp32 master and the bf16 step store of the non-selected 0.9: 6 x 0.9
     assert 5.3 <= data["engines"]["zenflow"]["pinned_bytes"] / data["params"] <= 5.5
 

@@ -80,11 +80,14 @@ def test_copy_buckets_sizes_the_engine_and_the_estimate():
 
     assert bucket_count("auto", False) == 2 and bucket_count("auto", True) == 4
     assert bucket_count(16, False) == 16 and bucket_count(2, True) == 4
-    # "auto": 1/32 of the offloaded elements in flight, at most 16 buckets. A small model's
-    # buckets are 1/64 of its elements (2 buckets); a 7B's are capped at 4M elements.
+    # "auto": 1/32 of the offloaded elements in flight, at most 16 buckets and 64M elements.
+    # A small model's buckets are 1/64 of its elements (2 buckets); a 7B's are capped: 16M
+    # elements for ZenFlow's pieces (4 buckets), 4M for offload's chunks (16).
     assert bucket_count("auto", False, 3_000_000, 3_000_000 // 64) == 2
+    assert bucket_count("auto", False, 5_900_000_000, 16 * 2**20) == 4
     assert bucket_count("auto", False, 5_900_000_000, 4 * 2**20) == 16
     assert bucket_count("auto", False, 600_000_000, 4 * 2**20) == 4  # 18.75M in 4M buckets
+    assert bucket_count("auto", True, 5_900_000_000, 32 * 2**20) == 4  # never below 4 (dp)
     raw = {
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
         "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"},

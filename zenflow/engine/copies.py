@@ -33,29 +33,35 @@ import torch
 
 from zenflow.engine.accelerator import DONE, Accelerator
 
-DEFAULT_BUCKET_ELEMS = 1 << 22  # 4M elements: 8 MiB of bf16 per device bucket
+DEFAULT_BUCKET_ELEMS = 1 << 22  # 4M elements: 8 MiB of bf16 per device bucket (offload)
+# ZenFlow's pieces: 16M elements, 32 MiB of bf16, a PCIe-sized copy. Each piece costs the
+# training thread the same Python and launches whatever its size (bench/piece_cost.py),
+# so a 7B model's step makes about 430 pieces instead of 1,530 in 4M buckets.
+PIECE_ELEMS = 1 << 24
 DEVICE_BUCKETS = 2  # one copying while the next fills; data parallel keeps more in flight
 DP_DEVICE_BUCKETS = 4
 
 
 AUTO_IN_FLIGHT_SHARE = 32  # "auto": up to 1/32 of the offloaded elements waiting for the link
 AUTO_MAX_BUCKETS = 16
+AUTO_MAX_IN_FLIGHT = 1 << 26  # ... and at most 64M elements (128 MiB of bf16) in all
 
 
 def bucket_count(requested, data_parallel: bool, offloaded: int = 0, elems: int = 1) -> int:
     """Device copy buckets for ``zfctl.copy_buckets`` (an int, or "auto"), never fewer than
     the least (2; 4 with data parallelism, whose reductions keep buckets in flight too).
 
-    "auto": room for 1/32 of the ``offloaded`` elements in buckets of ``elems``, at most 16.
-    A bucket is 1/64 of the offloaded elements up to 4M (``bucket_elems_for``), so a small
-    model keeps the least (1/32 of its elements in 2 buckets), and a large one, whose
-    buckets are capped, gets up to 16 (7B: 64M elements, 128 MiB in bf16, 0.02 bytes per
-    parameter) to absorb the burst of a layer's gradients while the link catches up."""
+    "auto": room for 1/32 of the ``offloaded`` elements in buckets of ``elems``, at most 16
+    buckets and 64M elements. A bucket is 1/64 of the offloaded elements up to its cap
+    (``bucket_elems_for``), so a small model keeps the least (1/32 of its elements in 2
+    buckets), and a large one, whose buckets are capped, gets up to 64M elements (128 MiB in
+    bf16, 0.02 bytes per parameter at 7B: 4 of ZenFlow's 16M pieces, 16 of offload's 4M
+    chunks) to absorb the burst of a layer's gradients while the link catches up."""
     least = DP_DEVICE_BUCKETS if data_parallel else DEVICE_BUCKETS
     if requested not in (None, "auto"):
         return max(least, int(requested))
     want = offloaded // (AUTO_IN_FLIGHT_SHARE * max(1, elems))
-    return max(least, min(AUTO_MAX_BUCKETS, want))
+    return max(least, min(AUTO_MAX_BUCKETS, AUTO_MAX_IN_FLIGHT // max(1, elems), want))
 
 
 @dataclass(frozen=True)
@@ -127,12 +133,13 @@ BUCKET_SHARE = 64  # each bucket holds at most 1/64 of the offloaded elements
 
 
 def bucket_elems_for(numels: list[int], units: list[int], requested: int | None) -> int:
-    """Elements per copy bucket: the requested size (``reduce_bucket_size``, default 4M),
-    capped at 1/64 of the offloaded elements so small models keep their device copy buffers
-    small (two bf16 buckets: at most 1/16 device byte per parameter), and never below the
-    largest ``unit`` (the longest row or column: a piece holds at least one)."""
+    """Elements per copy bucket (a ZenFlow piece at most): the requested size (the engine's
+    ``bucket_request``, default ``PIECE_ELEMS``, 16M), capped at 1/64 of the offloaded
+    elements so small models keep their device copy buffers small (two bf16 buckets: at
+    most 1/16 device byte per parameter), and never below the largest ``unit`` (the longest
+    row or column: a piece holds at least one)."""
     total = sum(numels)
-    want = min(requested or DEFAULT_BUCKET_ELEMS, max(1, total // BUCKET_SHARE), max(numels))
+    want = min(requested or PIECE_ELEMS, max(1, total // BUCKET_SHARE), max(numels))
     return max(want, max(units, default=1), 1)
 
 

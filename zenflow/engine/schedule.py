@@ -87,7 +87,8 @@ class ZenFlowEngine:
     kernel, where torch has one for the device; else the reference, and ``resolved`` says
     so) or "reference" (torch's single-tensor op order; ``zenflow.engine.device_adam``).
     ``min_numel``: 2-D params smaller than this are always important (updated fully on the
-    device).
+    device). ``bucket_elems``: elements per device copy bucket (a streamed piece at most;
+    default ``zenflow.engine.copies.bucket_elems_for``'s rule; benchmarks vary it).
 
     Data parallel: when the caller has initialised a torch.distributed process group of
     more than one rank, the engine averages gradients, partitions the host state and agrees
@@ -112,6 +113,7 @@ class ZenFlowEngine:
         masters: dict[str, torch.Tensor] | None = None,
         sim_lag_s: float = 0.0,
         sim_profile: str | None = None,
+        bucket_elems: int | None = None,
     ):
         check_arguments(mode, device_adam)
         self.model = model
@@ -131,6 +133,7 @@ class ZenFlowEngine:
         check_model_device(self.specs, self.accel)
         self._read_options(config)
         self._host_kernel_arg = host_kernel
+        self.bucket_request = int(bucket_elems) if bucket_elems else None
         self._kernel = None
         self.kernel_name = "-"
         self.hp_base = adam_hyper(config.optimizer)
@@ -195,7 +198,6 @@ class ZenFlowEngine:
         self.rec = StepRecord()
         self.last_peak_held: dict[str, int] = {}  # device bytes per holder at the last peak
         self._torch_threads_orig = torch.get_num_threads()
-        self.bucket_request = int(getattr(config, "reduce_bucket_size", 0) or 0) or None
         self.dp = DataParallel()
 
     def _split_cores(self, ranks_per_node: int) -> None:

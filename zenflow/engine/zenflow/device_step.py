@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from zenflow.engine.device_adam import adamw_columns_, adamw_fused_
+from zenflow.engine.host import ColumnSteps
 from zenflow.engine.zenflow.state import ZfWeight
 
 
@@ -38,10 +39,12 @@ class DeviceStep:
         into one accounted scratch buffer (about 1/64 of the selected elements), so the
         optimizer step never holds an fp32 copy of all of them at once."""
         groups: dict[int, list[ZfWeight]] = {}
-        for w in self.m.zweights:
-            if not self.m.zero_copy and coef_t is not None:
-                w.grad_sel.mul_(coef_t)  # fp32 coefficient, rounded once
-            w.steps_dev.increment()
+        weights = self.m.zweights
+        if not self.m.zero_copy and coef_t is not None and weights:
+            # fp32 coefficient, rounded once (one foreach call: one launch, not one a weight)
+            torch._foreach_mul_([w.grad_sel for w in weights], coef_t)
+        ColumnSteps.increment_all([w.steps_dev for w in weights])
+        for w in weights:
             if w.steps_dev.uniform is not None:
                 groups.setdefault(w.steps_dev.uniform, []).append(w)
             else:
@@ -89,10 +92,18 @@ class DeviceStep:
     def _fused_batch(self, batch: list[ZfWeight], step: int, hp) -> None:
         """One fused AdamW call over ``batch`` (every weight at step count ``step``)."""
         xs, gs, off = [], [], 0
+        widen: list[tuple[torch.Tensor, torch.Tensor]] = []  # (scratch view, bf16 gradient)
         for w in batch:
             xs.append(self._sel_param(w))
-            gs.append(self._sel_grad_fp32(w, off))
+            if self.m.zero_copy or w.grad_sel.dtype == torch.float32:
+                gs.append(self._sel_grad_fp32(w, off))
+            else:  # widened below, all in one foreach copy
+                n = w.rows * w.k
+                gs.append(self._scratch[off : off + n].view(w.shape_k))
+                widen.append((gs[-1], w.grad_sel))
             off += w.rows * w.k
+        if widen:
+            torch._foreach_copy_([d for d, _ in widen], [g for _, g in widen])
         adamw_fused_(xs, gs, [w.exp_avg_dev for w in batch], [w.exp_avg_sq_dev for w in batch],
                      step, hp, fused=self.e.fused_device_adam)  # fmt: skip
         for w, x in zip(batch, xs, strict=True):

@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from zenflow.engine.accelerator.base import READ_BUFFER_BYTES
 from zenflow.engine.copies import bucket_count, bucket_elems_for
 from zenflow.engine.engine_setup import lent_cores
 from zenflow.engine.host import StepGate
@@ -113,8 +114,10 @@ class ZenFlowMode:
             engine.bucket_request,
         )  # fmt: skip
         # device-to-host reads (checkpoints, hand-overs) go through one fp32 bucket's bytes
-        # (at least 1 MiB: a small model's hand-over is one read)
-        accel.read_buffer_bytes = max(4 * self.bucket_elems, READ_BUFFER_MIN)
+        # (at least 1 MiB: a small model's hand-over is one read; at most the 16 MiB the
+        # estimate counts: a larger tensor is read in chunks)
+        accel.read_buffer_bytes = min(max(4 * self.bucket_elems, READ_BUFFER_MIN),
+                                      READ_BUFFER_BYTES)  # fmt: skip
         self.zweights = self._make_weights(zspecs, masters)
         self.by_name = {w.spec.name: w for w in self.zweights}
         self.kernels = engine.kernels()
@@ -330,6 +333,7 @@ class ZenFlowMode:
                 if hasattr(w, name):
                     setattr(w, name, None)
             w.acc = []
+            w.drop_views()
         self.image_return.images.clear()  # in place: the host log's jobs hold it
 
     def close(self) -> BaseException | None:

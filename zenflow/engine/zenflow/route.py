@@ -87,12 +87,13 @@ class GradRoute:
         overwrite_acc = w.owned and w.fresh[plan.slot]
         if w.owned and not host_gas and not store_free:  # the previous step's adds done
             tr.store_free(w.position)  # with w's step store
-        for pc in w.pieces:
+        dsts, stores = self._places(w)
+        for pc, dst, store in zip(w.pieces, dsts, stores, strict=True):
             i, bucket = tr.take_bucket(pc.shape)
             src, dim, idx = pc.select(g, w.nonsel_dev)
             torch.index_select(src, dim, idx, out=bucket)
 
-            def onward(w=w, pc=pc, i=i, bucket=bucket):
+            def onward(w=w, pc=pc, i=i, bucket=bucket, dst=dst, store=store):
                 if dp.enabled and w.owned:
                     bucket.mul_(1.0 / dp.world)
                 if stats_on_device and w.owned:
@@ -108,15 +109,14 @@ class GradRoute:
                     if last:
                         stat = ("sq", w.spec.name)
                         w.stat_done = True
-                    tr.send_piece(i, bucket, pc.of(w.step_buf), None, n == 0, stat)
+                    tr.send_piece(i, bucket, dst, None, n == 0, stat)
                 elif store_free:  # added as it arrives: no clipping coefficient to wait for;
                     # a piece that is not finite is zeroed (its step is skipped on the device)
                     bucket.masked_fill_(~torch.isfinite(sq), 0)
-                    tr.send_piece(i, bucket, pc.of(w.acc[plan.slot]), None, overwrite_acc,
+                    tr.send_piece(i, bucket, dst, None, overwrite_acc,
                                   wait=w.free if overwrite_acc else None)  # fmt: skip
                 else:
-                    tr.land_piece(i, bucket, pc.of(w.store), pc.of(w.acc[plan.slot]), plan.gate,
-                                  overwrite_acc, w.position,
+                    tr.land_piece(i, bucket, store, dst, plan.gate, overwrite_acc, w.position,
                                   wait=w.free if overwrite_acc else None)  # fmt: skip
 
             if dp.enabled:
@@ -128,6 +128,16 @@ class GradRoute:
             self.first_touch.append(w)
         if last and plan.apply is not None:
             self.image_return.apply_in_backward(w, plan.apply)
+
+    def _places(self, w: ZfWeight) -> tuple[list, list]:
+        """Each piece's place in the buffer it is added into (the window sum of the plan's
+        slot, or the micro-batch sum) and in the one it lands in (the step store; without
+        it, the same), as views made once per buffer (``ZfWeight.views``)."""
+        if not w.owned:
+            return [None] * len(w.pieces), [None] * len(w.pieces)
+        m = self.m
+        dsts = w.views(w.step_buf if m.host_gas else w.acc[m.plan.slot])
+        return dsts, (dsts if m.host_gas or m.store_free else w.views(w.store))
 
     def _score_piece(self, w: ZfWeight, pc, bucket: torch.Tensor) -> None:
         """Column scores (squared L2 per column) of a non-selected piece, on the device."""

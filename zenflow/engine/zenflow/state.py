@@ -112,6 +112,7 @@ class ZfWeight:
         self.fresh: list[bool] = []  # a slot's next add overwrites it (window start)
         self.step_buf: torch.Tensor | None = None  # a step's micro-batch sum (host gas)
         self.store: torch.Tensor | None = None  # a step's pieces until its gate (link dtype)
+        self._views: dict[int, tuple] = {}  # id(buffer) -> (buffer, each piece's view)
         self._step_fields()
         self.position = 0  # index among the mode's weights
         # auto update interval statistics of the current window (python floats)
@@ -184,6 +185,19 @@ class ZfWeight:
             # the step's gate (accumulator.land)
             self.store = accel.host_empty((n,), mode.link_dtype, mode.e.pin_link,
                                           "step_pieces")  # fmt: skip
+
+    def views(self, buf: torch.Tensor) -> list[torch.Tensor]:
+        """Each piece's view of ``buf``, a flat buffer of this weight in the compact layout
+        (window sum, step store, micro-batch sum), made once per buffer: a step's route
+        slices nothing per piece. ``drop_views`` forgets them (the buffers' release)."""
+        hit = self._views.get(id(buf))
+        if hit is None or hit[0] is not buf:
+            hit = (buf, [pc.of(buf) for pc in self.pieces])
+            self._views[id(buf)] = hit
+        return hit[1]
+
+    def drop_views(self) -> None:
+        self._views.clear()
 
     def set_selection(self, sel_dev: torch.Tensor, sel_host: torch.Tensor | None = None,
                       nonsel_dev: torch.Tensor | None = None,

@@ -1,0 +1,34 @@
+"""bench/piece_cost.py: the training thread's CPU per piece and per weight on sim, fitted
+over the weights, and the 7B step it comes to."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import piece_cost as pc
+
+
+def test_fit_recovers_a_per_weight_and_a_per_piece_cost():
+    weights = [{"pieces": p, "cpu_s": 20e-6 + 70e-6 * p} for p in (1, 2, 3, 5, 8)]
+    a, b = pc.fit(weights)
+    assert a == pytest.approx(20e-6) and b == pytest.approx(70e-6)
+    assert pc.fit([{"pieces": 2, "cpu_s": 1.0}, {"pieces": 2, "cpu_s": 3.0}]) == (2.0, 0.0)
+
+
+def test_at_scale_counts_the_models_weights_and_pieces():
+    s = pc.at_scale("llama-7b", 0.1, per_weight=100e-6, per_piece=50e-6)
+    assert s["weights"] == 226 and s["bucket_elements"] == 16 * 2**20
+    assert 400 < s["pieces"] < 460  # 16M-element pieces (about 1,530 in 4M buckets)
+    assert s["cpu_ms"] == pytest.approx((226 * 100e-6 + s["pieces"] * 50e-6) * 1e3)
+
+
+def test_the_bench_measures_a_sim_run(capsys):
+    argv = ["--layers", "2", "--width", "64", "--warmup", "6", "--steps", "3",
+            "--piece-elems", "512", "--model", "gpt2", "--json"]  # fmt: skip
+    assert pc.main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["pieces_per_step"] > out["weights"] > 0  # several pieces per weight
+    assert out["route_cpu_ms_per_step"] > 0 and out["step_cpu_ms"]["device"] > 0
+    assert out["at_scale"]["model"] == "gpt2" and out["at_scale"]["cpu_ms"] > 0
