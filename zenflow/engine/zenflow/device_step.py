@@ -77,30 +77,31 @@ class DeviceStep:
         p = w.spec.param.data
         p.index_copy_(w.cd, w.sel_dev, x if w.master_sel is None else x.to(p.dtype))
 
-    def _sel_grad_fp32(self, w: ZfWeight, offset: int = 0) -> torch.Tensor:
+    def _sel_grad_fp32(self, w: ZfWeight, offset: int = 0, widen: list | None = None):
         """The selected gradient in fp32: the whole gradient's columns (CPU zero-copy), the
-        buffer itself (an fp32 model), or widened into the scratch at ``offset``."""
+        buffer itself (an fp32 model), or widened into the scratch at ``offset`` (with
+        ``widen``: the (scratch view, bf16 gradient) pair is appended there for the caller's
+        one foreach copy, and the view returned unfilled)."""
         if self.m.zero_copy:
             return w.grad().index_select(w.cd, w.sel_dev).float()
         if w.grad_sel.dtype == torch.float32:
             return w.grad_sel
         n = w.rows * w.k
         out = self._scratch[offset : offset + n].view(w.shape_k)
-        out.copy_(w.grad_sel)
+        if widen is None:
+            out.copy_(w.grad_sel)
+        else:
+            widen.append((out, w.grad_sel))
         return out
 
     def _fused_batch(self, batch: list[ZfWeight], step: int, hp) -> None:
-        """One fused AdamW call over ``batch`` (every weight at step count ``step``)."""
+        """One fused AdamW call over ``batch`` (every weight at step count ``step``); a bf16
+        model's gradients widened in one foreach copy."""
         xs, gs, off = [], [], 0
-        widen: list[tuple[torch.Tensor, torch.Tensor]] = []  # (scratch view, bf16 gradient)
+        widen: list[tuple[torch.Tensor, torch.Tensor]] = []
         for w in batch:
             xs.append(self._sel_param(w))
-            if self.m.zero_copy or w.grad_sel.dtype == torch.float32:
-                gs.append(self._sel_grad_fp32(w, off))
-            else:  # widened below, all in one foreach copy
-                n = w.rows * w.k
-                gs.append(self._scratch[off : off + n].view(w.shape_k))
-                widen.append((gs[-1], w.grad_sel))
+            gs.append(self._sel_grad_fp32(w, off, widen))
             off += w.rows * w.k
         if widen:
             torch._foreach_copy_([d for d, _ in widen], [g for _, g in widen])
