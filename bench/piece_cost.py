@@ -14,7 +14,11 @@ is negligible and what is measured is that per-call cost, on this machine's CPU:
 - the device step (``DeviceStep.update``: AdamW of the selected columns and the per-weight
   bookkeeping) per weight;
 - the whole backward + optimizer step on the training thread, ZenFlow less plain device
-  AdamW on the same model (the engine's extra CPU per step, all of it).
+  AdamW on the same model (the engine's extra CPU per step, all of it);
+- each of those less the accelerator's own calls (copies, events, stream waits: on a GPU
+  CUDA API calls, on sim the simulator's Python), counted per piece: the engine's part;
+- the device step again after re-selections, when the selected columns carry their own
+  step counts (the per-column update, batched by the device step's scratch).
 
 Then ``--model``'s step (default llama-7b, topk 0.1) at those rates: its weights and the
 pieces the engine's bucket rule gives it (``zenflow.hardware.predict.pieces``).
@@ -50,7 +54,7 @@ from zenflow import ZenFlowEngine, load_config  # noqa: E402
 from zenflow.engine.accelerator import make_accelerator  # noqa: E402
 
 
-def config(zenflow: bool):
+def config(zenflow: bool, select_interval: int = 1000):
     raw = {
         "bf16": {"enabled": True}, "train_micro_batch_size_per_gpu": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
@@ -60,78 +64,124 @@ def config(zenflow: bool):
     if zenflow:
         raw["zero_optimization"]["zenflow"] = {
             "topk_ratio": 0.1, "update_interval": 4, "select_strategy": "step",
-            "select_interval": 1000, "overlap_step": True,
+            "select_interval": select_interval, "overlap_step": True,
         }  # fmt: skip
     return load_config(raw)
 
 
-class Timed:
-    """Wraps ``obj.name`` to add each call's thread CPU time to ``self.calls`` (by key)."""
+# The accelerator's calls on the training thread: on a GPU these are CUDA API calls (an
+# event, a stream switch, cudaMemcpyAsync, a stream wait), on sim the simulator's Python
+# (its copy engine's queue, its threading events). Their CPU is counted apart.
+ACCEL_CALLS = ("copy_d2h", "copy_h2d", "compute_wait", "record_compute")
 
-    def __init__(self, obj, name: str, key=lambda *a: None):
-        self.calls: dict = {}
-        self.on = False
-        inner = getattr(obj, name)
 
+class AccelMeter:
+    """Wraps the accelerator's calls to add their thread CPU time to ``cpu_ns`` and count
+    them in ``calls`` (by name)."""
+
+    def __init__(self, accel):
+        self.cpu_ns = 0
+        self.calls: dict[str, int] = dict.fromkeys(ACCEL_CALLS, 0)
+        for name in ACCEL_CALLS:
+            setattr(accel, name, self._wrap(name, getattr(accel, name)))
+
+    def _wrap(self, name, inner):
         def wrapper(*args, **kw):
             t0 = time.thread_time_ns()
             try:
                 return inner(*args, **kw)
             finally:
+                self.cpu_ns += time.thread_time_ns() - t0
+                self.calls[name] += 1
+
+        return wrapper
+
+
+class Timed:
+    """Wraps ``obj.name`` to add each call's thread CPU time to ``self.calls`` (by key), as
+    (all of it, the part in the accelerator's calls: ``meter``)."""
+
+    def __init__(self, obj, name: str, meter: AccelMeter, key=lambda *a: None):
+        self.calls: dict = {}
+        self.on = False
+        inner = getattr(obj, name)
+
+        def wrapper(*args, **kw):
+            t0, a0 = time.thread_time_ns(), meter.cpu_ns
+            try:
+                return inner(*args, **kw)
+            finally:
                 if self.on:
                     k = key(*args)
-                    self.calls.setdefault(k, []).append((time.thread_time_ns() - t0) / 1e9)
+                    cpu = ((time.thread_time_ns() - t0) / 1e9, (meter.cpu_ns - a0) / 1e9)
+                    self.calls.setdefault(k, []).append(cpu)
 
         setattr(obj, name, wrapper)
 
 
-def run(mode: str, args) -> dict:
-    """Steady steps of ``mode`` (after warm-up and the first selection): the training
-    thread's CPU per step, and for ZenFlow per weight route and per device step."""
+def median_pair(pairs: list[tuple[float, float]]) -> tuple[float, float]:
+    """The median of each part of (all, accelerator) pairs."""
+    return statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
+
+
+def run(mode: str, args, reselect: bool = False) -> dict:
+    """Steady steps of ``mode`` (after warm-up and the first selection; ``reselect``: after
+    re-selections too, so that selected columns carry their own step counts): the training
+    thread's CPU per step, and for ZenFlow per weight route and per device step, each as
+    (all, in the accelerator's calls)."""
     model = bench_engine.build_model(args.layers, args.width, args.vocab, head="cls")
     gen = torch.Generator().manual_seed(1)
-    batch = torch.randint(1, args.vocab, (1, args.seq), generator=gen)
-    cfg = config(mode == "zenflow")
+    batches = [torch.randint(1, args.vocab, (1, args.seq), generator=gen) for _ in range(4)]
+    cfg = config(mode == "zenflow", max(2, args.warmup // 3) if reselect else 1000)
     accel = make_accelerator("sim")
+    meter = AccelMeter(accel)
     kw = {"bucket_elems": args.piece_elems} if args.piece_elems else {}
     with ZenFlowEngine(model, cfg, mode=mode, accelerator=accel, **kw) as eng:
         torch.set_num_threads(1)
         route = dev = None
         if mode == "zenflow":
-            route = Timed(eng.impl, "route", key=lambda spec, *a: spec.name)
-            dev = Timed(eng.impl.device_step, "update")
+            route = Timed(eng.impl, "route", meter, key=lambda spec, *a: spec.name)
+            dev = Timed(eng.impl.device_step, "update", meter)
 
-        def step() -> float:
+        def step(i: int) -> tuple[float, float]:
             with eng.autocast():
-                loss = bench_engine.forward_loss(model, batch, "cls")
-            t0 = time.thread_time_ns()
+                loss = bench_engine.forward_loss(model, batches[i % len(batches)], "cls")
+            t0, a0 = time.thread_time_ns(), meter.cpu_ns
             eng.backward(loss)
             eng.step(loss)
-            dt = (time.thread_time_ns() - t0) / 1e9
+            cpu = ((time.thread_time_ns() - t0) / 1e9, (meter.cpu_ns - a0) / 1e9)
             eng.zero_grad()
-            return dt
+            return cpu
 
-        for _ in range(args.warmup):
-            step()
+        for i in range(args.warmup):
+            step(i)
         for t in (route, dev):
             if t is not None:
                 t.on = True
-        steps = [step() for _ in range(args.steps)]
-        out = {"step_cpu_s": statistics.median(steps)}
+        calls0 = dict(meter.calls)
+        steps = [step(i) for i in range(args.steps)]
+        out = {"step_cpu_s": median_pair(steps),
+               "accel_calls_per_step": {k: (meter.calls[k] - calls0[k]) / args.steps
+                                        for k in ACCEL_CALLS}}  # fmt: skip
         if mode == "zenflow":
             pieces = {w.spec.name: len(w.pieces) for w in eng.impl.zweights}
             out["weights"] = [
-                {"pieces": pieces[k], "cpu_s": statistics.median(v)} for k, v in route.calls.items()
+                {"pieces": pieces[k], "cpu_s": median_pair(v)[0], "accel_s": median_pair(v)[1]}
+                for k, v in route.calls.items()
             ]  # fmt: skip
-            out["device_step_s"] = statistics.median(dev.calls[None])
+            out["device_step_s"] = median_pair(dev.calls[None])
             out["weight_count"] = len(pieces)
+            out["per_column_weights"] = sum(
+                w.steps_dev.uniform is None for w in eng.impl.zweights
+            )  # fmt: skip
     return out
 
 
-def fit(weights: list[dict]) -> tuple[float, float]:
-    """Least squares ``cpu = a + b x pieces`` over the weights: (a, b)."""
+def fit(weights: list[dict], part: str = "cpu_s") -> tuple[float, float]:
+    """Least squares ``cpu = a + b x pieces`` over the weights: (a, b); ``part``: "cpu_s"
+    (all of a route's CPU) or "engine_s" (less its accelerator calls)."""
     xs = [w["pieces"] for w in weights]
-    ys = [w["cpu_s"] for w in weights]
+    ys = [w["cpu_s"] - (w["accel_s"] if part == "engine_s" else 0.0) for w in weights]
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     sxx = sum((x - mx) ** 2 for x in xs)
     if sxx == 0:
@@ -156,13 +206,22 @@ def at_scale(model: str, topk: float, per_weight: float, per_piece: float) -> di
 
 
 def measure(args) -> dict:
+    """The three runs (device AdamW; ZenFlow steady; ZenFlow after re-selections) and the
+    figures: per piece and per weight, all of the thread's CPU and the engine's part (less
+    the accelerator's calls), and ``--model``'s step at each."""
     device = run("device", args)
     zen = run("zenflow", args)
-    a, b = fit(zen["weights"])
+    resel = run("zenflow", args, reselect=True)
     n_w = zen["weight_count"]
-    dev_per_weight = zen["device_step_s"] / n_w
-    per_step = sum(w["cpu_s"] for w in zen["weights"])
+    a, b = fit(zen["weights"])
+    a_e, b_e = fit(zen["weights"], "engine_s")
+    dev_all, dev_accel = (t / n_w for t in zen["device_step_s"])
+    dev_cols = resel["device_step_s"][0] / n_w
     pieces = sum(w["pieces"] for w in zen["weights"])
+    calls = zen["accel_calls_per_step"]
+    scale = lambda per_weight, per_piece: at_scale(  # noqa: E731
+        args.model, args.topk_ratio, per_weight, per_piece
+    )
     return {
         "shape": {
             "layers": args.layers,
@@ -173,13 +232,26 @@ def measure(args) -> dict:
         },  # fmt: skip
         "weights": n_w,
         "pieces_per_step": pieces,
-        "route_cpu_ms_per_step": per_step * 1e3,
+        "route_cpu_ms_per_step": sum(w["cpu_s"] for w in zen["weights"]) * 1e3,
         "per_piece_us": b * 1e6,
         "per_weight_route_us": a * 1e6,
-        "per_weight_device_step_us": dev_per_weight * 1e6,
-        "step_cpu_ms": {"zenflow": zen["step_cpu_s"] * 1e3, "device": device["step_cpu_s"] * 1e3},
-        "extra_cpu_ms_per_step": (zen["step_cpu_s"] - device["step_cpu_s"]) * 1e3,
-        "at_scale": at_scale(args.model, args.topk_ratio, a + dev_per_weight, b),
+        "per_weight_device_step_us": dev_all * 1e6,
+        "engine_per_piece_us": b_e * 1e6,
+        "engine_per_weight_route_us": a_e * 1e6,
+        "engine_per_weight_device_step_us": (dev_all - dev_accel) * 1e6,
+        "accel_calls_per_piece": {k: v / max(1, pieces) for k, v in calls.items()},
+        "per_column": {
+            "weights": resel["per_column_weights"],
+            "per_weight_device_step_us": dev_cols * 1e6,
+        },  # fmt: skip
+        "step_cpu_ms": {
+            "zenflow": zen["step_cpu_s"][0] * 1e3,
+            "device": device["step_cpu_s"][0] * 1e3,
+        },  # fmt: skip
+        "extra_cpu_ms_per_step": (zen["step_cpu_s"][0] - device["step_cpu_s"][0]) * 1e3,
+        "at_scale": scale(a + dev_all, b),
+        "at_scale_engine": scale(a_e + dev_all - dev_accel, b_e),
+        "at_scale_per_column": scale(a + dev_cols, b),
     }
 
 
@@ -207,12 +279,26 @@ def main(argv=None) -> int:
         f" us in its hook + {out['per_weight_device_step_us']:.0f} us in the device step"
     )
     print(
+        f"  of which the engine's own (less the accelerator's calls): per piece "
+        f"{out['engine_per_piece_us']:.0f} us, per weight {out['engine_per_weight_route_us']:.0f}"
+        f" + {out['engine_per_weight_device_step_us']:.0f} us"
+    )
+    calls = ", ".join(f"{k} {v:.2f}" for k, v in out["accel_calls_per_piece"].items() if v)
+    print(f"  accelerator calls per piece: {calls}")
+    pc = out["per_column"]
+    print(
+        f"after re-selections ({pc['weights']} of {out['weights']} weights with per-column "
+        f"counts): {pc['per_weight_device_step_us']:.0f} us per weight in the device step"
+    )
+    print(
         f"training thread per step: zenflow {out['step_cpu_ms']['zenflow']:.1f} ms, device "
         f"AdamW {out['step_cpu_ms']['device']:.1f} ms: {out['extra_cpu_ms_per_step']:.1f} ms more"
     )
     print(
         f"{s['model']} at topk {s['topk_ratio']}: {s['weights']} weights, {s['pieces']} pieces "
-        f"(buckets of {s['bucket_elements']:,} elements): {s['cpu_ms']:.0f} ms a step"
+        f"(buckets of {s['bucket_elements']:,} elements): {s['cpu_ms']:.0f} ms a step; the "
+        f"engine's own {out['at_scale_engine']['cpu_ms']:.0f} ms; after re-selections "
+        f"{out['at_scale_per_column']['cpu_ms']:.0f} ms"
     )
     return 0
 

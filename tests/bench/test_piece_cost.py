@@ -32,3 +32,16 @@ def test_the_bench_measures_a_sim_run(capsys):
     assert out["pieces_per_step"] > out["weights"] > 0  # several pieces per weight
     assert out["route_cpu_ms_per_step"] > 0 and out["step_cpu_ms"]["device"] > 0
     assert out["at_scale"]["model"] == "gpt2" and out["at_scale"]["cpu_ms"] > 0
+    # the accelerator's calls are counted apart: each piece is one device-to-host copy
+    assert out["accel_calls_per_piece"]["copy_d2h"] == pytest.approx(1.0)
+    assert out["at_scale_engine"]["cpu_ms"] > 0 and out["engine_per_weight_device_step_us"] > 0
+    # the re-selecting run's weights carry per-column counts when its device step is timed
+    assert out["per_column"]["weights"] > 0
+    assert out["per_column"]["per_weight_device_step_us"] > 0
+
+
+def test_the_engine_part_of_a_fit_leaves_out_the_accelerators_calls():
+    weights = [{"pieces": p, "cpu_s": 20e-6 + 70e-6 * p, "accel_s": 30e-6 * p}
+               for p in (1, 2, 4)]  # fmt: skip
+    a, b = pc.fit(weights, "engine_s")
+    assert a == pytest.approx(20e-6) and b == pytest.approx(40e-6)

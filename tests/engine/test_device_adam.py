@@ -13,13 +13,23 @@ from conftest import (
     MLP,
     assert_params_close,
     engine_kw,
+    gpt2_batches,
     make_config,
     mlp_batches,
+    tiny_gpt2,
     train_engine,
 )
 
 from zenflow import ZenFlowEngine
-from zenflow.engine.device_adam import AdamHyper, adamw_dense_, adamw_fused_, fused_available
+from zenflow.engine.device_adam import (
+    AdamHyper,
+    adamw_columns_,
+    adamw_columns_multi_,
+    adamw_dense_,
+    adamw_fused_,
+    column_factor_views,
+    fused_available,
+)
 from zenflow.errors import EngineError
 
 
@@ -54,6 +64,70 @@ def test_fused_matches_the_reference_element_wise(adamw_mode, transposed):
         torch.testing.assert_close(mf, m, rtol=1e-6, atol=1e-9)
         torch.testing.assert_close(vf, v, rtol=1e-6, atol=1e-12)
         assert not torch.equal(pf, p0)  # it did update
+
+
+@pytest.mark.parametrize("adamw_mode", [True, False], ids=["adamw", "adam-l2"])
+@pytest.mark.parametrize("room", [False, True], ids=["new-memory", "in-scratch"])
+@pytest.mark.parametrize("decay", [0.0, 0.05], ids=["no-decay", "decay"])
+@pytest.mark.parametrize("split", [False, True], ids=["one-call", "factors-once-two-calls"])
+def test_per_column_batch_equals_the_per_tensor_reference_element_wise(
+    adamw_mode, room, decay, split
+):
+    """Weights whose columns carry their own counts (after a hand-over), updated together
+    (the moments in foreach calls, the factors over all counts at once, the denominators in
+    the spent gradients' scratch or in new memory): every element of the parameters and
+    moments equals ``adamw_columns_`` run on each tensor alone, over four steps, with
+    columns along either dim."""
+    hp = AdamHyper(lr=3e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=decay,
+                   adamw_mode=adamw_mode)  # fmt: skip
+    layout = [((37, 19), 1), ((24, 8), 0), ((5, 128), 1)]
+    gen = torch.Generator().manual_seed(3)
+    states = [_state(shape, i) for i, (shape, _) in enumerate(layout)]
+    counts = [torch.randint(0, 40, (shape[cd],), generator=gen) for shape, cd in layout]
+    ref = [[p.clone(), torch.rand(p.shape, generator=gen) * 1e-2, torch.rand(p.shape) * 1e-4]
+           for p, _ in states]  # fmt: skip
+    multi = [[t.clone() for t in r] for r in ref]
+    cds = [cd for _, cd in layout]
+    for step in range(4):
+        grads = [gs[step] for _, gs in states]
+        for c in counts:
+            c.add_(1)
+        for (p, m, v), g, c, cd in zip(ref, grads, counts, cds, strict=True):
+            adamw_columns_(p, g.clone(), m, v, c, cd, hp)
+        spent = [g.clone() for g in grads]
+        ps, ms, vs = ([r[j] for r in multi] for j in range(3))
+        if not split:
+            adamw_columns_multi_(ps, spent, ms, vs, counts, cds, hp,
+                                 scratch=spent if room else None)  # fmt: skip
+            continue
+        # the engine's way: every tensor's factors at once, the update in two batches
+        negs, bc2s = column_factor_views(counts, cds, [p.dim() for p in ps], hp)
+        for b in (slice(0, 1), slice(1, 3)):
+            adamw_columns_multi_(ps[b], spent[b], ms[b], vs[b], counts[b], cds[b], hp,
+                                 spent[b] if room else None, (negs[b], bc2s[b]))  # fmt: skip
+    for (p, m, v), (pm, mm, vm), (p0, _) in zip(ref, multi, states, strict=True):
+        assert torch.equal(pm, p) and torch.equal(mm, m) and torch.equal(vm, v)
+        assert not torch.equal(pm, p0)  # it did update
+
+
+def test_per_column_batch_sees_each_columns_count():
+    """The batch's factors follow each column's own count, in each tensor of the batch:
+    a column at count 1 moves by lr (the bias-corrected first step), one at count 1000 by
+    what its bias correction at 1000 gives, whichever tensor it is in."""
+    hp = AdamHyper(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+    p = [torch.zeros(3, 2), torch.zeros(4, 2)]
+    zeros = [torch.zeros(3, 2), torch.zeros(4, 2)]
+    g = [torch.ones(3, 2), torch.ones(4, 2)]
+    counts = [torch.tensor([1, 1000]), torch.tensor([1000, 1])]
+    adamw_columns_multi_(p, g, [z.clone() for z in zeros], [z.clone() for z in zeros],
+                         counts, [1, 1], hp)  # fmt: skip
+    first, late = p[0][0, 0], p[0][0, 1]
+    torch.testing.assert_close(first, torch.tensor(-1e-2), rtol=1e-5, atol=0)
+    # moments from zero at count 1000: (1 - beta1) / sqrt((1 - beta2) / (1 - beta2^1000))
+    expect = -1e-2 * (0.1 / (1 - 0.9**1000)) / (0.001 / (1 - 0.999**1000)) ** 0.5
+    torch.testing.assert_close(late, torch.tensor(expect), rtol=1e-5, atol=0)
+    assert torch.equal(p[0][:, 0], first.expand(3)) and torch.equal(p[1][:, 1], first.expand(4))
+    assert torch.equal(p[0][:, 1], late.expand(3)) and torch.equal(p[1][:, 0], late.expand(4))
 
 
 def test_fused_is_torchs_fused_adamw_bit_for_bit():
@@ -99,6 +173,38 @@ def test_engine_fused_and_reference_agree(accelerator):
              zip(models["fused"].parameters(), base.parameters(), strict=True)]  # fmt: skip
     assert all(moved)
     assert_params_close(models["fused"], models["reference"], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bf16", [True, False], ids=["bf16", "fp32"])
+def test_engine_per_column_batches_equal_the_reference_weight_by_weight(bf16):
+    """After re-selections every weight's selected columns carry their own counts: the
+    fused device update takes them in batches (``adamw_columns_multi_``: factors once a
+    step, the denominators in the spent scratch, a bf16 model's masters cast in one foreach
+    copy) and the reference one weight at a time (``adamw_columns_``). On the strict
+    simulated device, with the reference update everywhere else, the two train the same
+    weights bit for bit, and so does a run that casts and writes each master alone."""
+    zf = {"topk_ratio": 0.1, "update_interval": 2, "overlap_step": True,
+          "select_strategy": "step", "select_interval": 2}  # fmt: skip
+    extra = {"bf16": {"enabled": True}} if bf16 else {}
+    out, mixed = {}, {}
+    # (batched per-column update, the masters cast in one foreach copy)
+    arms = [(True, True), (False, True), (False, False)]
+    for batched, one_cast in arms:
+        model = tiny_gpt2()
+        with ZenFlowEngine(model, make_config(zf, **extra), **engine_kw("sim")) as e:
+            ds = e.impl.device_step
+            assert not ds.batched_columns  # the reference's default
+            ds.batched_columns = batched
+            if not one_cast:  # each master cast and written alone (``_write_sel``)
+                write = ds._write_batch
+                ds._write_batch = lambda batch, xs, spent, write=write: write(batch, xs, False)
+            train_engine(e, model, gpt2_batches(9))
+            mixed[batched, one_cast] = sum(w.steps_dev.uniform is None for w in e.zweights)
+            out[batched, one_cast] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert len(set(mixed.values())) == 1 and mixed[True, True] > 0  # the per-column path ran
+    for arm in arms[1:]:
+        for name, t in out[arm].items():
+            assert torch.equal(out[True, True][name], t), (arm, name)
 
 
 def test_engine_default_is_fused_and_bad_choice_is_refused():

@@ -3,9 +3,11 @@ once per buffer, and the per-weight step bookkeeping runs as foreach calls.
 
 - A run whose copy buckets are small (many pieces per weight) trains the same weights, bit
   for bit, as one with the engine's default buckets (one piece per weight here), with the
-  step store, without it, and with micro-batches summed on the host. (With clipping and
-  the device's norms, not here: the non-selected share's squared norm is summed piece by
-  piece, so the boundaries round the clipping coefficient differently in its last bits.)
+  step store, without it, and with micro-batches summed on the host; with clipping too
+  where the step store holds the pieces (one rank: the step's norm is each whole
+  gradient's, taken in its hook). (Not with clipping and no store: each piece's norm is
+  taken for its own non-finite check, and the non-selected share's norm is the norm of
+  those, so the boundaries round the coefficient differently in its last bits.)
 - Each weight's piece views of its window sum and step store are made at its first routed
   step and reused after; the engine's release drops them (no view keeps a buffer alive).
 - ``ColumnSteps.increment_all`` is ``increment`` on each, in one foreach call.
@@ -51,8 +53,8 @@ def _run(bucket_elems, *, clip=1.0, store="on", gas=1, steps=9):
 
 
 @pytest.mark.parametrize("case", [
-    {"clip": 0.0}, {"clip": 0.0, "store": "off"}, {"gas": 2},
-], ids=["store", "no store", "host micro-batch sums"])  # fmt: skip
+    {"clip": 0.0}, {"clip": 1.0}, {"clip": 0.0, "store": "off"}, {"gas": 2},
+], ids=["store", "store clipped", "no store", "host micro-batch sums"])  # fmt: skip
 def test_the_piece_size_changes_no_value(case):
     small, many, n_weights = _run(64, **case)
     whole, few, _ = _run(None, **case)

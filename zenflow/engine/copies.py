@@ -151,6 +151,9 @@ def chunk_bucket_elems(total: int, largest: int, requested: int | None = None) -
                       max(1, largest)))  # fmt: skip
 
 
+BUCKET_VIEWS = 256  # views of the device buckets kept for reuse (a few per weight shape)
+
+
 class DeviceBuckets:
     """``count`` device buffers of ``elems`` elements (training dtype) and each one's last
     event, used round robin."""
@@ -161,6 +164,9 @@ class DeviceBuckets:
         self._flat = [accel.empty((elems,), dtype, "staging") for _ in range(count)]
         self._busy = [DONE] * count
         self._next = 0
+        # (index, shape, dtype) -> the bucket's view: a weight's pieces share a few shapes,
+        # so a step slices nothing (bounded: cleared when a model has very many shapes)
+        self._views: dict[tuple, torch.Tensor] = {}
 
     def take(self, shape, dtype: torch.dtype | None = None) -> tuple[int, torch.Tensor]:
         """The next bucket viewed as ``shape``, after its previous use completed (device
@@ -169,13 +175,19 @@ class DeviceBuckets:
         i = self._next
         self._next = (i + 1) % len(self._flat)
         self.accel.compute_wait(self._busy[i])
-        n = 1
-        for s in shape:
-            n *= s
-        flat = self._flat[i]
-        if dtype is not None and dtype != flat.dtype:
-            flat = flat.view(dtype)
-        return i, flat[:n].view(shape)
+        key = (i, tuple(shape), dtype)
+        view = self._views.get(key)
+        if view is None:
+            n = 1
+            for s in shape:
+                n *= s
+            flat = self._flat[i]
+            if dtype is not None and dtype != flat.dtype:
+                flat = flat.view(dtype)
+            if len(self._views) >= BUCKET_VIEWS:
+                self._views.clear()
+            view = self._views[key] = flat[:n].view(shape)
+        return i, view
 
     def mark(self, i: int, event) -> None:
         self._busy[i] = event

@@ -112,6 +112,65 @@ def adamw_fused_(
     )  # fmt: skip
 
 
+def adamw_columns_multi_(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    steps: list[torch.Tensor],
+    column_dims: list[int],
+    hp: AdamHyper,
+    scratch: list[torch.Tensor] | None = None,
+    factors: tuple[list, list] | None = None,
+) -> None:
+    """``adamw_columns_`` on every tensor of the lists at once, with the same arithmetic op
+    for op (element-wise equal): the moments in foreach calls, the per-column factors of
+    all the tensors in one computation over their counts laid end to end, then one
+    launch per tensor (``exp_avg / denom``, written over the denominator) where the
+    reference makes about twenty. ``scratch``: fp32 tensors shaped like ``params`` that
+    are free once the moments are updated (the widened gradients themselves may be); the
+    denominators are made there instead of in new memory. ``factors``: the tensors'
+    ``column_factor_views`` where the caller made them (for more tensors than one call
+    updates, at once)."""
+    if hp.weight_decay != 0.0:
+        if hp.adamw_mode:
+            torch._foreach_mul_(params, 1 - hp.lr * hp.weight_decay)
+        else:
+            grads = torch._foreach_add(grads, params, alpha=hp.weight_decay)
+    torch._foreach_lerp_(exp_avgs, grads, 1 - hp.beta1)
+    torch._foreach_mul_(exp_avg_sqs, hp.beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - hp.beta2)
+    negs, bc2s = factors or column_factor_views(steps, column_dims, [p.dim() for p in params], hp)
+    if scratch is None:
+        denoms = torch._foreach_sqrt(exp_avg_sqs)
+    else:
+        denoms = scratch
+        torch._foreach_copy_(denoms, exp_avg_sqs)
+        torch._foreach_sqrt_(denoms)
+    torch._foreach_div_(denoms, bc2s)
+    torch._foreach_add_(denoms, hp.eps)
+    for m, d in zip(exp_avgs, denoms, strict=True):
+        torch.div(m, d, out=d)
+    torch._foreach_mul_(denoms, negs)
+    torch._foreach_add_(params, denoms)
+
+
+def column_factor_views(steps: list[torch.Tensor], column_dims: list[int], ndims: list[int],
+                        hp: AdamHyper) -> tuple[list, list]:  # fmt: skip
+    """``column_factors`` of several tensors' counts in one computation (their counts laid
+    end to end): per tensor, views shaped to broadcast along its column dim."""
+    neg_flat, bc2_flat = column_factors(torch.cat(steps), hp, 0, 1)
+    sizes = [s.numel() for s in steps]
+    shapes = []
+    for nd, cd in zip(ndims, column_dims, strict=True):
+        shape = [1] * nd
+        shape[cd] = -1
+        shapes.append(shape)
+    negs = [f.view(sh) for f, sh in zip(neg_flat.split(sizes), shapes, strict=True)]
+    bc2s = [f.view(sh) for f, sh in zip(bc2_flat.split(sizes), shapes, strict=True)]
+    return negs, bc2s
+
+
 def column_factors(steps: torch.Tensor, hp: AdamHyper, column_dim: int, ndim: int):
     """Per-column ``(-lr / (1 - beta1^t), sqrt(1 - beta2^t))`` as fp32, shaped to broadcast
     along ``column_dim`` of an ``ndim``-D tensor. Computed in float64 like the scalar path."""

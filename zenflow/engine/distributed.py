@@ -84,8 +84,11 @@ def norms_of(tensors) -> list[torch.Tensor]:
     return [grad_norm(t) for t in tensors]
 
 
-def grad_norm(t: torch.Tensor) -> torch.Tensor:
-    """The L2 norm of one gradient (or piece), accumulated in fp32: a 0-d fp32 tensor."""
+def grad_norm(t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The L2 norm of one gradient (or piece), accumulated in fp32: a 0-d fp32 tensor
+    (written into ``out``, a 0-d fp32 tensor, where given)."""
+    if out is not None:
+        return torch.linalg.vector_norm(t, 2.0, dtype=torch.float32, out=out)
     return torch.linalg.vector_norm(t, 2.0, dtype=torch.float32)
 
 

@@ -33,6 +33,7 @@ from collections import deque
 
 import torch
 
+from zenflow.engine.accelerator import DONE
 from zenflow.engine.accumulator import Accumulator
 from zenflow.engine.copies import RING_SLOTS, DeviceBuckets, HostStaging, StagingRing
 from zenflow.engine.distributed import grad_norm
@@ -128,7 +129,8 @@ class Transport:
             return self.buckets, bucket_i, bucket
         j, cast = self.link_buckets.take(bucket.shape)
         cast.copy_(bucket)
-        self.buckets.mark(bucket_i, self.accel.record_compute())
+        # read on the compute stream, where its next gather is queued too: no event
+        self.buckets.mark(bucket_i, DONE)
         return self.link_buckets, j, cast
 
     def send_piece(self, bucket_i: int, bucket: torch.Tensor, dst, gate, overwrite: bool,

@@ -72,15 +72,14 @@ class GradRoute:
         """Selected columns into the device buffer, the rest in pieces to the host."""
         tr, plan, dp = self.m.transport, self.m.plan, self.e.dp
         host_gas, store_free = self.m.host_gas, self.m.store_free
-        if n == 0:
-            torch.index_select(g, w.cd, w.sel_dev, out=w.grad_sel)
-        else:
-            w.grad_sel.add_(g.index_select(w.cd, w.sel_dev))
-        if dp.enabled and last:
-            work = dp.allreduce_async(w.grad_sel)
-            tr.after_reduce(work, None, lambda w=w: w.grad_sel.mul_(1.0 / dp.world))
-            w.sel_reduced = True
+        self._gather_selected(w, g, n, last)
         stats_on_device = not host_gas
+        # one rank, pieces held for the coefficient: the step's norm is the whole
+        # gradient's, one launch for the weight (per-piece norms: after data parallelism's
+        # average, or for the store-free path's per-piece non-finite check)
+        whole_norm = stats_on_device and not dp.enabled and not store_free
+        if whole_norm and w.norm_whole is None:
+            w.norm_whole = grad_norm(g)
         # column scores: for a re-selection, and for the auto interval's masses (summed
         # per column first, as the whole gradient's scores would be)
         scoring = plan.score or self.m.update_interval is None
@@ -88,17 +87,18 @@ class GradRoute:
         if w.owned and not host_gas and not store_free:  # the previous step's adds done
             tr.store_free(w.position)  # with w's step store
         dsts, stores = self._places(w)
-        for pc, dst, store in zip(w.pieces, dsts, stores, strict=True):
+        for pc, dst, store, norm in zip(w.pieces, dsts, stores, w.norm_slots, strict=True):
             i, bucket = tr.take_bucket(pc.shape)
             src, dim, idx = pc.select(g, w.nonsel_dev)
             torch.index_select(src, dim, idx, out=bucket)
 
-            def onward(w=w, pc=pc, i=i, bucket=bucket, dst=dst, store=store):
+            def onward(w=w, pc=pc, i=i, bucket=bucket, dst=dst, store=store, norm=norm):
                 if dp.enabled and w.owned:
                     bucket.mul_(1.0 / dp.world)
                 if stats_on_device and w.owned:
-                    sq = grad_norm(bucket).square()
-                    w.sq_ns = sq if w.sq_ns is None else w.sq_ns + sq
+                    if not whole_norm:  # its place in the weight's piece norms
+                        grad_norm(bucket, out=norm)
+                        w.norms_routed = True
                     if scoring:
                         self._score_piece(w, pc, bucket)
                 if not w.owned:
@@ -112,7 +112,7 @@ class GradRoute:
                     tr.send_piece(i, bucket, dst, None, n == 0, stat)
                 elif store_free:  # added as it arrives: no clipping coefficient to wait for;
                     # a piece that is not finite is zeroed (its step is skipped on the device)
-                    bucket.masked_fill_(~torch.isfinite(sq), 0)
+                    bucket.masked_fill_(~torch.isfinite(norm.square()), 0)
                     tr.send_piece(i, bucket, dst, None, overwrite_acc,
                                   wait=w.free if overwrite_acc else None)  # fmt: skip
                 else:
@@ -128,6 +128,20 @@ class GradRoute:
             self.first_touch.append(w)
         if last and plan.apply is not None:
             self.image_return.apply_in_backward(w, plan.apply)
+
+    def _gather_selected(self, w: ZfWeight, g: torch.Tensor, n: int, last: bool) -> None:
+        """The selected columns of ``g`` into (micro-batch ``n`` > 0: added to) the device
+        buffer; data parallel, at the last: their average started."""
+        if n == 0:
+            torch.index_select(g, w.cd, w.sel_dev, out=w.grad_sel)
+        else:
+            w.grad_sel.add_(g.index_select(w.cd, w.sel_dev))
+        dp = self.e.dp
+        if dp.enabled and last:
+            work = dp.allreduce_async(w.grad_sel)
+            self.m.transport.after_reduce(work, None,
+                                          lambda w=w: w.grad_sel.mul_(1.0 / dp.world))  # fmt: skip
+            w.sel_reduced = True
 
     def _places(self, w: ZfWeight) -> tuple[list, list]:
         """Each piece's place in the buffer it is added into (the window sum of the plan's
@@ -249,16 +263,18 @@ class GradRoute:
         lead = not dp.enabled or dp.rank == 0
         terms = []
         for w in self.m.zweights:
-            if self.m.plan.whole or self.m.plan.first:  # per whole gradient (the first
-                if w.norm_whole is not None:  # selection in the hooks too)
-                    terms.append(w.norm_whole)
-                elif self.whole_sq.get(w.spec.name):
+            if w.norm_whole is not None:  # per whole gradient (whole-gradient steps, the
+                terms.append(w.norm_whole)  # first selection in the hooks, one rank's pieces)
+                continue
+            if self.m.plan.whole or self.m.plan.first:
+                if self.whole_sq.get(w.spec.name):
                     terms.append(torch.stack(self.whole_sq[w.spec.name]).sum().sqrt())
                 continue
             if lead:
                 terms.append(grad_norm(w.grad_sel))
-            if w.sq_ns is not None:
-                terms.append(w.sq_ns.sqrt())
+            ns = w.ns_norm()
+            if ns is not None:
+                terms.append(ns)
         return terms
 
     def host_sq(self) -> float:
@@ -298,7 +314,8 @@ class GradRoute:
             elif w.scores_ns is not None:
                 out.append(w.scores_ns.sum())
             else:
-                out.append(w.sq_ns if w.sq_ns is not None else zero)
+                ns = w.ns_norm()
+                out.append(ns.square() if ns is not None else zero)
         return out
 
     def auto_host_masses(self) -> list[float]:

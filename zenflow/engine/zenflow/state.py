@@ -100,6 +100,7 @@ class ZfWeight:
         if not mode.zero_copy:
             self.pieces = plan_pieces(tuple(p.shape), self.cd, self.n_nonsel, mode.bucket_elems)
         self.chunks = plan_chunks(p.numel(), mode.bucket_elems)
+        self._piece_norms(mode.e.accel if owned else None)
         # the host state: "none" (the masters taken at set-up, or the device weight), "full"
         # (warm-up's full-shape state) or "compact" (after the first selection)
         self.host: HostState | None = None
@@ -130,6 +131,16 @@ class ZfWeight:
             self.acc = [mode.e.accel.zeros(p.shape, torch.float32, "optimizer")
                         for _ in range(mode.slots)]  # fmt: skip
 
+    def _piece_norms(self, accel) -> None:
+        """Each piece's L2 norm this step (fp32, on the device; the owner's, ``accel`` not
+        None): where pieces take their own norms, one launch each, and their norm once per
+        weight at the step's end (``ns_norm``); a 0-d view per piece, made once."""
+        self.piece_norms: torch.Tensor | None = None
+        self.norm_slots: list = [None] * len(self.pieces)
+        if accel is not None and self.pieces:
+            self.piece_norms = accel.zeros((len(self.pieces),), torch.float32, "grads")
+            self.norm_slots = list(self.piece_norms.unbind())
+
     def _device_buffers(self, mode) -> None:
         """The selected columns' optimizer state and gradient buffer on the device."""
         accel = mode.e.accel
@@ -148,9 +159,9 @@ class ZfWeight:
 
     def _step_fields(self) -> None:
         """Per step: device scalars of this weight's streamed gradient and its flags."""
-        self.sq_ns: torch.Tensor | None = None  # squared norm of the non-selected part
+        self.norms_routed = False  # the pieces' norms were written this step
         self.scores_ns: torch.Tensor | None = None  # column scores of the non-selected part
-        self.norm_whole: torch.Tensor | None = None  # whole-gradient step: its norm
+        self.norm_whole: torch.Tensor | None = None  # the whole gradient's norm, if taken
         self.contrib = 0  # gradients routed this step
         self.stat_done = False  # host gas: the step sum's squares were totalled in-line
         self.sel_reduced = False  # data parallel: the selected gradient's all-reduce started
@@ -162,7 +173,7 @@ class ZfWeight:
         self.contrib = 0
         self.stat_done = False
         self.sel_reduced = False
-        self.sq_ns = None
+        self.norms_routed = False
         self.scores_ns = None
         self.scores_sel = None
         self.scores_first = None
@@ -185,6 +196,13 @@ class ZfWeight:
             # the step's gate (accumulator.land)
             self.store = accel.host_empty((n,), mode.link_dtype, mode.e.pin_link,
                                           "step_pieces")  # fmt: skip
+
+    def ns_norm(self) -> torch.Tensor | None:
+        """The L2 norm of this step's non-selected gradient (an fp32 device scalar, the norm
+        of its pieces' norms), or None where no piece was routed."""
+        if not self.norms_routed:
+            return None
+        return torch.linalg.vector_norm(self.piece_norms, 2.0)
 
     def views(self, buf: torch.Tensor) -> list[torch.Tensor]:
         """Each piece's view of ``buf``, a flat buffer of this weight in the compact layout
