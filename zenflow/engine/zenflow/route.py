@@ -4,9 +4,10 @@ figures taken from it on the way.
 Owns the pieces' path (selected columns gathered into the device buffer, the rest gathered
 into device buckets and sent to the host window sum, or the step sum with micro-batches
 summed on the host), the whole-gradient path of warm-up and the first selection (its
-landing buffers on the host), the per-piece norms and column scores, and the step's norm
-terms and auto-interval masses. Must not touch the host state, the window's host job or
-the selection: it fills sums and device scalars that those rooms read.
+landing buffers on the host), the whole gradients' or the pieces' norms and the column
+scores, and the step's norm terms and auto-interval masses. Must not touch the host state,
+the window's host job or the selection: it fills sums and device scalars that those rooms
+read.
 
 One step t (after warm-up): as backward produces W's gradient (``zenflow.engine.streaming``)
 its selected columns are gathered into the device buffer and its non-selected columns go to
@@ -14,9 +15,11 @@ the host in pieces (``zenflow.engine.copies``: gathered into a device bucket, co
 copy engine, added into the fp32 window sum by the accumulator thread, scaled there by the
 step's clipping coefficient once it is known; with ``zfctl.step_store`` "off", no
 clipping, added as it arrives); the gradient is then freed. The step's
-norm, non-finite check and auto-interval masses come from the pieces as they pass (device
-scalars, read once per step with the loss). On a CPU device without streaming the gradient
-is instead summed where autograd wrote it, with no copy at all (ZENFLOW.md section 7).
+norm and non-finite check come from the whole gradient's norm, taken in the hook (from the
+pieces' norms with data parallelism or without the step store), its auto-interval masses
+from the pieces as they pass (device scalars, read once per step with the loss). On a CPU
+device without streaming the gradient is instead summed where autograd wrote it, with no
+copy at all (ZENFLOW.md section 7).
 """
 
 from __future__ import annotations
