@@ -165,10 +165,10 @@ def run(mode: str, args, reselect: bool = False) -> dict:
                                         for k in ACCEL_CALLS}}  # fmt: skip
         if mode == "zenflow":
             pieces = {w.spec.name: len(w.pieces) for w in eng.impl.zweights}
-            out["weights"] = [
-                {"pieces": pieces[k], "cpu_s": median_pair(v)[0], "accel_s": median_pair(v)[1]}
-                for k, v in route.calls.items()
-            ]  # fmt: skip
+            out["weights"] = []
+            for k, v in route.calls.items():
+                cpu, accel_s = median_pair(v)
+                out["weights"].append({"pieces": pieces[k], "cpu_s": cpu, "accel_s": accel_s})
             out["device_step_s"] = median_pair(dev.calls[None])
             out["weight_count"] = len(pieces)
             out["per_column_weights"] = sum(

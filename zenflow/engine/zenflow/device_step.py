@@ -36,10 +36,11 @@ class DeviceStep:
         # per-column counts in batches (adamw_columns_multi_), or weight by weight with the
         # reference device update (adamw_columns_); settable alone, for a test to compare
         self.batched_columns = mode.e.fused_device_adam
+        shares = [w.rows * w.k for w in mode.zweights]
+        # most selected elements one batch widens or makes denominators for
+        self._cap = max(max(shares), sum(shares) // 64) if shares else 0
         if not mode.zero_copy and mode.e.dtype != torch.float32 and mode.zweights:
-            shares = [w.rows * w.k for w in mode.zweights]
-            self._scratch = mode.e.accel.empty((max(max(shares), sum(shares) // 64),),
-                                               torch.float32, "grads")  # fmt: skip
+            self._scratch = mode.e.accel.empty((self._cap,), torch.float32, "grads")
 
     def update(self, hp, coef_t) -> None:
         """AdamW of every weight's selected columns on the device: fused calls over batches
@@ -81,12 +82,9 @@ class DeviceStep:
         """Most selected elements one batch updates: the scratch's (bf16); with per-column
         counts (``step`` None) the same share, its denominators made in new memory; else
         no cap (the fused kernel makes no temporaries)."""
-        if self._scratch is not None:
-            return self._scratch.numel()
-        if step is not None:
-            return None
-        shares = [w.rows * w.k for w in self.m.zweights]
-        return max(max(shares), sum(shares) // 64)
+        if self._scratch is not None or step is None:
+            return self._cap
+        return None
 
     def _sel_param(self, w: ZfWeight) -> torch.Tensor:
         """The fp32 values the selected columns' AdamW updates (compact)."""

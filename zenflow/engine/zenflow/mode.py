@@ -103,6 +103,10 @@ class ZenFlowMode:
         # it arrives, through the ring, with no step store to wait in
         self.store_free = engine.step_store == "off" and not self.host_gas \
             and not self.zero_copy  # fmt: skip
+        # One rank, pieces held for the coefficient (the step store): the step's norm is each
+        # whole gradient's, taken in its hook; else each piece takes its own (the averaged
+        # pieces' with data parallelism, the store-free path's per-piece non-finite check)
+        self.whole_norms = not (self.host_gas or self.store_free or engine.dp.enabled)
         # The first selection in each weight's gradient hook (no whole gradient on the host):
         # streamed, no micro-batches summed on the host, no warm-up, one rank (several: the
         # averaged gradient's scores need the averaged gradient, which lands on its owner)

@@ -77,10 +77,7 @@ class GradRoute:
         host_gas, store_free = self.m.host_gas, self.m.store_free
         self._gather_selected(w, g, n, last)
         stats_on_device = not host_gas
-        # one rank, pieces held for the coefficient: the step's norm is the whole
-        # gradient's, one launch for the weight (per-piece norms: after data parallelism's
-        # average, or for the store-free path's per-piece non-finite check)
-        whole_norm = stats_on_device and not dp.enabled and not store_free
+        whole_norm = self.m.whole_norms  # one launch for the weight, not one a piece
         if whole_norm and w.norm_whole is None:
             w.norm_whole = grad_norm(g)
         # column scores: for a re-selection, and for the auto interval's masses (summed

@@ -100,7 +100,7 @@ class ZfWeight:
         if not mode.zero_copy:
             self.pieces = plan_pieces(tuple(p.shape), self.cd, self.n_nonsel, mode.bucket_elems)
         self.chunks = plan_chunks(p.numel(), mode.bucket_elems)
-        self._piece_norms(mode.e.accel if owned else None)
+        self._piece_norms(mode.e.accel if owned and not mode.whole_norms else None)
         # the host state: "none" (the masters taken at set-up, or the device weight), "full"
         # (warm-up's full-shape state) or "compact" (after the first selection)
         self.host: HostState | None = None
@@ -132,9 +132,10 @@ class ZfWeight:
                         for _ in range(mode.slots)]  # fmt: skip
 
     def _piece_norms(self, accel) -> None:
-        """Each piece's L2 norm this step (fp32, on the device; the owner's, ``accel`` not
-        None): where pieces take their own norms, one launch each, and their norm once per
-        weight at the step's end (``ns_norm``); a 0-d view per piece, made once."""
+        """Each piece's L2 norm this step (fp32, on the device; ``accel`` not None: the
+        owner's, where pieces take their own norms, ``ZenFlowMode.whole_norms`` false): one
+        launch each, and their norm once per weight at the step's end (``ns_norm``); a 0-d
+        view per piece, made once."""
         self.piece_norms: torch.Tensor | None = None
         self.norm_slots: list = [None] * len(self.pieces)
         if accel is not None and self.pieces:
