@@ -20,6 +20,10 @@ is negligible and what is measured is that per-call cost, on this machine's CPU:
 - the device step again after re-selections, when the selected columns carry their own
   step counts (the per-column update, batched by the device step's scratch).
 
+Each figure twice: for a steady step (medians over the steps), and as the mean step over
+whole windows (``window``), where a window-end step's extra work (the previous host step's
+result returned piece by piece in the hooks) is spread over the S steps it serves.
+
 Then ``--model``'s step (default llama-7b, topk 0.1) at those rates: its weights and the
 pieces the engine's bucket rule gives it (``zenflow.hardware.predict.pieces``).
 
@@ -63,7 +67,7 @@ def config(zenflow: bool, select_interval: int = 1000):
     }  # fmt: skip
     if zenflow:
         raw["zero_optimization"]["zenflow"] = {
-            "topk_ratio": 0.1, "update_interval": 4, "select_strategy": "step",
+            "topk_ratio": 0.1, "update_interval": UPDATE_INTERVAL, "select_strategy": "step",
             "select_interval": select_interval, "overlap_step": True,
         }  # fmt: skip
     return load_config(raw)
@@ -73,6 +77,7 @@ def config(zenflow: bool, select_interval: int = 1000):
 # event, a stream switch, cudaMemcpyAsync, a stream wait), on sim the simulator's Python
 # (its copy engine's queue, its threading events). Their CPU is counted apart.
 ACCEL_CALLS = ("copy_d2h", "copy_h2d", "compute_wait", "record_compute")
+UPDATE_INTERVAL = 4  # the config's S: the means cover whole windows
 
 
 class AccelMeter:
@@ -120,8 +125,15 @@ class Timed:
 
 
 def median_pair(pairs: list[tuple[float, float]]) -> tuple[float, float]:
-    """The median of each part of (all, accelerator) pairs."""
+    """The median of each part of (all, accelerator) pairs: a steady step's."""
     return statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
+
+
+def mean_pair(pairs: list[tuple[float, float]]) -> tuple[float, float]:
+    """The mean of each part of (all, accelerator) pairs: over whole windows, so a
+    window-end step's extra work (its image return in the hooks) is spread over the S
+    steps it serves, as the run pays it."""
+    return statistics.fmean(p[0] for p in pairs), statistics.fmean(p[1] for p in pairs)
 
 
 def run(mode: str, args, reselect: bool = False) -> dict:
@@ -160,16 +172,18 @@ def run(mode: str, args, reselect: bool = False) -> dict:
                 t.on = True
         calls0 = dict(meter.calls)
         steps = [step(i) for i in range(args.steps)]
-        out = {"step_cpu_s": median_pair(steps),
+        out = {"step_cpu_s": median_pair(steps), "step_cpu_mean_s": mean_pair(steps),
                "accel_calls_per_step": {k: (meter.calls[k] - calls0[k]) / args.steps
                                         for k in ACCEL_CALLS}}  # fmt: skip
         if mode == "zenflow":
             pieces = {w.spec.name: len(w.pieces) for w in eng.impl.zweights}
             out["weights"] = []
             for k, v in route.calls.items():
-                cpu, accel_s = median_pair(v)
-                out["weights"].append({"pieces": pieces[k], "cpu_s": cpu, "accel_s": accel_s})
+                (cpu, accel_s), (cpu_m, accel_m) = median_pair(v), mean_pair(v)
+                out["weights"].append({"pieces": pieces[k], "cpu_s": cpu, "accel_s": accel_s,
+                                       "mean": {"cpu_s": cpu_m, "accel_s": accel_m}})  # fmt: skip
             out["device_step_s"] = median_pair(dev.calls[None])
+            out["device_step_mean_s"] = mean_pair(dev.calls[None])
             out["weight_count"] = len(pieces)
             out["per_column_weights"] = sum(
                 w.steps_dev.uniform is None for w in eng.impl.zweights
@@ -205,17 +219,32 @@ def at_scale(model: str, topk: float, per_weight: float, per_piece: float) -> di
             "cpu_ms": (per_weight * n_weights + per_piece * n_pieces) * 1e3}  # fmt: skip
 
 
+def rates(zen: dict, stat: str) -> dict:
+    """ZenFlow's per-piece and per-weight CPU (all of it, and the engine's part) from the
+    steady steps' medians (``stat`` "median") or the means over whole windows ("mean")."""
+    n_w = zen["weight_count"]
+    ws = zen["weights"] if stat == "median" else [{"pieces": w["pieces"], **w["mean"]}
+                                                  for w in zen["weights"]]  # fmt: skip
+    dev = zen["device_step_s"] if stat == "median" else zen["device_step_mean_s"]
+    a, b = fit(ws)
+    a_e, b_e = fit(ws, "engine_s")
+    dev_all, dev_accel = (t / n_w for t in dev)
+    return {"per_piece": b, "per_weight_route": a, "per_weight_device_step": dev_all,
+            "engine_per_piece": b_e, "engine_per_weight_route": a_e,
+            "engine_per_weight_device_step": dev_all - dev_accel}  # fmt: skip
+
+
 def measure(args) -> dict:
     """The three runs (device AdamW; ZenFlow steady; ZenFlow after re-selections) and the
     figures: per piece and per weight, all of the thread's CPU and the engine's part (less
-    the accelerator's calls), and ``--model``'s step at each."""
+    the accelerator's calls), and ``--model``'s step at each; for a steady step (medians)
+    and for the mean step over whole windows (``window``: the window end's return
+    included)."""
     device = run("device", args)
     zen = run("zenflow", args)
     resel = run("zenflow", args, reselect=True)
     n_w = zen["weight_count"]
-    a, b = fit(zen["weights"])
-    a_e, b_e = fit(zen["weights"], "engine_s")
-    dev_all, dev_accel = (t / n_w for t in zen["device_step_s"])
+    r, rm = rates(zen, "median"), rates(zen, "mean")
     dev_cols = resel["device_step_s"][0] / n_w
     pieces = sum(w["pieces"] for w in zen["weights"])
     calls = zen["accel_calls_per_step"]
@@ -233,12 +262,7 @@ def measure(args) -> dict:
         "weights": n_w,
         "pieces_per_step": pieces,
         "route_cpu_ms_per_step": sum(w["cpu_s"] for w in zen["weights"]) * 1e3,
-        "per_piece_us": b * 1e6,
-        "per_weight_route_us": a * 1e6,
-        "per_weight_device_step_us": dev_all * 1e6,
-        "engine_per_piece_us": b_e * 1e6,
-        "engine_per_weight_route_us": a_e * 1e6,
-        "engine_per_weight_device_step_us": (dev_all - dev_accel) * 1e6,
+        **{f"{k}_us": v * 1e6 for k, v in r.items()},
         "accel_calls_per_piece": {k: v / max(1, pieces) for k, v in calls.items()},
         "per_column": {
             "weights": resel["per_column_weights"],
@@ -249,9 +273,26 @@ def measure(args) -> dict:
             "device": device["step_cpu_s"][0] * 1e3,
         },  # fmt: skip
         "extra_cpu_ms_per_step": (zen["step_cpu_s"][0] - device["step_cpu_s"][0]) * 1e3,
-        "at_scale": scale(a + dev_all, b),
-        "at_scale_engine": scale(a_e + dev_all - dev_accel, b_e),
-        "at_scale_per_column": scale(a + dev_cols, b),
+        "at_scale": scale(r["per_weight_route"] + r["per_weight_device_step"], r["per_piece"]),
+        "at_scale_engine": scale(
+            r["engine_per_weight_route"] + r["engine_per_weight_device_step"],
+            r["engine_per_piece"],
+        ),
+        "at_scale_per_column": scale(r["per_weight_route"] + dev_cols, r["per_piece"]),
+        "window": {
+            **{f"{k}_us": v * 1e6 for k, v in rm.items()},
+            "step_cpu_ms": {
+                "zenflow": zen["step_cpu_mean_s"][0] * 1e3,
+                "device": device["step_cpu_mean_s"][0] * 1e3,
+            },  # fmt: skip
+            "at_scale": scale(
+                rm["per_weight_route"] + rm["per_weight_device_step"], rm["per_piece"]
+            ),  # fmt: skip
+            "at_scale_engine": scale(
+                rm["engine_per_weight_route"] + rm["engine_per_weight_device_step"],
+                rm["engine_per_piece"],
+            ),
+        },
     }
 
 
@@ -263,11 +304,14 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=8)
     ap.add_argument("--piece-elems", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=12, help="a multiple of 4 (whole windows)")
     ap.add_argument("--model", default="llama-7b")
     ap.add_argument("--topk-ratio", type=float, default=0.1)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    if args.steps % UPDATE_INTERVAL:
+        ap.error(f"--steps {args.steps}: give a multiple of the update interval, "
+                 f"{UPDATE_INTERVAL}, so that the means cover whole windows")  # fmt: skip
     out = measure(args)
     if args.json:
         print(json.dumps(out, indent=2))
@@ -296,9 +340,19 @@ def main(argv=None) -> int:
     )
     print(
         f"{s['model']} at topk {s['topk_ratio']}: {s['weights']} weights, {s['pieces']} pieces "
-        f"(buckets of {s['bucket_elements']:,} elements): {s['cpu_ms']:.0f} ms a step; the "
-        f"engine's own {out['at_scale_engine']['cpu_ms']:.0f} ms; after re-selections "
+        f"(buckets of {s['bucket_elements']:,} elements): {s['cpu_ms']:.0f} ms a steady step; "
+        f"the engine's own {out['at_scale_engine']['cpu_ms']:.0f} ms; after re-selections "
         f"{out['at_scale_per_column']['cpu_ms']:.0f} ms"
+    )
+    win = out["window"]
+    print(
+        f"mean over whole windows (the window end's return in the hooks included): per piece "
+        f"{win['per_piece_us']:.0f} us, per weight {win['per_weight_route_us']:.0f} + "
+        f"{win['per_weight_device_step_us']:.0f} us; training thread "
+        f"{win['step_cpu_ms']['zenflow']:.1f} ms a step (device AdamW "
+        f"{win['step_cpu_ms']['device']:.1f}); {s['model']}: "
+        f"{win['at_scale']['cpu_ms']:.0f} ms a step, the engine's own "
+        f"{win['at_scale_engine']['cpu_ms']:.0f} ms"
     )
     return 0
 

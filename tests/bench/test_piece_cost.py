@@ -25,7 +25,7 @@ def test_at_scale_counts_the_models_weights_and_pieces():
 
 
 def test_the_bench_measures_a_sim_run(capsys):
-    argv = ["--layers", "2", "--width", "64", "--warmup", "6", "--steps", "3",
+    argv = ["--layers", "2", "--width", "64", "--warmup", "6", "--steps", "4",
             "--piece-elems", "512", "--model", "gpt2", "--json"]  # fmt: skip
     assert pc.main(argv) == 0
     out = json.loads(capsys.readouterr().out)

@@ -207,6 +207,39 @@ def test_engine_per_column_batches_equal_the_reference_weight_by_weight(bf16):
             assert torch.equal(out[True, True][name], t), (arm, name)
 
 
+def test_an_fp32_models_per_column_denominators_are_made_in_an_accounted_scratch(monkeypatch):
+    """An fp32 model has no widening scratch; its per-column update after a re-selection
+    makes the denominators in one fp32 scratch of the same size, made at the first such
+    update and accounted on the device (what the estimate counts), not in new memory a
+    batch."""
+    import zenflow.engine.zenflow.device_step as device_step
+
+    rooms = []
+    real = device_step.adamw_columns_multi_
+
+    def spy(*args):
+        rooms.append(args[7])
+        return real(*args)
+
+    monkeypatch.setattr(device_step, "adamw_columns_multi_", spy)
+    zf = {"topk_ratio": 0.1, "update_interval": 2, "overlap_step": True,
+          "select_strategy": "step", "select_interval": 2}  # fmt: skip
+    model = tiny_gpt2()
+    with ZenFlowEngine(model, make_config(zf), **engine_kw("sim", "fused")) as e:
+        ds = e.impl.device_step
+        assert ds._scratch is None  # fp32: nothing widened, no re-selection yet
+        grads_before = e.accel.held().get("grads", 0)
+        train_engine(e, model, gpt2_batches(9))
+        assert rooms and all(r is not None for r in rooms)  # the per-column path ran
+        assert ds._scratch is not None and ds._scratch.numel() == ds._cap
+        base = ds._scratch.untyped_storage().data_ptr()
+        end = base + ds._scratch.numel() * 4
+        for room in rooms:  # every denominator lies in the scratch
+            for d in room:
+                assert base <= d.data_ptr() < end
+        assert e.accel.held().get("grads", 0) >= grads_before + ds._cap * 4
+
+
 def test_engine_default_is_fused_and_bad_choice_is_refused():
     model = MLP()
     with ZenFlowEngine(model, make_config({"topk_ratio": 0.1}), accelerator="cpu") as e:

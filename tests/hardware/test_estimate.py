@@ -131,8 +131,10 @@ def test_census_uses_the_conv1d_column_axis():
                 "device": (P * 16, 0),  # 4P + 4P + 8P, no separate master
                 # no image: the master is copied
                 "offload": (P * 4 + L * 4 + 2 * BO * 4, P * 12 + P * 4),
+                # the per-column update's denominators (after a re-selection) in an fp32
+                # scratch of the same size as bf16's widening scratch
                 "zenflow": (
-                    P * 4 + PD * 4 + L * 4 + S * 4 + S * 8 + PD * 8 + 8 * K + 2 * B * 4,
+                    P * 4 + PD * 4 + L * 4 + S * 4 + 4 * SCR + S * 8 + PD * 8 + 8 * K + 2 * B * 4,
                     N * 16 + COUNTS + N * 4 + RB,  # an fp32 step store
                 ),
             },

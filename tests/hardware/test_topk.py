@@ -190,9 +190,10 @@ def test_memory_table_matches_the_estimate(census, bf16, fp32_state):
     for r in rows[::11] + rows[-1:]:
         sel, cols = census.selected(r.topk)
         # The selected columns' fp32 state (master + moments, or moments), their gradient in
-        # the training dtype and a step count each.
+        # the training dtype and a step count each; the update's fp32 scratch (bf16: the
+        # widened gradients; both: the per-column denominators).
         dt = 2 if bf16 else 4
-        scratch = max(census.largest_selected(r.topk), sel // 64) * 4 if bf16 else 0
+        scratch = max(census.largest_selected(r.topk), sel // 64) * 4
         assert r.selected_bytes == sel * (fp32_state + dt) + cols * 8 + scratch
         est = check(census, "zenflow", dataclasses.replace(s, topk_ratio=r.topk), budget)
         assert r.device_bytes == est.device_bytes

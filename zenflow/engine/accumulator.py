@@ -185,7 +185,10 @@ class Accumulator:
         with self._lock:
             n = self._reading.get(key, 0)
             if n == 0:
-                self._free.setdefault(key, threading.Event()).clear()
+                free = self._free.get(key)
+                if free is None:  # made once per key, not once per step
+                    free = self._free[key] = threading.Event()
+                free.clear()
             self._reading[key] = n + 1
         self._q.put(("land", event, store, dst, gate, overwrite, key, stat, wait))
 

@@ -91,9 +91,11 @@ class Piece:
         """(view of ``t``, dim, index): ``view.index_select(dim, index)`` is this piece of a
         full-shape tensor ``t`` (gradient, weight, master); ``index_copy_`` on the view
         writes it back in place."""
-        if self.by_rows:
-            return t[self.lo : self.hi], 1, nonsel
-        return t, 0, nonsel[self.lo : self.hi]
+        if self.by_rows:  # a piece of every row is the tensor itself: no view to make
+            whole = self.lo == 0 and self.hi == t.shape[0]
+            return (t if whole else t[self.lo : self.hi]), 1, nonsel
+        whole = self.lo == 0 and self.hi == nonsel.shape[0]
+        return t, 0, (nonsel if whole else nonsel[self.lo : self.hi])
 
     def of(self, compact_flat: torch.Tensor) -> torch.Tensor:
         """This piece's view of a flat buffer in the compact layout (window sum, image)."""

@@ -347,9 +347,11 @@ def _zenflow_device(b: _Buffers) -> None:
     # (a CPU device reads the selected columns from the whole gradient instead)
     if not s.cpu_device:
         b.dev("grads", f"selected columns' gradient ({dn})", S * dt, f"S*{dt}")
-    if s.bf16 and not s.cpu_device:  # widened to fp32 batch by batch, in one scratch
+    if not s.cpu_device:  # bf16: widened to fp32 batch by batch, in one scratch; both
+        # dtypes: the per-column update's denominators (after a re-selection) there too
         scratch = max(census.largest_selected(s.topk_ratio), S // 64)
-        b.dev("grads", "fp32 scratch of the selected columns' update", scratch * 4,
+        what = "update" if s.bf16 else "per-column update's denominators"
+        b.dev("grads", f"fp32 scratch of the selected columns' {what}", scratch * 4,
               "4*max(largest rows*k, S/64)")  # fmt: skip
     # selected columns and dense params update exactly in fp32 on the device
     sel_what = "master + moments (fp32)" if s.bf16 else "exp_avg + exp_avg_sq (fp32)"

@@ -1,10 +1,11 @@
 """The device step: AdamW of every weight's selected columns on the device.
 
 Owns the update of the selected columns (fused calls over batches of weights with the same
-step count, per-column counts otherwise) and the fp32 scratch a bf16 model's selected
-gradients are widened into. Must not touch the non-selected columns (the host's, returned
-by ``image_return``), the window or the selection: it reads ``grad_sel`` as the route left
-it and writes the selected columns of W, their fp32 master slice and moments.
+step count, per-column counts otherwise) and its fp32 scratch: a bf16 model's selected
+gradients are widened there, and the per-column update's denominators are made there.
+Must not touch the non-selected columns (the host's, returned by ``image_return``), the
+window or the selection: it reads ``grad_sel`` as the route left it and writes the
+selected columns of W, their fp32 master slice and moments.
 """
 
 from __future__ import annotations
@@ -29,8 +30,11 @@ class DeviceStep:
     def __init__(self, mode):
         self.m = mode
         self.e = mode.e
-        # fp32 scratch of the device update (bf16 models): the largest weight's selected
-        # gradient, or 1/64 of all of them, whichever is more
+        # fp32 scratch of the device update: the largest weight's selected gradient, or 1/64
+        # of all of them, whichever is more. A bf16 model's selected gradients are widened
+        # there (made now); an fp32 model's per-column update makes its denominators there
+        # (made at the first re-selection's update: accounted, and on CUDA the block the
+        # caching allocator would keep after that update anyway)
         self._scratch = None
         self._views: dict[tuple, torch.Tensor] = {}  # (weight, offset, dtype) -> scratch view
         # per-column counts in batches (adamw_columns_multi_), or weight by weight with the
@@ -39,7 +43,8 @@ class DeviceStep:
         shares = [w.rows * w.k for w in mode.zweights]
         # most selected elements one batch widens or makes denominators for
         self._cap = max(max(shares), sum(shares) // 64) if shares else 0
-        if not mode.zero_copy and mode.e.dtype != torch.float32 and mode.zweights:
+        self._widens = not mode.zero_copy and mode.e.dtype != torch.float32 and bool(shares)
+        if self._widens:
             self._scratch = mode.e.accel.empty((self._cap,), torch.float32, "grads")
 
     def update(self, hp, coef_t) -> None:
@@ -82,7 +87,7 @@ class DeviceStep:
         """Most selected elements one batch updates: the scratch's (bf16); with per-column
         counts (``step`` None) the same share, its denominators made in new memory; else
         no cap (the fused kernel makes no temporaries)."""
-        if self._scratch is not None or step is None:
+        if self._widens or step is None:
             return self._cap
         return None
 
@@ -135,13 +140,26 @@ class DeviceStep:
                                hp)  # fmt: skip
                 self._write_sel(w, x)
             return
-        else:  # the widened gradients are spent once the moments are: the denominators' room
-            room = gs if len(widen) == len(batch) else None
+        else:  # the denominators in the scratch (the widened gradients there are spent
+            # once the moments are); a CPU device's in new memory
+            room = None if self.m.zero_copy else self._room(batch)
             counts = [w.steps_dev.counts for w in batch]
             mine = [factors[id(w)] for w in batch]
             adamw_columns_multi_(xs, gs, ms, vs, counts, [w.cd for w in batch], hp, room,
                                  ([n for n, _ in mine], [b for _, b in mine]))  # fmt: skip
         self._write_batch(batch, xs, spent=len(widen) == len(batch))
+
+    def _room(self, batch: list[ZfWeight]) -> list[torch.Tensor]:
+        """Each weight's block of the scratch, at the offsets ``_sel_grad_fp32`` widens the
+        batch's gradients to (so a widened gradient's room is itself); the scratch is made
+        here first for an fp32 model."""
+        if self._scratch is None:
+            self._scratch = self.e.accel.empty((self._cap,), torch.float32, "grads")
+        out, off = [], 0
+        for w in batch:
+            out.append(self._scratch_view(w, off, torch.float32))
+            off += w.rows * w.k
+        return out
 
     def _scratch_view(self, w: ZfWeight, offset: int, dtype: torch.dtype) -> torch.Tensor:
         """``w``'s selected block in the scratch at ``offset`` (in elements of ``dtype``:
