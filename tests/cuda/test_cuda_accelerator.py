@@ -120,6 +120,31 @@ def test_a_device_source_is_not_reused_before_its_copy_ran(accel):
     del y
 
 
+def test_copies_reuse_their_events_and_stay_ordered(accel):
+    """Issue 28 item 3: a copy's events come from the accelerator's pool and go back when
+    dropped (the copy stream's wait event at once), so 200 copies, each behind a kernel
+    that changes its source, make only a handful of events, and every copy still reads its
+    source after that kernel and before the next one."""
+    src = torch.arange(N, dtype=torch.float32, device=accel.device)
+    outs = [accel.host_empty((N,), torch.float32, pin=True) for _ in range(2)]
+    busy = [None, None]  # each landing buffer's last copy, as a bucket holds it
+    for i in range(200):
+        j = i % 2
+        if busy[j] is not None:
+            busy[j].synchronize()
+        torch.cuda._sleep(SPIN // 100)  # the compute stream runs behind the host
+        src.add_(1)
+        busy[j] = accel.copy_d2h(outs[j], src)
+        accel.compute_wait(accel.record_compute())  # a mark made and dropped, like a bucket's
+    for ev in busy:
+        ev.synchronize()
+    base = torch.arange(N, dtype=torch.float32)
+    assert torch.equal(outs[1], base + 200) and torch.equal(outs[0], base + 199)
+    created = accel.events.created
+    record("event_pool", copies=200, events_created=created)
+    assert created <= 8, created
+
+
 def test_pooled_pinned_inputs_stay_correct(accel):
     """``to_device_input`` reuses one pinned buffer per shape: earlier inputs keep their
     values once the buffer is refilled."""

@@ -2,10 +2,10 @@
 
 Copies run on two dedicated copy streams (one per direction), ordered against the compute
 stream by events; host buffers the device reads or writes are pinned; events the host waits
-on block instead of spinning; phases are timed with CUDA events, never with a full
-synchronize. Device memory is read from the caching allocator's counters. Of the backends
-only this one calls torch.cuda, ``pin_memory`` or ``non_blocking``; it must not import the
-sim or its guards.
+on block instead of spinning, and are reused from a pool (``EventPool``) once nobody holds
+them; phases are timed with CUDA events, never with a full synchronize. Device memory is
+read from the caching allocator's counters. Of the backends only this one calls torch.cuda,
+``pin_memory`` or ``non_blocking``; it must not import the sim or its guards.
 
 Pinned memory is what it says: a pinned buffer is pageable memory (``torch.empty``)
 registered with the driver (``cudaHostRegister``) over whole pages of its own, and
@@ -67,12 +67,14 @@ def registered_empty(shape, dtype) -> torch.Tensor:
 
 
 class CudaEvent:
-    """torch.cuda.Event with the event interface of ``base.py`` (query, synchronize)."""
+    """torch.cuda.Event with the event interface of ``base.py`` (query, synchronize).
+    With ``pool``, the event goes back there when this holder is dropped (``EventPool``)."""
 
-    __slots__ = ("event",)
+    __slots__ = ("event", "pool")
 
-    def __init__(self, event):
+    def __init__(self, event, pool: EventPool | None = None):
         self.event = event
+        self.pool = pool
 
     def query(self) -> bool:
         return self.event.query()
@@ -80,11 +82,55 @@ class CudaEvent:
     def synchronize(self) -> None:
         self.event.synchronize()
 
+    def __del__(self) -> None:
+        pool = self.pool
+        if pool is not None:
+            pool.give(self.event)
+
 
 def _cuda_event(timing: bool = False):
     # blocking=True: a host thread waiting on it sleeps instead of spinning on a core the
     # core split gave to someone else.
     return torch.cuda.Event(blocking=True, enable_timing=timing)
+
+
+EVENT_POOL_MAX = 256  # events kept for reuse: more than the copies and marks ever in flight
+
+
+class EventPool:
+    """Reused CUDA events (issue 28 item 3): every copy records two events and every mark
+    one, and a new torch.cuda.Event costs its creation at the first record and its
+    destruction when dropped. An event comes back here when the last holder of its
+    ``CudaEvent`` drops it, so no host code can wait on its old record any more; a wait
+    the device queued before took the record it saw (CUDA: a stream waits for the event's
+    most recent record at the time of the wait call), so recording it again, even before
+    that record completed, changes no ordering. An event only waited on at once (a copy
+    stream's wait for the compute stream) goes back at once (``give``). Thread-safe: a
+    list's pop and append are atomic, and a holder may be dropped on any thread."""
+
+    __slots__ = ("_free", "_make", "created")
+
+    def __init__(self, make=_cuda_event):
+        self._free: list = []
+        self._make = make
+        self.created = 0  # events made (the rest were reused)
+
+    def take(self):
+        """An event to record: a reused one, else a new one."""
+        try:
+            return self._free.pop()
+        except IndexError:
+            self.created += 1
+            return self._make()
+
+    def give(self, event) -> None:
+        """``event`` is free to record again (nobody holds it)."""
+        if len(self._free) < EVENT_POOL_MAX:
+            self._free.append(event)
+
+    def holder(self, event) -> CudaEvent:
+        """``event``, recorded, for the engine to hold; back here once dropped."""
+        return CudaEvent(event, self)
 
 
 # On CUDA the training thread launches kernels and runs the engine's Python; its CPU tensor
@@ -138,6 +184,7 @@ class CudaAccelerator(Accelerator):
         self.streams = {"d2h": torch.cuda.Stream(device=device),
                         "h2d": torch.cuda.Stream(device=device)}  # fmt: skip
         self._input_pool: dict[tuple, torch.Tensor] = {}
+        self.events = EventPool()
 
     def _pin(self, shape, dtype) -> torch.Tensor:
         return registered_empty(shape, dtype)
@@ -171,10 +218,12 @@ class CudaAccelerator(Accelerator):
     def _copy(self, dst, src, direction: str, after, dev_tensor):
         compute = torch.cuda.current_stream(self.device)
         stream = self.streams[direction]
-        ready = _cuda_event()
+        events = self.events
+        ready = events.take()
         ready.record(compute)  # the source (d2h) / the destination's last reader (h2d)
         with torch.cuda.stream(stream):
             stream.wait_event(ready)
+            events.give(ready)  # the wait is queued: nobody else reads this record
             if after is not None:
                 if isinstance(after, CudaEvent):
                     stream.wait_event(after.event)
@@ -183,13 +232,13 @@ class CudaAccelerator(Accelerator):
             dst.copy_(src, non_blocking=True)
             # the caching allocator must not reuse the device block before the copy ran
             dev_tensor.record_stream(stream)
-            done = _cuda_event()
+            done = events.take()
             done.record(stream)
         if direction == "d2h":
             self.traffic.d2h_bytes += _nbytes(src)
         else:
             self.traffic.h2d_bytes += _nbytes(src)
-        return CudaEvent(done)
+        return events.holder(done)
 
     def copy_d2h(self, dst, src, after=None):
         return self._copy(dst, src, "d2h", after, src)
@@ -218,9 +267,9 @@ class CudaAccelerator(Accelerator):
         return out
 
     def record_compute(self):
-        ev = _cuda_event()
+        ev = self.events.take()
         ev.record(torch.cuda.current_stream(self.device))
-        return CudaEvent(ev)
+        return self.events.holder(ev)
 
     def compute_wait(self, event) -> None:
         if isinstance(event, CudaEvent):
