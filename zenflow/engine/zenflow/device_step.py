@@ -84,9 +84,9 @@ class DeviceStep:
                     used += n
 
     def _batch_cap(self, step: int | None) -> int | None:
-        """Most selected elements one batch updates: the scratch's (bf16); with per-column
-        counts (``step`` None) the same share, its denominators made in new memory; else
-        no cap (the fused kernel makes no temporaries)."""
+        """Most selected elements one batch updates: the scratch's (bf16, where the batch is
+        widened; with per-column counts, ``step`` None, any dtype: the denominators are
+        made there); else no cap (the fused kernel makes no temporaries)."""
         if self._widens or step is None:
             return self._cap
         return None
