@@ -16,7 +16,9 @@ past what is left is stopped and recorded as cut, with what it had measured.
    the small one, then offload at both (gpu_check_case.py, one process each), each with
    ``zfctl estimate``'s bytes for the same settings beside the measured peaks (the estimate
    runs first, once per token count, and its time counts in the case's need).
-5. ``cuda_tier``: ``pytest -m cuda tests/cuda`` with what time is left.
+5. ``pieces``: the training thread's CPU per streamed piece and per weight, and the 7B step
+   it comes to (bench/piece_cost.py on the check's accelerator: CUDA's own calls on a GPU).
+6. ``cuda_tier``: ``pytest -m cuda tests/cuda`` with what time is left.
 
 Then ``verdicts``: the figures that could contradict the design, each with its threshold
 (docs/GPU.md explains them). Without a CUDA device the check is a rehearsal on the
@@ -66,7 +68,7 @@ RESERVE_S = 8  # kept back at every decision for the verdicts and the last JSON 
 SCALES = {
     "gpu": {"arch": "llama-1b", "shape": None, "tokens": (16384, 4096), "seq": 1024,
             "need": {"environment": 15, "host": 45, "link": 25, "case_first": 100,
-                     "estimate": 20, "cuda_tier": 60}},
+                     "estimate": 20, "pieces": 40, "cuda_tier": 60}},
     "rehearsal": {"arch": None,
                   "shape": {"hidden_size": 256, "intermediate_size": 1024,
                             "num_hidden_layers": 4, "num_attention_heads": 4,
@@ -74,14 +76,14 @@ SCALES = {
                             "tie_word_embeddings": True, "max_position_embeddings": 1024},
                   "tokens": (1024, 256), "seq": 128,
                   "need": {"environment": 15, "host": 45, "link": 15, "case_first": 50,
-                           "estimate": 20, "cuda_tier": 30}},
+                           "estimate": 20, "pieces": 45, "cuda_tier": 30}},
     "tiny": {"arch": None,
              "shape": {"hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2,
                        "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 512,
                        "tie_word_embeddings": True, "max_position_embeddings": 256},
              "tokens": (256, 64), "seq": 32,
              "need": {"environment": 15, "host": 20, "link": 12, "case_first": 25,
-                      "estimate": 15, "cuda_tier": 30}},
+                      "estimate": 15, "pieces": 30, "cuda_tier": 30}},
 }  # fmt: skip
 CASE_ORDER = (("zenflow", 0), ("device", 0), ("zenflow", 1), ("device", 1), ("offload", 0),
               ("offload", 1))  # fmt: skip
@@ -93,7 +95,7 @@ def case_name(mode: str, tokens: int) -> str:
 
 def section_names(scale: dict) -> list[str]:
     cases = [case_name(m, scale["tokens"][i]) for m, i in CASE_ORDER]
-    return ["environment", "host", "link", *cases, "cuda_tier"]
+    return ["environment", "host", "link", *cases, "pieces", "cuda_tier"]
 
 
 class Budget:
@@ -353,6 +355,13 @@ class Check:
                                                       self.accel)  # fmt: skip
                 self.write()
 
+    def pieces(self) -> None:
+        """bench/piece_cost.py on this accelerator (a small model: the per-call CPU, not the
+        data work), its figures at llama-7b's weights and pieces (issue 28 item 3)."""
+        cmd = [self.py, str(HERE / "piece_cost.py"), "--device", self.accel, "--warmup", "8",
+               "--steps", "8", "--result"]  # fmt: skip
+        self.part("pieces", self.scale["need"]["pieces"], cmd)
+
     def cuda_tier(self) -> None:
         name = "cuda_tier"
         junit, records = self.out / "junit.xml", self.out / "records.jsonl"
@@ -423,6 +432,7 @@ class Check:
                  f"scale {scale_name}, accelerator {self.accel}")  # fmt: skip
         self.host_parts()
         self.cases()
+        self.pieces()
         self.cuda_tier()
         self.doc["verdicts"] = verdicts(self.doc)
         self.write()

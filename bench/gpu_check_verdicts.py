@@ -18,6 +18,7 @@ COPY_UNDER_MIN = 0.5  # at least half of the link's copy time under kernels
 STEADY_SYNCS_MAX = 1  # the step's one read
 PEAK_OVER_EST_MAX = 1.10  # the estimate may be 10% short before it is wrong
 PINNED_OVER_MAX = 1.25  # pinned bytes as allocated over those the engine accounts
+THREAD_MS_MAX = 20.0  # the training thread's CPU a 7B step (issue 28 item 3's goal)
 
 
 def _result(doc: dict, name: str) -> dict | None:
@@ -208,6 +209,32 @@ def memory_checks(doc: dict, mode: str, tokens: int, source: str) -> list[dict]:
     return out
 
 
+def training_thread(doc: dict, source: str) -> dict:
+    """The training thread's CPU a step at llama-7b's weights and pieces, at the per-piece
+    and per-weight rates the ``pieces`` section measured on this accelerator (the mean step
+    over whole windows: the window end's return included)."""
+    name = "training_thread_ms_7b"
+    explain = (
+        "the training thread's CPU a step (hooks, pieces, device step; the mean over whole "
+        "windows) at llama-7b's weights and pieces, from bench/piece_cost.py's per-piece "
+        f"and per-weight rates; contradicts above {THREAD_MS_MAX:g} ms: the thread that "
+        "launches the backward then spends that much of each step on the engine's calls"
+    )
+    res = _result(doc, "pieces")
+    win = (res or {}).get("window") or {}
+    ms = (win.get("at_scale") or {}).get("cpu_ms")
+    if not isinstance(ms, (int, float)):
+        return _v(name, "not measured", None, None, _why(doc, "pieces"), source, explain)
+    scale = win["at_scale"]
+    steady = ((res.get("at_scale") or {}).get("cpu_ms")) or float("nan")
+    text = (
+        f"{ms:.0f} ms a step ({scale.get('pieces')} pieces, {scale.get('weights')} weights; "
+        f"a steady step {steady:.0f} ms; per piece {win.get('per_piece_us', 0):.0f} us)"
+    )
+    verdict = "holds" if ms <= THREAD_MS_MAX else "contradicts"
+    return _v(name, verdict, ms, f"<= {THREAD_MS_MAX:g}", text, source, explain)
+
+
 def verdicts(doc: dict) -> list[dict]:
     """Every verdict the document's sections allow (see the module docstring)."""
     source = doc.get("run") or "?"
@@ -221,4 +248,5 @@ def verdicts(doc: dict) -> list[dict]:
         for mode in ("zenflow", "device", "offload"):
             out.append(steady_syncs(doc, mode, t, source, cuda))
             out.extend(memory_checks(doc, mode, t, source))
+    out.append(training_thread(doc, source))
     return out

@@ -28,7 +28,10 @@ Then ``--model``'s step (default llama-7b, topk 0.1) at those rates: its weights
 pieces the engine's bucket rule gives it (``zenflow.hardware.predict.pieces``).
 
     python bench/piece_cost.py [--layers 8] [--width 128] [--piece-elems N] [--steps 12]
-                               [--model llama-7b] [--json]
+                               [--model llama-7b] [--device sim|cuda] [--json] [--result]
+
+``--device cuda`` measures the same on a GPU, where the accelerator's calls are CUDA's
+(``make gpu-check``'s ``pieces`` section runs it so).
 
 ``--piece-elems``: a smaller bucket than the engine's rule gives this small model, for more
 pieces per weight (the engine's ``bucket_elems``).
@@ -144,8 +147,11 @@ def run(mode: str, args, reselect: bool = False) -> dict:
     model = bench_engine.build_model(args.layers, args.width, args.vocab, head="cls")
     gen = torch.Generator().manual_seed(1)
     batches = [torch.randint(1, args.vocab, (1, args.seq), generator=gen) for _ in range(4)]
+    if args.device == "cuda":  # the model and its inputs where they run: no input copy
+        model = model.cuda()
+        batches = [b.cuda() for b in batches]
     cfg = config(mode == "zenflow", max(2, args.warmup // 3) if reselect else 1000)
-    accel = make_accelerator("sim")
+    accel = make_accelerator(args.device)
     meter = AccelMeter(accel)
     kw = {"bucket_elems": args.piece_elems} if args.piece_elems else {}
     with ZenFlowEngine(model, cfg, mode=mode, accelerator=accel, **kw) as eng:
@@ -307,17 +313,25 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=12, help="a multiple of 4 (whole windows)")
     ap.add_argument("--model", default="llama-7b")
     ap.add_argument("--topk-ratio", type=float, default=0.1)
+    ap.add_argument("--device", default="sim", choices=["sim", "cuda"],
+                    help="sim (CUDA's code paths, the simulator's calls) or a GPU")  # fmt: skip
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--result", action="store_true",
+                    help="the JSON as one GPU_CHECK_RESULT line (make gpu-check)")  # fmt: skip
     args = ap.parse_args(argv)
     if args.steps % UPDATE_INTERVAL:
         ap.error(f"--steps {args.steps}: give a multiple of the update interval, "
                  f"{UPDATE_INTERVAL}, so that the means cover whole windows")  # fmt: skip
     out = measure(args)
+    out["device"] = args.device
+    if args.result:
+        print("GPU_CHECK_RESULT " + json.dumps(out), flush=True)
+        return 0
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
     s = out["at_scale"]
-    print(f"{out['weights']} weights, {out['pieces_per_step']} pieces a step (sim, bf16)")
+    print(f"{out['weights']} weights, {out['pieces_per_step']} pieces a step ({args.device}, bf16)")
     print(
         f"per piece {out['per_piece_us']:.0f} us, per weight {out['per_weight_route_us']:.0f}"
         f" us in its hook + {out['per_weight_device_step_us']:.0f} us in the device step"

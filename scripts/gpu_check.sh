@@ -9,8 +9,9 @@
 #      the repository on sys.path through a .pth file);
 #   4. the native host ops built once; if they cannot be, ZENFLOW_OPS=reference for the run;
 #   5. bench/gpu_check.py with what is left of the budget: host, link, a 1B-class Llama under
-#      zenflow / device AdamW / offload at 16k and 4k tokens per step, the CUDA tier
-#      (tests/cuda); each section skipped with a note when the budget runs out;
+#      zenflow / device AdamW / offload at 16k and 4k tokens per step, the training
+#      thread's CPU per piece (bench/piece_cost.py), the CUDA tier (tests/cuda); each
+#      section skipped with a note when the budget runs out;
 #   6. ONE JSON (gpu-check.json) and ONE log (gpu-check.log) in ${GPU_CHECK_OUT}.
 # Every step says what it did; a failing step is recorded and the rest still runs.
 # Without a CUDA device it is a rehearsal on the simulated device (`sim`), shapes scaled

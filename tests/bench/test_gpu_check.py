@@ -75,7 +75,7 @@ def test_every_section_is_named_in_order_most_decisive_first():
     assert names[3:5] == ["llama_zenflow_16k", "llama_device_16k"]
     assert names[5:7] == ["llama_zenflow_4k", "llama_device_4k"]
     assert names[7:9] == ["llama_offload_16k", "llama_offload_4k"]
-    assert names[-1] == "cuda_tier"
+    assert names[-2:] == ["pieces", "cuda_tier"]
 
 
 # ------------------------------------------------------------------------------ verdicts
@@ -139,6 +139,25 @@ def test_a_skipped_section_makes_its_verdicts_not_measured_with_the_reason():
     v = vs["zenflow_over_offload_1024"]
     assert v["result"] == "not measured"
     assert "llama_offload_1k: skipped" in v["figure_text"]
+
+
+def test_the_training_threads_cpu_at_7b_against_its_goal():
+    """The pieces section's mean step over whole windows at llama-7b's weights and pieces,
+    against issue 28's 20 ms; without the section, not measured with the reason."""
+
+    def doc_with(ms):
+        doc = _doc()
+        win = {"per_piece_us": 30.0, "at_scale": {"cpu_ms": ms, "pieces": 432, "weights": 226}}
+        doc["sections"]["pieces"] = {"status": "measured", "result": {
+            "window": win, "at_scale": {"cpu_ms": ms * 0.8}}}  # fmt: skip
+        return doc
+
+    v = _by_name(gv.verdicts(doc_with(18.0)))["training_thread_ms_7b"]
+    assert v["result"] == "holds" and v["figure"] == 18.0 and "432 pieces" in v["figure_text"]
+    v = _by_name(gv.verdicts(doc_with(25.0)))["training_thread_ms_7b"]
+    assert v["result"] == "contradicts"
+    v = _by_name(gv.verdicts(_doc()))["training_thread_ms_7b"]
+    assert v["result"] == "not measured" and "pieces: not run" in v["figure_text"]
 
 
 # ------------------------------------------------------------------------------ on sim

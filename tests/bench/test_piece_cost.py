@@ -40,6 +40,21 @@ def test_the_bench_measures_a_sim_run(capsys):
     assert out["per_column"]["per_weight_device_step_us"] > 0
 
 
+def test_the_bench_gives_gpu_check_one_result_line_and_refuses_part_windows(capsys):
+    argv = ["--layers", "2", "--width", "64", "--warmup", "6", "--steps", "4",
+            "--piece-elems", "512", "--model", "gpt2", "--result"]  # fmt: skip
+    assert pc.main(argv) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("GPU_CHECK")]
+    assert len(lines) == 1
+    out = json.loads(lines[0].removeprefix("GPU_CHECK_RESULT "))
+    assert out["device"] == "sim" and out["window"]["at_scale"]["cpu_ms"] > 0
+    assert out["window"]["per_piece_us"] > 0 and out["window"]["step_cpu_ms"]["zenflow"] > 0
+    with pytest.raises(SystemExit) as exc:  # 6 steps: one window and a half
+        pc.main(["--steps", "6"])
+    assert exc.value.code == 2
+    assert "multiple of the update interval" in capsys.readouterr().err
+
+
 def test_the_engine_part_of_a_fit_leaves_out_the_accelerators_calls():
     weights = [{"pieces": p, "cpu_s": 20e-6 + 70e-6 * p, "accel_s": 30e-6 * p}
                for p in (1, 2, 4)]  # fmt: skip
