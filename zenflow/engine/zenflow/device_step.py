@@ -149,15 +149,15 @@ class DeviceStep:
                                  ([n for n, _ in mine], [b for _, b in mine]))  # fmt: skip
         self._write_batch(batch, xs, spent=len(widen) == len(batch))
 
-    def _room(self, batch: list[ZfWeight]) -> list[torch.Tensor]:
-        """Each weight's block of the scratch, at the offsets ``_sel_grad_fp32`` widens the
-        batch's gradients to (so a widened gradient's room is itself); the scratch is made
-        here first for an fp32 model."""
+    def _room(self, batch: list[ZfWeight], dtype: torch.dtype = torch.float32) -> list:
+        """Each weight's block of the scratch as ``dtype``, at the offsets ``_sel_grad_fp32``
+        widens the batch's gradients to (so a widened gradient's room is itself); the
+        scratch is made here first for an fp32 model's per-column denominators."""
         if self._scratch is None:
             self._scratch = self.e.accel.empty((self._cap,), torch.float32, "grads")
         out, off = [], 0
         for w in batch:
-            out.append(self._scratch_view(w, off, torch.float32))
+            out.append(self._scratch_view(w, off, dtype))
             off += w.rows * w.k
         return out
 
@@ -185,10 +185,7 @@ class DeviceStep:
             for w, x in zip(batch, xs, strict=True):
                 self._write_sel(w, x)
             return
-        casts, off = [], 0  # the scratch's first half, as 16-bit elements
-        for w in batch:
-            casts.append(self._scratch_view(w, off, dtype))
-            off += w.rows * w.k
+        casts = self._room(batch, dtype)  # the scratch's first half, as 16-bit elements
         torch._foreach_copy_(casts, xs)
         for w, c in zip(batch, casts, strict=True):
             w.spec.param.data.index_copy_(w.cd, w.sel_dev, c)
