@@ -358,8 +358,10 @@ class Check:
     def pieces(self) -> None:
         """bench/piece_cost.py on this accelerator (a small model: the per-call CPU, not the
         data work), its figures at llama-7b's weights and pieces (issue 28 item 3)."""
+        # and llama-7b's stack in the 16M pieces the engine made before its 48M ones: the
+        # piece size's effect on this accelerator, side by side
         cmd = [self.py, str(HERE / "piece_cost.py"), "--device", self.accel, "--warmup", "8",
-               "--steps", "8", "--result"]  # fmt: skip
+               "--steps", "8", "--stack-also", str(16 << 20), "--result"]  # fmt: skip
         self.part("pieces", self.scale["need"]["pieces"], cmd)
 
     def cuda_tier(self) -> None:

@@ -27,8 +27,18 @@ result returned piece by piece in the hooks) is spread over the S steps it serve
 Then ``--model``'s step (default llama-7b, topk 0.1) at those rates: its weights and the
 pieces the engine's bucket rule gives it (``zenflow.hardware.predict.pieces``).
 
+And ``--model``'s own layer stack measured directly (``stack``; llama and qwen2 shapes):
+every dimension divided so that its hidden size is ``--stack-width`` (64), the bucket by
+that factor squared, so that it has the model's weights and, the divisions allowing, its
+pieces (both counts are given beside the model's), each tiny: the hooks' and the device
+step's CPU a step, as the mean over whole windows, with no fit and no extrapolation.
+``--stack-also N``: the same stack again with the model's pieces in buckets of N elements
+(``stack_also``: what another piece size would cost, measured side by side).
+
     python bench/piece_cost.py [--layers 8] [--width 128] [--piece-elems N] [--steps 12]
-                               [--model llama-7b] [--device sim|cuda] [--json] [--result]
+                               [--model llama-7b] [--stack-width 64] [--stack-also N]
+                               [--device sim|cuda]
+                               [--json] [--result]
 
 ``--device cuda`` measures the same on a GPU, where the accelerator's calls are CUDA's
 (``make gpu-check``'s ``pieces`` section runs it so).
@@ -59,6 +69,7 @@ import engine as bench_engine  # noqa: E402  (bench/engine.py: the same model)
 
 from zenflow import ZenFlowEngine, load_config  # noqa: E402
 from zenflow.engine.accelerator import make_accelerator  # noqa: E402
+from zenflow.engine.selection import DEFAULT_MIN_NUMEL  # noqa: E402
 
 
 def config(zenflow: bool, select_interval: int = 1000):
@@ -70,7 +81,7 @@ def config(zenflow: bool, select_interval: int = 1000):
     }  # fmt: skip
     if zenflow:
         raw["zero_optimization"]["zenflow"] = {
-            "topk_ratio": 0.1, "update_interval": UPDATE_INTERVAL, "select_strategy": "step",
+            "topk_ratio": TOPK, "update_interval": UPDATE_INTERVAL, "select_strategy": "step",
             "select_interval": select_interval, "overlap_step": True,
         }  # fmt: skip
     return load_config(raw)
@@ -81,6 +92,7 @@ def config(zenflow: bool, select_interval: int = 1000):
 # (its copy engine's queue, its threading events). Their CPU is counted apart.
 ACCEL_CALLS = ("copy_d2h", "copy_h2d", "compute_wait", "record_compute")
 UPDATE_INTERVAL = 4  # the config's S: the means cover whole windows
+TOPK = 0.1  # the config's topk_ratio (--topk-ratio sets the fitted at-scale figures' only)
 
 
 class AccelMeter:
@@ -139,21 +151,73 @@ def mean_pair(pairs: list[tuple[float, float]]) -> tuple[float, float]:
     return statistics.fmean(p[0] for p in pairs), statistics.fmean(p[1] for p in pairs)
 
 
-def run(mode: str, args, reselect: bool = False) -> dict:
+class Stack:
+    """``model``'s layer stack at ``width`` (a llama- or qwen2-family architecture): every
+    dimension divided by ``hidden / width`` (hidden, MLP, vocabulary; 4 attention heads,
+    the key/value heads in the same proportion), and the engine's bucket divided by that
+    factor squared. Its weights are the model's, one for one, and so (when the divisions
+    are exact enough) are their pieces; its tensors are so small that what a step costs
+    the training thread is the per-call work, measured directly rather than fitted."""
+
+    def __init__(self, name: str, width: int, model_bucket: int | None = None):
+        from zenflow.config.architectures import architecture
+        from zenflow.hardware.census import resolve_census
+
+        arch = architecture(name)
+        if arch is None or arch.model_type not in ("llama", "qwen2"):
+            raise ValueError(f"{name}: the scaled stack is built for llama and qwen2 shapes")
+        self.name, self.width = name, width
+        self.cfg = cfg = arch.config()
+        heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads or cfg.num_attention_heads
+        self.factor = f = cfg.hidden_size // width
+        cfg.hidden_size, cfg.intermediate_size = width, cfg.intermediate_size // f
+        cfg.vocab_size = cfg.vocab_size // f
+        cfg.num_attention_heads, cfg.num_key_value_heads = 4, max(1, 4 * kv // heads)
+        cfg.head_dim = width // 4
+        census = resolve_census(name, head="causal-lm")
+        # the model's bucket (the engine's rule, or ``model_bucket`` elements), scaled
+        self.model_bucket = model_bucket or census.bucket_elements
+        self.bucket_elems = max(1, self.model_bucket // (f * f))
+        # the engine's smallest ZenFlow weight, scaled too (a key/value projection with
+        # few heads stays a ZenFlow weight, as it is in the model)
+        self.min_numel = max(1, DEFAULT_MIN_NUMEL // (f * f))
+        self.census = census
+
+    def build(self):
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(self.cfg).float()
+
+    @staticmethod
+    def loss(model, batch):
+        return model(input_ids=batch, labels=batch).loss
+
+
+def run(mode: str, args, reselect: bool = False, stack: Stack | None = None) -> dict:
     """Steady steps of ``mode`` (after warm-up and the first selection; ``reselect``: after
     re-selections too, so that selected columns carry their own step counts): the training
     thread's CPU per step, and for ZenFlow per weight route and per device step, each as
-    (all, in the accelerator's calls)."""
-    model = bench_engine.build_model(args.layers, args.width, args.vocab, head="cls")
+    (all, in the accelerator's calls). ``stack``: on that scaled layer stack (its LM head),
+    else on the GPT-2 of ``--layers`` x ``--width`` (a classifier)."""
+    kw = {}
+    if stack is None:
+        model = bench_engine.build_model(args.layers, args.width, args.vocab, head="cls")
+        vocab, piece_elems = args.vocab, args.piece_elems
+        loss_of = lambda m, b: bench_engine.forward_loss(m, b, "cls")  # noqa: E731
+    else:
+        model, vocab, piece_elems = stack.build(), stack.cfg.vocab_size, stack.bucket_elems
+        loss_of, kw["min_numel"] = stack.loss, stack.min_numel
     gen = torch.Generator().manual_seed(1)
-    batches = [torch.randint(1, args.vocab, (1, args.seq), generator=gen) for _ in range(4)]
+    batches = [torch.randint(1, vocab, (1, args.seq), generator=gen) for _ in range(4)]
     if args.device == "cuda":  # the model and its inputs where they run: no input copy
         model = model.cuda()
         batches = [b.cuda() for b in batches]
     cfg = config(mode == "zenflow", max(2, args.warmup // 3) if reselect else 1000)
     accel = make_accelerator(args.device)
     meter = AccelMeter(accel)
-    kw = {"bucket_elems": args.piece_elems} if args.piece_elems else {}
+    if piece_elems:
+        kw["bucket_elems"] = piece_elems
     with ZenFlowEngine(model, cfg, mode=mode, accelerator=accel, **kw) as eng:
         torch.set_num_threads(1)
         route = dev = None
@@ -163,7 +227,7 @@ def run(mode: str, args, reselect: bool = False) -> dict:
 
         def step(i: int) -> tuple[float, float]:
             with eng.autocast():
-                loss = bench_engine.forward_loss(model, batches[i % len(batches)], "cls")
+                loss = loss_of(model, batches[i % len(batches)])
             t0, a0 = time.thread_time_ns(), meter.cpu_ns
             eng.backward(loss)
             eng.step(loss)
@@ -240,6 +304,39 @@ def rates(zen: dict, stat: str) -> dict:
             "engine_per_weight_device_step": dev_all - dev_accel}  # fmt: skip
 
 
+def measure_stack(args, model_bucket: int | None = None, device: bool = True) -> dict | None:
+    """ZenFlow (and, with ``device``, device AdamW) on ``--model``'s layer stack at
+    ``--stack-width`` (``Stack``; ``model_bucket``: the model's bucket in elements, default
+    the engine's rule): the training thread's CPU a step in the hooks and the device step,
+    all of it and the engine's own, as the mean over whole windows, measured on the model's
+    own weights and pieces (no fit). None with ``--stack-width 0``."""
+    if not args.stack_width:
+        return None
+    try:
+        stack = Stack(args.model, args.stack_width, model_bucket)
+    except ValueError as e:
+        return {"model": args.model, "skipped": str(e)}
+    zen = run("zenflow", args, stack=stack)
+    route = sum(w["mean"]["cpu_s"] for w in zen["weights"])
+    route_accel = sum(w["mean"]["accel_s"] for w in zen["weights"])
+    dev, dev_accel = zen["device_step_mean_s"]
+    ms = lambda s: s * 1e3  # noqa: E731
+    B = stack.model_bucket
+    out = {
+        "model": args.model, "width": args.stack_width, "factor": stack.factor,
+        "model_bucket_elements": B, "bucket_elements": stack.bucket_elems,
+        "weights": zen["weight_count"], "pieces": sum(w["pieces"] for w in zen["weights"]),
+        "model_weights": len(stack.census.zenflow_weights),
+        "model_pieces": sum(-(-n // B) for n in stack.census.nonselected(TOPK) if n),
+        "hooks_ms": ms(route), "device_step_ms": ms(dev),
+        "cpu_ms": ms(route + dev), "engine_cpu_ms": ms(route + dev - route_accel - dev_accel),
+        "step_cpu_ms": {"zenflow": ms(zen["step_cpu_mean_s"][0])},
+    }  # fmt: skip
+    if device:
+        out["step_cpu_ms"]["device"] = ms(run("device", args, stack=stack)["step_cpu_mean_s"][0])
+    return out
+
+
 def measure(args) -> dict:
     """The three runs (device AdamW; ZenFlow steady; ZenFlow after re-selections) and the
     figures: per piece and per weight, all of the thread's CPU and the engine's part (less
@@ -257,7 +354,7 @@ def measure(args) -> dict:
     scale = lambda per_weight, per_piece: at_scale(  # noqa: E731
         args.model, args.topk_ratio, per_weight, per_piece
     )
-    return {
+    out = {
         "shape": {
             "layers": args.layers,
             "width": args.width,
@@ -300,6 +397,10 @@ def measure(args) -> dict:
             ),
         },
     }
+    out["stack"] = measure_stack(args)
+    if args.stack_also and out["stack"] and "skipped" not in out["stack"]:
+        out["stack_also"] = measure_stack(args, args.stack_also, device=False)
+    return out
 
 
 def main(argv=None) -> int:
@@ -312,6 +413,12 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--steps", type=int, default=12, help="a multiple of 4 (whole windows)")
     ap.add_argument("--model", default="llama-7b")
+    ap.add_argument("--stack-width", type=int, default=64,
+                    help="also measure --model's own layer stack at this width (llama and "
+                    "qwen2 shapes; 0: not)")  # fmt: skip
+    ap.add_argument("--stack-also", type=int, default=None, metavar="ELEMENTS",
+                    help="the stack again with the model's pieces in buckets of this many "
+                    "elements (stack_also: e.g. 16777216, the engine's earlier size)")  # fmt: skip
     ap.add_argument("--topk-ratio", type=float, default=0.1)
     ap.add_argument("--device", default="sim", choices=["sim", "cuda"],
                     help="sim (CUDA's code paths, the simulator's calls) or a GPU")  # fmt: skip
@@ -368,6 +475,26 @@ def main(argv=None) -> int:
         f"{win['at_scale']['cpu_ms']:.0f} ms a step, the engine's own "
         f"{win['at_scale_engine']['cpu_ms']:.0f} ms"
     )
+    st = out["stack"]
+    if st and "skipped" in st:
+        print(f"{st['model']}'s own stack: not measured ({st['skipped']})")
+    elif st:
+        print(
+            f"{st['model']}'s own stack at width {st['width']} ({st['weights']} weights, "
+            f"{st['pieces']} pieces; the model has {st['model_weights']} and "
+            f"{st['model_pieces']}), measured over whole windows: {st['cpu_ms']:.0f} ms a step "
+            f"(hooks {st['hooks_ms']:.0f}, device step {st['device_step_ms']:.0f}), the "
+            f"engine's own {st['engine_cpu_ms']:.0f} ms; training thread "
+            f"{st['step_cpu_ms']['zenflow']:.0f} ms (device AdamW "
+            f"{st['step_cpu_ms']['device']:.0f})"
+        )
+    also = out.get("stack_also")
+    if also:
+        print(
+            f"  the same stack in the model's buckets of {also['model_bucket_elements']:,} "
+            f"elements ({also['pieces']} pieces): {also['cpu_ms']:.0f} ms a step, the engine's "
+            f"own {also['engine_cpu_ms']:.0f} ms"
+        )
     return 0
 
 

@@ -154,10 +154,30 @@ def test_the_training_threads_cpu_at_7b_against_its_goal():
 
     v = _by_name(gv.verdicts(doc_with(18.0)))["training_thread_ms_7b"]
     assert v["result"] == "holds" and v["figure"] == 18.0 and "432 pieces" in v["figure_text"]
+    assert "fitted" in v["figure_text"]
     v = _by_name(gv.verdicts(doc_with(25.0)))["training_thread_ms_7b"]
     assert v["result"] == "contradicts"
     v = _by_name(gv.verdicts(_doc()))["training_thread_ms_7b"]
     assert v["result"] == "not measured" and "pieces: not run" in v["figure_text"]
+
+
+def test_the_training_threads_cpu_at_7b_is_the_measured_stack_where_there_is_one():
+    """With the model's own stack measured, the verdict is that figure, not the fit's."""
+    doc = _doc()
+    win = {"per_piece_us": 30.0, "at_scale": {"cpu_ms": 18.0, "pieces": 432, "weights": 226}}
+    stack = {"model": "llama-7b", "cpu_ms": 31.0, "engine_cpu_ms": 22.0, "hooks_ms": 27.0,
+             "device_step_ms": 4.0, "pieces": 432, "weights": 226}  # fmt: skip
+    also = {"cpu_ms": 44.0, "model_bucket_elements": 16 << 20, "pieces": 432}
+    result = {"window": win, "stack": stack, "stack_also": also}
+    doc["sections"]["pieces"] = {"status": "measured", "result": result}
+    v = _by_name(gv.verdicts(doc))["training_thread_ms_7b"]
+    assert v["result"] == "contradicts" and v["figure"] == 31.0
+    assert "llama-7b's stack" in v["figure_text"] and "the fit's figure 18 ms" in v["figure_text"]
+    assert "16,777,216 elements (432 pieces) 44 ms" in v["figure_text"]
+    stack["skipped"] = "no stack"  # a skipped stack (no cpu_ms): the fit decides
+    del stack["cpu_ms"]
+    v = _by_name(gv.verdicts(doc))["training_thread_ms_7b"]
+    assert v["result"] == "holds" and v["figure"] == 18.0
 
 
 # ------------------------------------------------------------------------------ on sim

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from bench import piece_cost as pc
 
@@ -19,8 +20,8 @@ def test_fit_recovers_a_per_weight_and_a_per_piece_cost():
 
 def test_at_scale_counts_the_models_weights_and_pieces():
     s = pc.at_scale("llama-7b", 0.1, per_weight=100e-6, per_piece=50e-6)
-    assert s["weights"] == 226 and s["bucket_elements"] == 16 * 2**20
-    assert 400 < s["pieces"] < 460  # 16M-element pieces (about 1,530 in 4M buckets)
+    assert s["weights"] == 226 and s["bucket_elements"] == 48 * 2**20
+    assert s["pieces"] == 230  # 48M-element pieces: a layer weight in one (432 in 16M)
     assert s["cpu_ms"] == pytest.approx((226 * 100e-6 + s["pieces"] * 50e-6) * 1e3)
 
 
@@ -29,6 +30,7 @@ def test_the_bench_measures_a_sim_run(capsys):
             "--piece-elems", "512", "--model", "gpt2", "--json"]  # fmt: skip
     assert pc.main(argv) == 0
     out = json.loads(capsys.readouterr().out)
+    assert "llama and qwen2" in out["stack"]["skipped"]  # gpt2 has no scaled stack
     assert out["pieces_per_step"] > out["weights"] > 0  # several pieces per weight
     assert out["route_cpu_ms_per_step"] > 0 and out["step_cpu_ms"]["device"] > 0
     assert out["at_scale"]["model"] == "gpt2" and out["at_scale"]["cpu_ms"] > 0
@@ -60,3 +62,48 @@ def test_the_engine_part_of_a_fit_leaves_out_the_accelerators_calls():
                for p in (1, 2, 4)]  # fmt: skip
     a, b = pc.fit(weights, "engine_s")
     assert a == pytest.approx(20e-6) and b == pytest.approx(40e-6)
+
+
+def test_the_stack_has_the_models_weights_and_pieces():
+    """llama-7b's stack scaled to width 64 has its 226 weights, and its buckets make the
+    model's own 230 pieces: what is measured on it is a 7B step's calls, one for one."""
+    st = pc.Stack("llama-7b", 64)
+    assert st.factor == 64 and st.cfg.hidden_size == 64 and st.cfg.vocab_size == 500
+    assert st.bucket_elems == 48 * 2**20 // 64**2
+    model = st.build()
+    from zenflow import ZenFlowEngine
+    from zenflow.engine.accelerator import make_accelerator
+
+    with ZenFlowEngine(model, pc.config(True), mode="zenflow", accelerator=make_accelerator("sim"),
+                       bucket_elems=st.bucket_elems, min_numel=st.min_numel) as eng:  # fmt: skip
+        batch = torch.randint(1, st.cfg.vocab_size, (1, 8))
+        for _ in range(2):  # warm-up and the first selection: the pieces are planned
+            with eng.autocast():
+                loss = st.loss(model, batch)
+            eng.backward(loss)
+            eng.step(loss)
+            eng.zero_grad()
+        ws = eng.impl.zweights
+        assert len(ws) == len(st.census.zenflow_weights) == 226
+        assert sum(len(w.pieces) for w in ws) == 230
+    with pytest.raises(ValueError, match="llama and qwen2"):
+        pc.Stack("gpt2", 64)
+
+
+def test_the_bench_measures_a_llama_stack(capsys):
+    argv = ["--layers", "2", "--width", "64", "--warmup", "6", "--steps", "4",
+            "--piece-elems", "512", "--model", "llama-1b", "--stack-also", str(4 << 20),
+            "--json"]  # fmt: skip
+    assert pc.main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    st, also = out["stack"], out["stack_also"]
+    # the same stack in smaller pieces: more of them, the model's count in that bucket
+    assert also["model_bucket_elements"] == 4 << 20 and "device" not in also["step_cpu_ms"]
+    assert also["pieces"] > st["pieces"] and abs(also["pieces"] - also["model_pieces"]) <= 2
+    # llama-1b's 128,256-token vocabulary does not divide by 32: its embedding's pieces
+    # may round one apart (llama-7b's stack matches exactly, above)
+    assert st["weights"] == st["model_weights"] == 113
+    assert abs(st["pieces"] - st["model_pieces"]) <= 1
+    assert st["cpu_ms"] == pytest.approx(st["hooks_ms"] + st["device_step_ms"])
+    assert 0 < st["engine_cpu_ms"] < st["cpu_ms"]
+    assert st["step_cpu_ms"]["zenflow"] > st["step_cpu_ms"]["device"] > 0

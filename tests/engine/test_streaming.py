@@ -563,3 +563,33 @@ def test_device_never_holds_a_whole_model_gradient_on_sim(bf16):
         assert peak >= whole
     # and the device's total peak (weights, optimizer state, buffers) is lower for it
     assert max(s.device_peak_bytes for s in a.stats) < min(s.device_peak_bytes for s in b.stats)
+
+
+@pytest.mark.parametrize("by_rows", [True, False], ids=["rows", "columns"])
+def test_a_large_pieces_column_scores_are_taken_in_chunks(monkeypatch, by_rows):
+    """A piece's column scores (re-selection, auto interval) are ``column_scores``'s: in
+    chunks of rows, so a 48M-element piece never widens whole to fp32 twice over, and
+    equal to the plain sum of squares to fp32 rounding."""
+    from types import SimpleNamespace
+
+    from zenflow.engine import selection
+    from zenflow.engine.copies import Piece
+    from zenflow.engine.zenflow.route import GradRoute
+
+    monkeypatch.setattr(selection, "SCORE_CHUNK", 64)  # 1,200 elements: many chunks
+    widened = []
+    real_float = torch.Tensor.float
+    monkeypatch.setattr(torch.Tensor, "float",
+                        lambda t: widened.append(t.numel()) or real_float(t))  # fmt: skip
+    gen = torch.Generator().manual_seed(3)
+    bucket = torch.randn(40, 30, generator=gen).to(torch.bfloat16)
+    w = SimpleNamespace(scores_ns=None, n_nonsel=30 if by_rows else 50)
+    pc = Piece(0, 40, True, (40, 30)) if by_rows else Piece(5, 45, False, (40, 30))
+    GradRoute._score_piece(None, w, pc, bucket)
+    assert widened and max(widened) <= 64
+    plain = real_float(bucket).square()
+    if by_rows:
+        torch.testing.assert_close(w.scores_ns, plain.sum(dim=0), rtol=1e-6, atol=0)
+    else:
+        torch.testing.assert_close(w.scores_ns[5:45], plain.sum(dim=1), rtol=1e-6, atol=0)
+        assert not w.scores_ns[:5].any() and not w.scores_ns[45:].any()

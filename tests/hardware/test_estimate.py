@@ -404,9 +404,10 @@ def test_seven_billion_on_the_meta_device():
     per_param = {m: e.bytes_per_param for m, e in r.engines.items()}
     # streamed: 2 (weights) + 12k (selected fp32 state) + 2k (their gradient) at k = 0.1
     # (410 of 4096 columns: 0.1001), + the embedding's gradient while backward computes it
-    # (131M x 2 / 6.6G = 0.04) + the update's fp32 scratch (S/64 x 4: 0.006) + 4 copy
-    # buckets of 16M elements ("auto": 128 MiB, 0.02) + 2 fp32 return buckets (128 MiB, 0.02)
-    assert 3.42 <= per_param["zenflow"] <= 3.50
+    # (131M x 2 / 6.6G = 0.04) + the update's fp32 scratch (S/64 x 4: 0.006) + 2 copy
+    # buckets of 48M elements ("auto": the least, 192 MiB, 0.03) + 2 fp32 return buckets
+    # (384 MiB, 0.06) + a returned piece's bf16 cast (96 MiB, 0.015)
+    assert 3.50 <= per_param["zenflow"] <= 3.58
     assert 2.0 < per_param["offload"] < 2.07  # bf16 weights + the gradient in flight
     # + the embedding's fp32 gradient at the step (131M x 4 / 6.6G = 0.08)
     assert per_param["device"] == pytest.approx(16.0 + 4 * 131_072_000 / c.params)

@@ -34,10 +34,13 @@ import torch
 from zenflow.engine.accelerator import DONE, Accelerator
 
 DEFAULT_BUCKET_ELEMS = 1 << 22  # 4M elements: 8 MiB of bf16 per device bucket (offload)
-# ZenFlow's pieces: 16M elements, 32 MiB of bf16, a PCIe-sized copy. Each piece costs the
-# training thread the same Python and launches whatever its size (bench/piece_cost.py),
-# so a 7B model's step makes about 430 pieces instead of 1,530 in 4M buckets.
-PIECE_ELEMS = 1 << 24
+# ZenFlow's pieces: 48M elements, 96 MiB of bf16, a copy long enough for PCIe (4 ms at
+# 25 GB/s) and short against a large layer's backward. Each piece costs the training
+# thread the same Python and launches whatever its size (bench/piece_cost.py), so a 7B
+# model's step makes 230 pieces (432 in 16M, 1,530 in 4M): each of its layer weights,
+# the MLP's 40M non-selected elements too, goes in one. Models under about 3B parameters
+# are not affected (a bucket is at most 1/64 of the offloaded elements).
+PIECE_ELEMS = 48 << 20
 DEVICE_BUCKETS = 2  # one copying while the next fills; data parallel keeps more in flight
 DP_DEVICE_BUCKETS = 4
 
@@ -55,8 +58,9 @@ def bucket_count(requested, data_parallel: bool, offloaded: int = 0, elems: int 
     buckets and 64M elements. A bucket is 1/64 of the offloaded elements up to its cap
     (``bucket_elems_for``), so a small model keeps the least (1/32 of its elements in 2
     buckets), and a large one, whose buckets are capped, gets up to 64M elements (128 MiB in
-    bf16, 0.02 bytes per parameter at 7B: 4 of ZenFlow's 16M pieces, 16 of offload's 4M
-    chunks) to absorb the burst of a layer's gradients while the link catches up."""
+    bf16, 0.02 bytes per parameter at 7B: 16 of offload's 4M chunks) to absorb the burst of
+    a layer's gradients while the link catches up, or the least where that is more
+    (ZenFlow's 48M pieces: two, 192 MiB in bf16, 0.03 bytes per parameter at 7B)."""
     least = DP_DEVICE_BUCKETS if data_parallel else DEVICE_BUCKETS
     if requested not in (None, "auto"):
         return max(least, int(requested))
@@ -136,7 +140,7 @@ BUCKET_SHARE = 64  # each bucket holds at most 1/64 of the offloaded elements
 
 def bucket_elems_for(numels: list[int], units: list[int], requested: int | None) -> int:
     """Elements per copy bucket (a ZenFlow piece at most): the requested size (the engine's
-    ``bucket_request``, default ``PIECE_ELEMS``, 16M), capped at 1/64 of the offloaded
+    ``bucket_request``, default ``PIECE_ELEMS``, 48M), capped at 1/64 of the offloaded
     elements so small models keep their device copy buffers small (two bf16 buckets: at
     most 1/16 device byte per parameter), and never below the largest ``unit`` (the longest
     row or column: a piece holds at least one)."""

@@ -368,6 +368,9 @@ def _zenflow_device(b: _Buffers) -> None:
             # overlap during the window end's backward), cast to bf16 as it is scattered
             b.dev("staging", "return buckets (2, fp32: the host's master coming back)",
                   2 * B * 4, "2*B*4")  # fmt: skip
+            if s.bf16:  # each returned piece is cast to bf16 as it is scattered
+                b.dev("staging", "a returned piece's bf16 cast (while it is scattered)",
+                      B * 2, "B*2")  # fmt: skip
 
 
 def _zenflow_host_state(b: _Buffers) -> None:

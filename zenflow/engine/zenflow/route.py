@@ -25,6 +25,7 @@ copy at all (ZENFLOW.md section 7).
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import torch
 
@@ -87,47 +88,58 @@ class GradRoute:
         if w.owned and not host_gas and not store_free:  # the previous step's adds done
             tr.store_free(w.position)  # with w's step store
         dsts, stores = self._places(w)
+        # what every piece of ``w`` does with its bucket, decided once for the weight
+        how = (plan, n, last, stats_on_device and w.owned and not whole_norm,
+               stats_on_device and w.owned and scoring, overwrite_acc)  # fmt: skip
         for pc, dst, store, norm in zip(w.pieces, dsts, stores, w.norm_slots, strict=True):
             i, bucket = tr.take_bucket(pc.shape)
             src, dim, idx = pc.select(g, w.nonsel_dev)
             torch.index_select(src, dim, idx, out=bucket)
-
-            def onward(w=w, pc=pc, i=i, bucket=bucket, dst=dst, store=store, norm=norm):
-                if dp.enabled and w.owned:
-                    bucket.mul_(1.0 / dp.world)
-                if stats_on_device and w.owned:
-                    if not whole_norm:  # its place in the weight's piece norms
-                        grad_norm(bucket, out=norm)
-                        w.norms_routed = True
-                    if scoring:
-                        self._score_piece(w, pc, bucket)
-                if not w.owned:
-                    tr.buckets.mark(i, self.e.accel.record_compute())
-                    return
-                if host_gas:
-                    stat = None
-                    if last:
-                        stat = ("sq", w.spec.name)
-                        w.stat_done = True
-                    tr.send_piece(i, bucket, dst, None, n == 0, stat)
-                elif store_free:  # added as it arrives: no clipping coefficient to wait for;
-                    # a piece that is not finite is zeroed (its step is skipped on the device)
-                    bucket.masked_fill_(~torch.isfinite(norm.square()), 0)
-                    tr.send_piece(i, bucket, dst, None, overwrite_acc,
-                                  wait=w.free if overwrite_acc else None)  # fmt: skip
-                else:
-                    tr.land_piece(i, bucket, store, dst, plan.gate, overwrite_acc, w.position,
-                                  wait=w.free if overwrite_acc else None)  # fmt: skip
-
             if dp.enabled:
-                tr.after_reduce(dp.reduce_async(bucket, w.owner), i, onward)
+                then = partial(self._onward, w, pc, i, bucket, dst, store, norm, how)
+                tr.after_reduce(dp.reduce_async(bucket, w.owner), i, then)
             else:
-                onward()
+                self._onward(w, pc, i, bucket, dst, store, norm, how)
         if overwrite_acc and not host_gas:
             w.fresh[plan.slot] = False
             self.first_touch.append(w)
         if last and plan.apply is not None:
             self.image_return.apply_in_backward(w, plan.apply)
+
+    def _onward(
+        self, w: ZfWeight, pc, i: int, bucket: torch.Tensor, dst, store, norm, how: tuple
+    ) -> None:
+        """A gathered piece of ``w`` (in bucket ``i``; data parallel: reduced to its owner
+        first, and averaged here) on to the host: its norm and scores taken on the way
+        (``how``: the step's plan, the micro-batch, whether it is the last, whether the
+        piece's norm and its column scores are taken here, whether it overwrites the
+        window sum)."""
+        plan, n, last, piece_norm, score, overwrite_acc = how
+        tr, dp = self.m.transport, self.e.dp
+        if dp.enabled and w.owned:
+            bucket.mul_(1.0 / dp.world)
+        if piece_norm:  # its place in the weight's piece norms
+            grad_norm(bucket, out=norm)
+            w.norms_routed = True
+        if score:
+            self._score_piece(w, pc, bucket)
+        if not w.owned:
+            tr.buckets.mark(i, self.e.accel.record_compute())
+            return
+        if self.m.host_gas:
+            stat = None
+            if last:
+                stat = ("sq", w.spec.name)
+                w.stat_done = True
+            tr.send_piece(i, bucket, dst, None, n == 0, stat)
+        elif self.m.store_free:  # added as it arrives: no clipping coefficient to wait
+            # for; a piece that is not finite is zeroed (its step is skipped on the device)
+            bucket.masked_fill_(~torch.isfinite(norm.square()), 0)
+            tr.send_piece(i, bucket, dst, None, overwrite_acc,
+                          wait=w.free if overwrite_acc else None)  # fmt: skip
+        else:
+            tr.land_piece(i, bucket, store, dst, plan.gate, overwrite_acc, w.position,
+                          wait=w.free if overwrite_acc else None)  # fmt: skip
 
     def _gather_selected(self, w: ZfWeight, g: torch.Tensor, n: int, last: bool) -> None:
         """The selected columns of ``g`` into (micro-batch ``n`` > 0: added to) the device
@@ -154,14 +166,15 @@ class GradRoute:
         return dsts, (dsts if m.host_gas or m.store_free else w.views(w.store))
 
     def _score_piece(self, w: ZfWeight, pc, bucket: torch.Tensor) -> None:
-        """Column scores (squared L2 per column) of a non-selected piece, on the device."""
+        """Column scores (squared L2 per column) of a non-selected piece, on the device, in
+        chunks of rows (``column_scores``): the fp32 temporaries stay small whatever the
+        piece's size."""
         if w.scores_ns is None:
             w.scores_ns = torch.zeros(w.n_nonsel, dtype=torch.float32, device=bucket.device)
-        sq = bucket.float().square()
         if pc.by_rows:  # rows lo:hi of every non-selected column
-            w.scores_ns.add_(sq.sum(dim=0))
+            w.scores_ns.add_(column_scores(bucket, 1))
         else:  # non-selected columns lo:hi, whole
-            w.scores_ns[pc.lo : pc.hi].add_(sq.sum(dim=1))
+            w.scores_ns[pc.lo : pc.hi].add_(column_scores(bucket, 0))
 
     def _route_whole(self, w: ZfWeight, g: torch.Tensor, n: int, last: bool) -> None:
         """The whole gradient to its owner's host (warm-up, first selection), through the
