@@ -61,13 +61,13 @@ def test_bf16_zenflow_streams_its_gradients():
     # selected columns' fp32 master slice + moments (12 bytes x ~0.1) + the always-important
     # params' fp32 state + int64 counts per selected column
     assert 1.15 < held["optimizer"] / params < 1.4, held
-    # two copy buckets of <= 1/64, in bf16, and two fp32 buckets the host's fp32 master
-    # comes back through (the device casts as it scatters)
-    assert held["staging"] <= (2 * 2 + 2 * 4) * params / 64, held
+    # two copy buckets of <= 1/64, in bf16, two fp32 buckets the host's fp32 master comes
+    # back through, and one bf16 bucket the device casts it into before it scatters
+    assert held["staging"] <= (2 * 2 + 2 * 4 + 2) * params / 64, held
     assert st.device_peak_bytes == sum(peak.values())
-    # 2 + 1.25 + 1.16 + 0.06 here (the tied embedding in flight); the whole-gradient layout
-    # held 5.3 between steps and more during them
-    assert st.device_peak_bytes / params < 4.6
+    # 2 + 1.25 + 1.16 + 0.22 here (the tied embedding in flight; the buckets, 14/64 at this
+    # size); the whole-gradient layout held 5.3 between steps and more during them
+    assert st.device_peak_bytes / params < 4.7
     # pinned: what the device reads or writes directly: the compact fp32 master of the
     # non-selected columns (4 x ~0.9), the step store the pieces land in (bf16: 2 x ~0.9),
     # the read buffer and any staging ring (a few buckets)

@@ -368,9 +368,8 @@ def _zenflow_device(b: _Buffers) -> None:
             # overlap during the window end's backward), cast to bf16 as it is scattered
             b.dev("staging", "return buckets (2, fp32: the host's master coming back)",
                   2 * B * 4, "2*B*4")  # fmt: skip
-            if s.bf16:  # each returned piece is cast to bf16 as it is scattered
-                b.dev("staging", "a returned piece's bf16 cast (while it is scattered)",
-                      B * 2, "B*2")  # fmt: skip
+            if s.bf16:  # each returned piece is cast to bf16 there before its scatter
+                b.dev("staging", "return cast bucket (bf16)", B * 2, "B*2")
 
 
 def _zenflow_host_state(b: _Buffers) -> None:

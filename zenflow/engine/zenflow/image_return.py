@@ -48,6 +48,7 @@ class ImageReturn:
         # host->device copies run beside the backward's device->host ones); else the
         # transport's fp32 buckets
         self.h2d: DeviceBuckets | None = None
+        self._cast: torch.Tensor | None = None
         self.in_backward = False
         self._h2d_queue: deque = deque()  # (bucket index, bucket, copy event, weight, piece)
         self.applied_early: set[int] = set()  # weights the window end need not apply
@@ -61,6 +62,11 @@ class ImageReturn:
             self.in_backward = mode.overlap and not mode.e.dp.enabled
             if self.in_backward or mode.e.dtype != torch.float32:
                 self.h2d = DeviceBuckets(mode.e.accel, mode.bucket_elems, torch.float32, 2)
+            if self.h2d is not None and mode.e.dtype != torch.float32:
+                # one bucket of the training dtype each returned fp32 piece is cast into
+                # before its scatter (on the compute stream, in order: reused at once),
+                # accounted, not a new tensor a piece
+                self._cast = mode.e.accel.empty((mode.bucket_elems,), mode.e.dtype, "staging")
             if mode.e.dtype == torch.bfloat16 and not mode.e.dp.enabled:
                 self.image_setting = mode.e.return_image
 
@@ -119,8 +125,18 @@ class ImageReturn:
         accel = self.e.accel
         accel.compute_wait(ev)
         dst, dim, idx = pc.select(w.spec.param.data, w.nonsel_dev)
-        dst.index_copy_(dim, idx, bucket.to(dst.dtype))
+        dst.index_copy_(dim, idx, self._in_dtype(bucket, dst.dtype))
         self.h2d.mark(i, accel.record_compute())
+
+    def _in_dtype(self, bucket: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``bucket`` as ``dtype`` for its scatter: itself, or cast into the cast bucket."""
+        if bucket.dtype == dtype:
+            return bucket
+        if self._cast is None or self._cast.dtype != dtype:
+            return bucket.to(dtype)
+        cast = self._cast[: bucket.numel()].view(bucket.shape)
+        cast.copy_(bucket)
+        return cast
 
     def finish(self) -> None:
         """Every piece copied back in the backward into its weight, before any update of
@@ -177,7 +193,7 @@ class ImageReturn:
             if dp.enabled:  # the owner's result to every rank's device
                 dp.broadcast_(bucket, w.owner)
             dst, dim, idx = pc.select(p, w.nonsel_dev)
-            dst.index_copy_(dim, idx, bucket.to(p.dtype))
+            dst.index_copy_(dim, idx, self._in_dtype(bucket, p.dtype))
             buckets.mark(i, e.accel.record_compute())
 
     def _apply_shared(self, w: ZfWeight) -> None:
