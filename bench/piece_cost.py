@@ -166,7 +166,6 @@ class Stack:
         arch = architecture(name)
         if arch is None or arch.model_type not in ("llama", "qwen2"):
             raise ValueError(f"{name}: the scaled stack is built for llama and qwen2 shapes")
-        self.name, self.width = name, width
         self.cfg = cfg = arch.config()
         heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads or cfg.num_attention_heads
         self.factor = f = cfg.hidden_size // width
@@ -316,6 +315,9 @@ def measure_stack(args, model_bucket: int | None = None, device: bool = True) ->
         stack = Stack(args.model, args.stack_width, model_bucket)
     except ValueError as e:
         return {"model": args.model, "skipped": str(e)}
+    from zenflow.hardware.layout import Settings
+    from zenflow.hardware.predict import pieces
+
     zen = run("zenflow", args, stack=stack)
     route = sum(w["mean"]["cpu_s"] for w in zen["weights"])
     route_accel = sum(w["mean"]["accel_s"] for w in zen["weights"])
@@ -327,7 +329,7 @@ def measure_stack(args, model_bucket: int | None = None, device: bool = True) ->
         "model_bucket_elements": B, "bucket_elements": stack.bucket_elems,
         "weights": zen["weight_count"], "pieces": sum(w["pieces"] for w in zen["weights"]),
         "model_weights": len(stack.census.zenflow_weights),
-        "model_pieces": sum(-(-n // B) for n in stack.census.nonselected(TOPK) if n),
+        "model_pieces": pieces(stack.census, Settings(bf16=True, topk_ratio=TOPK), B),
         "hooks_ms": ms(route), "device_step_ms": ms(dev),
         "cpu_ms": ms(route + dev), "engine_cpu_ms": ms(route + dev - route_accel - dev_accel),
         "step_cpu_ms": {"zenflow": ms(zen["step_cpu_mean_s"][0])},

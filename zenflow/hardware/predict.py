@@ -172,10 +172,10 @@ def forward_share(s: Settings) -> float:
     return 0.25 if s.gradient_checkpointing else 1 / 3
 
 
-def pieces(census: ParamCensus, s: Settings) -> int:
+def pieces(census: ParamCensus, s: Settings, bucket: int | None = None) -> int:
     """Copies a step's non-selected share takes: each weight's compact block in pieces of at
-    most one bucket."""
-    B = max(1, census.bucket_elements)
+    most one bucket (the engine's rule, or ``bucket`` elements)."""
+    B = max(1, bucket or census.bucket_elements)
     return sum(-(-n // B) for n in census.nonselected(s.topk_ratio) if n)
 
 

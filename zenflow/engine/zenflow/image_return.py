@@ -129,11 +129,10 @@ class ImageReturn:
         self.h2d.mark(i, accel.record_compute())
 
     def _in_dtype(self, bucket: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``bucket`` as ``dtype`` for its scatter: itself, or cast into the cast bucket."""
+        """``bucket`` as ``dtype`` for its scatter: itself, or (an fp32 piece of a bf16
+        model, the only other case) cast into the cast bucket."""
         if bucket.dtype == dtype:
             return bucket
-        if self._cast is None or self._cast.dtype != dtype:
-            return bucket.to(dtype)
         cast = self._cast[: bucket.numel()].view(bucket.shape)
         cast.copy_(bucket)
         return cast
