@@ -219,10 +219,13 @@ def run(mode: str, args, reselect: bool = False, stack: Stack | None = None) -> 
         kw["bucket_elems"] = piece_elems
     with ZenFlowEngine(model, cfg, mode=mode, accelerator=accel, **kw) as eng:
         torch.set_num_threads(1)
-        route = dev = None
+        route = dev = hook = None
         if mode == "zenflow":
             route = Timed(eng.impl, "route", meter, key=lambda spec, *a: spec.name)
             dev = Timed(eng.impl.device_step, "update", meter)
+            # every gradient hook whole (the route, and around it the gradient's device
+            # accounting and bookkeeping; the weights ZenFlow does not route too)
+            hook = Timed(eng.stream, "_on_grad", meter)
 
         def step(i: int) -> tuple[float, float]:
             with eng.autocast():
@@ -236,7 +239,7 @@ def run(mode: str, args, reselect: bool = False, stack: Stack | None = None) -> 
 
         for i in range(args.warmup):
             step(i)
-        for t in (route, dev):
+        for t in (route, dev, hook):
             if t is not None:
                 t.on = True
         calls0 = dict(meter.calls)
@@ -251,6 +254,9 @@ def run(mode: str, args, reselect: bool = False, stack: Stack | None = None) -> 
                 (cpu, accel_s), (cpu_m, accel_m) = median_pair(v), mean_pair(v)
                 out["weights"].append({"pieces": pieces[k], "cpu_s": cpu, "accel_s": accel_s,
                                        "mean": {"cpu_s": cpu_m, "accel_s": accel_m}})  # fmt: skip
+            calls = hook.calls.get(None, [])
+            out["hooks_step_mean_s"] = (sum(c[0] for c in calls) / args.steps,
+                                        sum(c[1] for c in calls) / args.steps)  # fmt: skip
             out["device_step_s"] = median_pair(dev.calls[None])
             out["device_step_mean_s"] = mean_pair(dev.calls[None])
             out["weight_count"] = len(pieces)
@@ -306,9 +312,11 @@ def rates(zen: dict, stat: str) -> dict:
 def measure_stack(args, model_bucket: int | None = None, device: bool = True) -> dict | None:
     """ZenFlow (and, with ``device``, device AdamW) on ``--model``'s layer stack at
     ``--stack-width`` (``Stack``; ``model_bucket``: the model's bucket in elements, default
-    the engine's rule): the training thread's CPU a step in the hooks and the device step,
-    all of it and the engine's own, as the mean over whole windows, measured on the model's
-    own weights and pieces (no fit). None with ``--stack-width 0``."""
+    the engine's rule): the training thread's CPU a step in the gradient hooks (whole:
+    the route, the gradient's accounting and bookkeeping; ``route_ms`` the route alone) and
+    the device step, all of it and the engine's own, as the mean over whole windows,
+    measured on the model's own weights and pieces (no fit). None with ``--stack-width
+    0``."""
     if not args.stack_width:
         return None
     try:
@@ -320,7 +328,7 @@ def measure_stack(args, model_bucket: int | None = None, device: bool = True) ->
 
     zen = run("zenflow", args, stack=stack)
     route = sum(w["mean"]["cpu_s"] for w in zen["weights"])
-    route_accel = sum(w["mean"]["accel_s"] for w in zen["weights"])
+    hooks, hooks_accel = zen["hooks_step_mean_s"]
     dev, dev_accel = zen["device_step_mean_s"]
     ms = lambda s: s * 1e3  # noqa: E731
     B = stack.model_bucket
@@ -330,8 +338,8 @@ def measure_stack(args, model_bucket: int | None = None, device: bool = True) ->
         "weights": zen["weight_count"], "pieces": sum(w["pieces"] for w in zen["weights"]),
         "model_weights": len(stack.census.zenflow_weights),
         "model_pieces": pieces(stack.census, Settings(bf16=True, topk_ratio=TOPK), B),
-        "hooks_ms": ms(route), "device_step_ms": ms(dev),
-        "cpu_ms": ms(route + dev), "engine_cpu_ms": ms(route + dev - route_accel - dev_accel),
+        "hooks_ms": ms(hooks), "route_ms": ms(route), "device_step_ms": ms(dev),
+        "cpu_ms": ms(hooks + dev), "engine_cpu_ms": ms(hooks + dev - hooks_accel - dev_accel),
         "step_cpu_ms": {"zenflow": ms(zen["step_cpu_mean_s"][0])},
     }  # fmt: skip
     if device:

@@ -109,3 +109,52 @@ def test_close_frees_every_store():
     acc.land(DONE, torch.ones(2), torch.zeros(2), gate, True, "w")
     acc.close()
     acc.wait_free("w")  # returns: nothing reads the store any more
+
+
+def test_a_steps_lands_wake_the_thread_once_and_keep_their_order():
+    """Lands are held until something else is queued (here the gate's poke): one queued
+    item for the step's pieces, not one a piece, and their adds run in landing order, after
+    an add queued before them and before one queued after."""
+    acc = Accumulator(_add, 1)
+    puts = []
+    real = acc._q
+
+    class Counting:
+        def put(self, item):
+            puts.append(None if item is None else item[0])
+            real.put(item)
+
+        def get(self):
+            return real.get()
+
+    acc._q = Counting()
+    gate = StepGate(acc.poke)
+    dst = torch.zeros(3)
+    try:
+        acc.add(DONE, torch.full((3,), 1.0), dst, None, True, None)  # dst = 1
+        for k in range(3):  # piece k: dst[k] = 2 * (k + 2)
+            acc.land(DONE, torch.tensor([float(k + 2)]), dst[k : k + 1], gate, True, "w")
+        assert puts == ["add"]  # nothing queued for the lands yet
+        gate.set(2.0, False)
+        acc.add(DONE, torch.full((3,), 1.0), dst, None, False, None)  # then dst += 1
+        acc.wait_free("w")
+        acc.drain()
+        assert puts == ["add", "lands", "poke", "add", "fence"]
+        assert torch.equal(dst, torch.tensor([5.0, 7.0, 9.0]))
+    finally:
+        acc.close()
+
+
+def test_wait_free_queues_the_held_lands_it_waits_for():
+    """A wait for a store whose lands are still held queues them (no one else might)."""
+    acc = Accumulator(_add, 1)
+    gate = StepGate(None)  # a gate that wakes no one when set
+    gate.set(1.0, False)
+    dst = torch.zeros(2)
+    try:
+        acc.land(DONE, torch.tensor([3.0, 4.0]), dst, gate, True, "w")
+        done = _waiter(acc, "w")
+        assert done.wait(10)
+        assert torch.equal(dst, torch.tensor([3.0, 4.0]))
+    finally:
+        acc.close()

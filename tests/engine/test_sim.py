@@ -4,6 +4,7 @@ wait (ZENFLOW.md 2c): a test double that drops one wait makes the engine's resul
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -47,6 +48,43 @@ def test_a_copy_waits_for_its_after_event():
         assert ev1.query() and second.tolist() == [1.0, 1.0]
     finally:
         sim.close()
+
+
+def test_an_event_wakes_every_waiter_after_its_hooks_and_reports_a_failure():
+    """A copy's event (a bare lock, not a threading.Event): every waiter on any thread
+    returns once it completed, a hook registered before completion has run by then (one
+    registered after runs at once), and a failed copy is raised to each waiter."""
+    sim = SimAccelerator(bandwidth=1e6, latency=0.0)
+    try:
+        src = torch.arange(25_000, dtype=torch.float32)  # 0.1 s on this link
+        dst = sim.host_empty(src.shape)
+        ev = sim.copy_d2h(dst, src)
+        seen, ran = [], []
+        ev.on_complete(lambda: ran.append("before"))
+        waiters = [threading.Thread(target=lambda: (ev.synchronize(), seen.append(list(ran))))
+                   for _ in range(3)]  # fmt: skip
+        for t in waiters:
+            t.start()
+        assert not ev.query()
+        for t in waiters:
+            t.join(10)
+        assert ev.query() and seen == [["before"]] * 3 and torch.equal(dst, src)
+        ev.on_complete(lambda: ran.append("after"))  # completed: runs now
+        assert ran == ["before", "after"]
+        ev.synchronize()  # again: returns at once
+        bad = sim.copy_d2h(torch.zeros(2), torch.zeros(2), after=_Failed())
+        for _ in range(2):
+            with pytest.raises(RuntimeError, match="sim copy engine failed"):
+                bad.synchronize()
+    finally:
+        sim.close()
+
+
+class _Failed:
+    """An ``after`` event whose wait fails (the copy engine reports it on the copy's event)."""
+
+    def synchronize(self):
+        raise OSError("broken upstream")
 
 
 def test_memory_is_accounted_per_holder_and_the_budget_raises():

@@ -5,11 +5,12 @@ A step's pieces arrive during backward, before the step's clipping coefficient a
 decision are known (the global norm needs the whole step). A streamed piece of a window
 sum lands straight in its place in its weight's step store (pinned, one step's non-selected
 gradient in the link's dtype; ``land``), and its add waits there, in order, until the
-step's gate is set (``StepGate.set`` pokes the thread). The training thread waits only
-before it lands a weight's first piece of a step, for the adds of that weight's previous
-step still reading its store (``wait_free``): the accumulator has the next step's whole
-forward and the backward up to that weight to finish them, and the host never copies a
-piece from one buffer into another. Other transfers (whole gradients, micro-batches summed
+step's gate is set (``StepGate.set`` pokes the thread, which is woken once for the step's
+pieces, not once a piece). The training thread waits only before it lands a weight's first
+piece of a step, for the adds of that weight's previous step still reading its store
+(``wait_free``): the accumulator has the next step's whole forward and the backward up to
+that weight to finish them, and the host never copies a piece from one buffer into
+another. Other transfers (whole gradients, micro-batches summed
 on the host) land in a slot of the link's bounded pinned staging ring
 (``copies.StagingRing``) and are added from there, in order (``add``). A deferred add
 into a sum a host step still reads waits for that step (``wait``), without holding up the
@@ -141,7 +142,9 @@ class Accumulator:
     the device copies into ``store`` (its place in its weight's step store) itself, waiting
     there for its gate without holding up the thread (no ring slot, no host copy);
     ``wait_free(key)`` blocks until no queued add of ``key`` (a weight) reads its store. A
-    skipped step's pieces are dropped. ``stat``: a
+    step's lands are held on the caller's side and queued together (one wake-up of the
+    thread, not one a piece): before anything else is queued (a gate's poke among them), and
+    when ``wait_free`` has to wait. A skipped step's pieces are dropped. ``stat``: a
     key under which the sum of squares of ``dst`` after the add is totalled (``sums``: a
     step's host-side share of the global norm). ``call(fn)`` runs ``fn`` in order;
     ``fence()`` returns an event set once everything queued before it has run (deferred
@@ -152,6 +155,10 @@ class Accumulator:
     def __init__(self, accumulate, threads: int | CoreShare = 1,
                  bind: Callable[[], None] | None = None):  # fmt: skip
         self._q: queue.SimpleQueue = queue.SimpleQueue()
+        # lands not queued yet (``land``), and the lock that keeps them in order with
+        # everything else queued, whichever thread queues it (the worker pokes too)
+        self._held: list = []
+        self._put_lock = threading.Lock()
         self._accumulate = accumulate
         self.cores = threads if isinstance(threads, CoreShare) else CoreShare(threads)
         self.threads = self.cores.threads
@@ -171,17 +178,28 @@ class Accumulator:
         self._thread = threading.Thread(target=self._run, name="zenflow-accum", daemon=True)
         self._thread.start()
 
+    def _put(self, *items) -> None:
+        """Queue the lands held so far (one item), then ``items``, in that order."""
+        with self._put_lock:
+            if self._held:
+                self._q.put(("lands", self._held))
+                self._held = []
+            for item in items:
+                self._q.put(item)
+
     def add(self, event, src, dst, gate, overwrite, release, stat=None, wait=None) -> None:
         """Queue an add; ``wait``: an event to wait for before ``dst`` is written (the host
         step still reading the window sum)."""
-        self._q.put(("add", event, src, dst, gate, overwrite, release, stat, wait))
+        self._put(("add", event, src, dst, gate, overwrite, release, stat, wait))
 
     def land(self, event, store, dst, gate, overwrite, key, stat=None, wait=None) -> None:
         """Queue the add of a piece the device copies (``event``) straight into ``store``,
         its place in the step store of ``key`` (its weight): once ``wait`` and ``gate`` are
         set, ``dst (+)= coef * store``, in order with the other adds. The caller lands a
         key's pieces only after ``wait_free(key)``: nothing of an earlier step still reads
-        that store."""
+        that store. Held until something else is queued (its gate's poke at the latest) or
+        ``wait_free`` waits: an add cannot run before its step's gate is set, so waking the
+        thread for each piece of a backward would only cost the training thread."""
         with self._lock:
             n = self._reading.get(key, 0)
             if n == 0:
@@ -190,13 +208,15 @@ class Accumulator:
                     free = self._free[key] = threading.Event()
                 free.clear()
             self._reading[key] = n + 1
-        self._q.put(("land", event, store, dst, gate, overwrite, key, stat, wait))
+        with self._put_lock:
+            self._held.append((event, store, dst, gate, overwrite, key, stat, wait))
 
     def wait_free(self, key) -> None:
         """Block until no queued add of ``key`` reads its store (the previous step's pieces
         of that weight are added, or dropped); then re-raise a failure of the thread."""
         free = self._free.get(key)
-        if free is not None:
+        if free is not None and not free.is_set():
+            self._put()  # the lands held, so that they can run
             # an add waits for its gate and its sum (``wait``); whoever sets them pokes the
             # thread, and so does this wait now and then, so that no add that could run
             # sits in the queue while the training thread waits for it
@@ -222,14 +242,14 @@ class Accumulator:
 
     def poke(self) -> None:
         """Wake the thread: a gate was set, deferred adds may run."""
-        self._q.put(("poke",))
+        self._put(("poke",))
 
     def call(self, fn: Callable[[], None]) -> None:
-        self._q.put(("call", fn))
+        self._put(("call", fn))
 
     def fence(self) -> threading.Event:
         done = threading.Event()
-        self._q.put(("fence", done))
+        self._put(("fence", done))
         return done
 
     def _run(self) -> None:
@@ -247,8 +267,8 @@ class Accumulator:
             try:
                 if kind == "add":
                     self._add(*item[1:])
-                elif kind == "land":
-                    self._land(*item[1:])
+                elif kind == "lands":
+                    self._lands(item[1])
                 elif kind == "poke":
                     self._progress(block=False)
                 else:
@@ -272,6 +292,16 @@ class Accumulator:
         finally:
             if release is not None:
                 release()
+
+    def _lands(self, lands: list) -> None:
+        """Held lands, in order; one that fails does not lose the rest (each frees its store
+        once it is added or dropped)."""
+        for land in lands:
+            try:
+                self._land(*land)
+            except BaseException as e:  # kept; the training thread re-raises it
+                if self.error is None:
+                    self.error = e
 
     def _land(self, event, store, dst, gate, overwrite, key, stat, wait) -> None:
         if self.error is not None:
@@ -347,5 +377,5 @@ class Accumulator:
         """Run what is queued, then stop the thread (idempotent)."""
         if not self._closed:
             self._closed = True
-            self._q.put(None)
+            self._put(None)
             self._thread.join(timeout=60)

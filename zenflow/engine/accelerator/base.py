@@ -131,12 +131,14 @@ class Accelerator:
         self._read_buf: torch.Tensor | None = None
         self._peak = 0
         self._peak_held: dict[str, int] = {}
+        self._total = 0  # the sum of ``_held``, kept as it changes (a hook accounts a gradient)
+        self._tracked: dict[int, tuple] = {}  # id(weakref) -> (weakref, tag, bytes) of ``track``
         self._lock = threading.Lock()
 
     # ---------------------------------------------------------------- device memory
     def _account(self, tag: str, nbytes: int) -> None:
         with self._lock:
-            total = sum(self._held.values()) + nbytes
+            total = self._total + nbytes
             if self.budget_bytes is not None and nbytes > 0 and total > self.budget_bytes:
                 held = sorted(self._held.items(), key=lambda kv: -kv[1])[:3]
                 top = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in held) or "nothing"
@@ -146,6 +148,7 @@ class Accelerator:
                     f"held (largest holders: {top}). {OOM_FIX}"
                 )
             self._held[tag] += nbytes
+            self._total = total
             if total > self._peak:
                 self._peak = total
                 self._peak_held = {k: v for k, v in self._held.items() if v}
@@ -153,13 +156,21 @@ class Accelerator:
     def _unaccount(self, tag: str, nbytes: int) -> None:
         with self._lock:
             self._held[tag] -= nbytes
+            self._total -= nbytes
 
     def track(self, t: torch.Tensor, tag: str) -> torch.Tensor:
-        """Account ``t`` (a device tensor) under ``tag`` until it is freed."""
-        n = _nbytes(t)
+        """Account ``t`` (a device tensor) under ``tag`` until it is freed (a weak reference
+        whose callback unaccounts it: every streamed gradient is tracked, so this is kept
+        light)."""
+        n = t.numel() * t.element_size()
         self._account(tag, n)
-        weakref.finalize(t, self._unaccount, tag, n)
+        ref = weakref.ref(t, self._freed)
+        self._tracked[id(ref)] = (ref, tag, n)
         return t
+
+    def _freed(self, ref) -> None:
+        _, tag, n = self._tracked.pop(id(ref))
+        self._unaccount(tag, n)
 
     def set_held(self, tag: str, nbytes: int) -> None:
         """Set the bytes of a holder the engine does not allocate itself (the model's
@@ -182,18 +193,18 @@ class Accelerator:
         """The largest ``device_bytes`` since ``reset_peak`` (backward included: streamed
         gradients and buckets in flight are accounted when they exist)."""
         with self._lock:
-            return max(self._peak, sum(self._held.values()))
+            return max(self._peak, self._total)
 
     def peak_held(self) -> dict[str, int]:
         """Device bytes per holder at the moment of the peak (accounting backends)."""
         with self._lock:
-            if sum(self._held.values()) >= self._peak:
+            if self._total >= self._peak:
                 return {k: v for k, v in self._held.items() if v}
             return dict(self._peak_held)
 
     def reset_peak(self) -> None:
         with self._lock:
-            self._peak = sum(self._held.values())
+            self._peak = self._total
             self._peak_held = {k: v for k, v in self._held.items() if v}
 
     def empty(self, shape, dtype, tag: str) -> torch.Tensor:

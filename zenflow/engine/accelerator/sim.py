@@ -43,45 +43,58 @@ SIM_BANDWIDTH = 25e9
 SIM_LATENCY_S = 10e-6
 # Copy log entries kept for the overlap figure (a few steps' worth of pieces).
 _COPY_LOG = 4096
+# Registration and running of SimEvent completion hooks (strict mode only: rare).
+_HOOKS_LOCK = threading.Lock()
 
 
 class SimEvent:
-    """Completes when the copy engine has finished the copy."""
+    """Completes when the copy engine has finished the copy.
 
-    __slots__ = ("_done", "error", "device_ordered", "_hooks", "_lock")
+    Made for every copy on the training thread, so it is light: a bare lock held from
+    creation to completion (a waiter takes and gives it back) and a flag, not a
+    ``threading.Event`` (a condition and two locks built in Python). Completion hooks
+    (strict mode's guard) are registered and run under one module lock."""
+
+    __slots__ = ("_pending", "_complete", "error", "device_ordered", "_hooks")
 
     def __init__(self, device_ordered: bool = False) -> None:
-        self._done = threading.Event()
+        self._pending = threading.Lock()
+        self._pending.acquire()  # released by ``_set``: any thread may release a bare lock
+        self._complete = False
         self.error: BaseException | None = None
-        self._hooks: list = []  # run at completion, before any waiter wakes
-        self._lock = threading.Lock()
+        self._hooks: list | None = None  # run at completion, before any waiter wakes
         # lag mode's host->device copies: device work queued after them sees their values
         # (an in-order device stream), so a device-side wait need not block the host
         self.device_ordered = device_ordered
 
     def query(self) -> bool:
-        return self._done.is_set()
+        return self._complete
 
     def synchronize(self) -> None:
-        self._done.wait()
+        if not self._complete:
+            with self._pending:  # held until the copy completed
+                pass
         if self.error is not None:
             raise RuntimeError(f"sim copy engine failed: {self.error}") from self.error
 
     def on_complete(self, fn) -> None:
         """Run ``fn()`` at the instant the event completes, before a waiter can act on it
         (now, if it has completed)."""
-        with self._lock:
-            if not self._done.is_set():
+        with _HOOKS_LOCK:
+            if not self._complete:
+                if self._hooks is None:
+                    self._hooks = []
                 self._hooks.append(fn)
                 return
         fn()
 
     def _set(self) -> None:
-        with self._lock:
-            for fn in self._hooks:
+        with _HOOKS_LOCK:
+            for fn in self._hooks or ():
                 fn()
-            self._hooks = []
-            self._done.set()
+            self._hooks = None
+            self._complete = True
+        self._pending.release()
 
 
 class _CopyEngine:
