@@ -10,11 +10,10 @@ pieces, not once a piece). The training thread waits only before it lands a weig
 piece of a step, for the adds of that weight's previous step still reading its store
 (``wait_free``): the accumulator has the next step's whole forward and the backward up to
 that weight to finish them, and the host never copies a piece from one buffer into
-another. Other transfers (whole gradients, micro-batches summed
-on the host) land in a slot of the link's bounded pinned staging ring
-(``copies.StagingRing``) and are added from there, in order (``add``). A deferred add
-into a sum a host step still reads waits for that step (``wait``), without holding up the
-pieces behind it.
+another. Other transfers (whole gradients, micro-batches summed on the host) land in a
+slot of the link's bounded pinned staging ring (``copies.StagingRing``) and are added from
+there, in order (``add``). A deferred add into a sum a host step still reads waits for that
+step (``wait``), without holding up the pieces behind it.
 
 The accumulator and the window's host step (the CPU Adam on the worker) share the host's
 threads through ``CoreShare``: where the host has the cores the training thread does not need

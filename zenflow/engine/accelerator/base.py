@@ -162,7 +162,7 @@ class Accelerator:
         """Account ``t`` (a device tensor) under ``tag`` until it is freed (a weak reference
         whose callback unaccounts it: every streamed gradient is tracked, so this is kept
         light)."""
-        n = t.numel() * t.element_size()
+        n = _nbytes(t)
         self._account(tag, n)
         ref = weakref.ref(t, self._freed)
         self._tracked[id(ref)] = (ref, tag, n)
