@@ -145,8 +145,10 @@ def test_a_steps_lands_wake_the_thread_once_and_keep_their_order():
         acc.close()
 
 
-def test_wait_free_queues_the_held_lands_it_waits_for():
-    """A wait for a store whose lands are still held queues them (no one else might)."""
+def test_wait_free_queues_the_held_lands_it_waits_for(monkeypatch):
+    """A wait for a store whose lands are still held queues them (no one else might): at
+    once, not at its periodic poke (made rarer than the test's patience here)."""
+    monkeypatch.setattr("zenflow.engine.accumulator.POKE_S", 60.0)
     acc = Accumulator(_add, 1)
     gate = StepGate(None)  # a gate that wakes no one when set
     gate.set(1.0, False)
