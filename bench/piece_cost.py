@@ -223,6 +223,7 @@ def run(mode: str, args, reselect: bool = False, stack: Stack | None = None) -> 
         if mode == "zenflow":
             route = Timed(eng.impl, "route", meter, key=lambda spec, *a: spec.name)
             dev = Timed(eng.impl.device_step, "update", meter)
+        if mode == "zenflow" and stack is not None:
             # every gradient hook whole (the route, and around it the gradient's device
             # accounting and bookkeeping; the weights ZenFlow does not route too)
             hook = Timed(eng.stream, "_on_grad", meter)
@@ -254,9 +255,10 @@ def run(mode: str, args, reselect: bool = False, stack: Stack | None = None) -> 
                 (cpu, accel_s), (cpu_m, accel_m) = median_pair(v), mean_pair(v)
                 out["weights"].append({"pieces": pieces[k], "cpu_s": cpu, "accel_s": accel_s,
                                        "mean": {"cpu_s": cpu_m, "accel_s": accel_m}})  # fmt: skip
-            calls = hook.calls.get(None, [])
-            out["hooks_step_mean_s"] = (sum(c[0] for c in calls) / args.steps,
-                                        sum(c[1] for c in calls) / args.steps)  # fmt: skip
+            if hook is not None:
+                calls = hook.calls.get(None, [])
+                out["hooks_step_mean_s"] = (sum(c[0] for c in calls) / args.steps,
+                                            sum(c[1] for c in calls) / args.steps)  # fmt: skip
             out["device_step_s"] = median_pair(dev.calls[None])
             out["device_step_mean_s"] = mean_pair(dev.calls[None])
             out["weight_count"] = len(pieces)

@@ -62,7 +62,7 @@ class SimEvent:
         self._pending.acquire()  # released by ``_set``: any thread may release a bare lock
         self._complete = False
         self.error: BaseException | None = None
-        self._hooks: list | None = None  # run at completion, before any waiter wakes
+        self._hooks: list = []  # run at completion, before any waiter wakes
         # lag mode's host->device copies: device work queued after them sees their values
         # (an in-order device stream), so a device-side wait need not block the host
         self.device_ordered = device_ordered
@@ -82,17 +82,15 @@ class SimEvent:
         (now, if it has completed)."""
         with _HOOKS_LOCK:
             if not self._complete:
-                if self._hooks is None:
-                    self._hooks = []
                 self._hooks.append(fn)
                 return
         fn()
 
     def _set(self) -> None:
         with _HOOKS_LOCK:
-            for fn in self._hooks or ():
+            for fn in self._hooks:
                 fn()
-            self._hooks = None
+            self._hooks = []
             self._complete = True
         self._pending.release()
 
