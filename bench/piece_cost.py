@@ -50,6 +50,7 @@ pieces per weight (the engine's ``bucket_elems``).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -240,6 +241,10 @@ def run(mode: str, args, reselect: bool = False, stack: Stack | None = None) -> 
 
         for i in range(args.warmup):
             step(i)
+        # a full collection now, not one due mid-measurement: set-up leaves hundreds of
+        # thousands of objects (transformers, the model) whose first full collection after
+        # it takes 0.2 s on this CPU, once; a run's steady steps see none (docs/BENCHMARKS.md)
+        gc.collect()
         for t in (route, dev, hook):
             if t is not None:
                 t.on = True

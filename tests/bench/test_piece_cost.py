@@ -42,6 +42,30 @@ def test_the_bench_measures_a_sim_run(capsys):
     assert out["per_column"]["per_weight_device_step_us"] > 0
 
 
+def test_the_bench_collects_garbage_after_its_warm_up_not_in_its_measured_steps(
+    monkeypatch, capsys
+):
+    """A full collection due after set-up (0.2 s at 600k objects) must not land in a
+    measured step: the bench collects once, after the warm-up steps of each run."""
+    from zenflow import ZenFlowEngine
+
+    steps, at = [0], []
+    step = ZenFlowEngine.step
+
+    def counted(self, *a, **k):
+        steps[0] += 1
+        return step(self, *a, **k)
+
+    monkeypatch.setattr(ZenFlowEngine, "step", counted)
+    monkeypatch.setattr(pc.gc, "collect", lambda *a: at.append(steps[0]))
+    argv = ["--layers", "2", "--width", "64", "--warmup", "5", "--steps", "4",
+            "--piece-elems", "512", "--model", "gpt2", "--json"]  # fmt: skip
+    assert pc.main(argv) == 0
+    capsys.readouterr()
+    assert len(at) >= 3  # device AdamW, ZenFlow, ZenFlow re-selecting
+    assert [n % (5 + 4) for n in at] == [5] * len(at)  # each after its run's warm-up
+
+
 def test_the_bench_gives_gpu_check_one_result_line_and_refuses_part_windows(capsys):
     argv = ["--layers", "2", "--width", "64", "--warmup", "6", "--steps", "4",
             "--piece-elems", "512", "--model", "gpt2", "--result"]  # fmt: skip
