@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from pathlib import Path
 
 # huggingface_hub reads HF_HUB_OFFLINE once, at import: set it before anything imports it.
@@ -28,6 +29,25 @@ def _hf_offline(monkeypatch):
     """Every test runs offline: no test may reach the Hugging Face hub."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+
+
+@pytest.fixture
+def terminal_sigint():
+    """The processes this test starts take SIGINT as a terminal's job does. A suite started
+    as a background job (``pytest ... &``, nohup, a CI runner's shell) inherits SIGINT
+    ignored, and an ignored signal stays ignored through fork and exec. zfctl's --nproc
+    launcher leaves an ignored SIGINT alone, as Python itself does, so a test's Ctrl-C
+    would never reach it. While the test runs this process catches SIGINT instead, and a
+    caught signal is reset to its default action in a new program: what a terminal's job
+    has."""
+    if signal.getsignal(signal.SIGINT) != signal.SIG_IGN:
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 @pytest.fixture(scope="session")

@@ -218,6 +218,7 @@ def _zfctl_lines_only(err: str, *prefixes: str) -> None:
         assert line.startswith(prefixes), f"not zfctl's: {line!r}\n{err[-3000:]}"
 
 
+@pytest.mark.usefixtures("terminal_sigint")  # the test's Ctrl-C reaches the job
 @pytest.mark.parametrize("how", ["sigterm-to-the-launcher", "ctrl-c-to-the-group"], ids=lambda h: h)
 def test_a_stop_reaches_every_rank_and_their_lines_reach_the_user(
     tiny_gpt2_dir, data, tmp_path, how
@@ -314,6 +315,7 @@ def test_a_rank_killed_by_sigkill_is_named_with_its_signal(tiny_gpt2_dir, data, 
         assert f"The last good checkpoint, {ckpt}, is kept" in err
 
 
+@pytest.mark.usefixtures("terminal_sigint")  # the test's Ctrl-C reaches the job
 def test_ctrl_c_while_a_rank_waits_for_the_others_ends_the_job(tiny_gpt2_dir, data, tmp_path):
     """Ctrl-C while rank 0 waits in the rendezvous for rank 1 (frozen before it joins): the
     job ends at once with 130. That wait is in C++, where no KeyboardInterrupt is raised:

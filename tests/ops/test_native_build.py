@@ -180,6 +180,7 @@ def test_ctrl_c_asking_for_a_stop_does_not_break_the_build(tmp_path):
     assert not (flags / "got-sigint").exists(), "the compiler was in the terminal's group"
 
 
+@pytest.mark.usefixtures("terminal_sigint")  # the test's Ctrl-C reaches the job
 def test_ctrl_c_during_build_is_an_interruption_and_a_rebuild_works(tmp_path):
     flags, tree, root, env = _blocking_build(tmp_path)
     proc = _start_load(tree, env)
