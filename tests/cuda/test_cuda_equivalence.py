@@ -266,3 +266,22 @@ def test_per_column_batches_equal_the_reference_weight_by_weight():
         step = 2**-7 * b.float().abs() + 1e-6
         assert bool(((a.float() - b.float()).abs() <= step).all()), n
     record("per_column_batches", **diff(out[True], out[False]), per_column_weights=mixed[True])
+
+
+def test_clipping_in_place_is_the_per_gradient_multiplication():
+    """The clipping of what is still on the device: one foreach multiplication by the 0-d
+    fp32 coefficient for every gradient, against each gradient multiplied in fp32 and
+    rounded once (what ``grad.mul_(coef_t)`` gives), element-wise, in bf16, fp16 and fp32."""
+    from zenflow.engine.global_norm import clip_coefficient, clip_in_place
+
+    g = torch.Generator().manual_seed(0)
+    shapes = ((torch.bfloat16, 4099), (torch.float32, 37), (torch.float16, 5),
+              (torch.bfloat16, 1 << 20))  # fmt: skip
+    grads = [(torch.randn(n, generator=g) * 7.0).to(dtype).to(dev()) for dtype, n in shapes]
+    _, coef_t = clip_coefficient(1.0, 3.7, dev())
+    want = [(t.float() * coef_t).to(t.dtype) for t in grads]
+    plain = [t.clone().mul_(coef_t) for t in grads]
+    clip_in_place([*grads, None], coef_t)
+    for got, ref, one in zip(grads, want, plain, strict=True):
+        assert torch.equal(got, ref) and torch.equal(got, one), got.dtype
+    record("clipping_in_place_is_the_per_gradient_multiplication", tensors=len(grads))

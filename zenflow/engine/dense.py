@@ -56,6 +56,6 @@ def dense_update(dense: list[DenseState], hp: AdamHyper, fused: bool) -> None:
         adamw_fused_([x for _, x, _ in items], [g for _, _, g in items],
                      [d.exp_avg for d, _, _ in items], [d.exp_avg_sq for d, _, _ in items],
                      step, hp, fused=fused)  # fmt: skip
-        for d, _, _ in items:
-            if d.master is not None:
-                d.spec.param.data.copy_(d.master)
+        back = [(d.spec.param.data, d.master) for d, _, _ in items if d.master is not None]
+        if back:  # the updated masters into the weights, rounded: one foreach call
+            torch._foreach_copy_([p for p, _ in back], [m for _, m in back])

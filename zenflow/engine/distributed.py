@@ -84,9 +84,26 @@ def norms_of(tensors) -> list[torch.Tensor]:
     return [grad_norm(t) for t in tensors]
 
 
+# Off CUDA, torch takes a bf16/fp16 tensor's fp32 norm by converting the whole tensor into a
+# new fp32 one first. For a large gradient that is a fresh mapping, paid in page faults: a
+# 16M-element bf16 gradient took 35 ms on the project's CPU box, 7 ms in chunks of this
+# many elements (1 MiB of fp32 each, reused from the heap), and a tenth of every sim step
+# of a bf16 GPT-2 went to its norms (docs/BENCHMARKS.md). Chunks also accumulate in a
+# shorter chain: closer to the float64 norm, not further.
+NORM_CHUNK = 1 << 18
+
+
 def grad_norm(t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """The L2 norm of one gradient (or piece), accumulated in fp32: a 0-d fp32 tensor
-    (written into ``out``, a 0-d fp32 tensor, where given)."""
+    (written into ``out``, a 0-d fp32 tensor, where given). On a CPU-memory device (cpu,
+    sim) a low-precision tensor of more than ``NORM_CHUNK`` elements is taken in chunks: the
+    norm of the chunks' fp32 norms (one call on CUDA, whatever the size)."""
+    if (t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16)
+            and t.numel() > NORM_CHUNK and t.is_contiguous()):  # fmt: skip
+        flat = t.view(-1)
+        parts = [torch.linalg.vector_norm(flat[i : i + NORM_CHUNK], 2.0, dtype=torch.float32)
+                 for i in range(0, flat.numel(), NORM_CHUNK)]  # fmt: skip
+        t = torch.stack(parts)
     if out is not None:
         return torch.linalg.vector_norm(t, 2.0, dtype=torch.float32, out=out)
     return torch.linalg.vector_norm(t, 2.0, dtype=torch.float32)

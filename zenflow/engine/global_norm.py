@@ -104,3 +104,15 @@ def clip_coefficient(
         if coef < 1.0:  # a multiplication by exactly 1 changes nothing
             coef_t = torch.full((), coef, dtype=torch.float32, device=device)
     return coef, coef_t
+
+
+def clip_in_place(grads: list[torch.Tensor | None], coef_t: torch.Tensor) -> None:
+    """Scale the gradients of ``grads`` (None entries skipped) by ``coef_t``, a 0-d fp32
+    tensor on their device, in place: each element in fp32 and rounded once to its
+    gradient's dtype, exactly what ``grad.mul_(coef_t)`` does, but in one foreach call (on
+    CUDA a few kernel launches for all of them, not one a gradient: device AdamW clips
+    every gradient of the model here)."""
+    live = [g for g in grads if g is not None]
+    if live:
+        with torch.no_grad():
+            torch._foreach_mul_(live, coef_t)

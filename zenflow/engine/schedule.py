@@ -62,7 +62,7 @@ from zenflow.engine.engine_setup import (
     trainable_specs,
     zenflow_settings,
 )
-from zenflow.engine.global_norm import clip_coefficient, global_norm, read_step
+from zenflow.engine.global_norm import clip_coefficient, clip_in_place, global_norm, read_step
 from zenflow.engine.host import resolve_kernel
 from zenflow.engine.selection import DEFAULT_MIN_NUMEL
 from zenflow.engine.stats import StepStats
@@ -447,9 +447,7 @@ class ZenFlowEngine:
         masses, and the mode's optimizer step."""
         try:
             if coef_t is not None:  # what is still on the device is clipped in place
-                for s in self.specs:
-                    if s.param.grad is not None:
-                        s.param.grad.detach().mul_(coef_t)  # in fp32, rounded once
+                clip_in_place([s.param.grad for s in self.specs], coef_t)
             if auto_vals and hasattr(self.impl, "auto_update"):
                 self.impl.auto_update(auto_vals, coef)
             with torch.no_grad():
