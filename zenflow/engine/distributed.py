@@ -91,6 +91,7 @@ def norms_of(tensors) -> list[torch.Tensor]:
 # of a bf16 GPT-2 went to its norms (docs/BENCHMARKS.md). Chunks also accumulate in a
 # shorter chain: closer to the float64 norm, not further.
 NORM_CHUNK = 1 << 18
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 def grad_norm(t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -98,8 +99,8 @@ def grad_norm(t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     (written into ``out``, a 0-d fp32 tensor, where given). On a CPU-memory device (cpu,
     sim) a low-precision tensor of more than ``NORM_CHUNK`` elements is taken in chunks: the
     norm of the chunks' fp32 norms (one call on CUDA, whatever the size)."""
-    if (t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16)
-            and t.numel() > NORM_CHUNK and t.is_contiguous()):  # fmt: skip
+    # the cheapest test first: every gradient hook calls this
+    if t.numel() > NORM_CHUNK and t.dtype in _LOW_PRECISION and t.is_cpu and t.is_contiguous():
         flat = t.view(-1)
         parts = [torch.linalg.vector_norm(flat[i : i + NORM_CHUNK], 2.0, dtype=torch.float32)
                  for i in range(0, flat.numel(), NORM_CHUNK)]  # fmt: skip
