@@ -86,10 +86,11 @@ def norms_of(tensors) -> list[torch.Tensor]:
 
 # Off CUDA, torch takes a bf16/fp16 tensor's fp32 norm by converting the whole tensor into a
 # new fp32 one first. For a large gradient that is a fresh mapping, paid in page faults: a
-# 16M-element bf16 gradient took 35 ms on the project's CPU box, 7 ms in chunks of this
-# many elements (1 MiB of fp32 each, reused from the heap), and a tenth of every sim step
-# of a bf16 GPT-2 went to its norms (docs/BENCHMARKS.md). Chunks also accumulate in a
-# shorter chain: closer to the float64 norm, not further.
+# 16M-element bf16 gradient took 34 ms on the project's CPU box (the conversion alone 31,
+# into a reused buffer 3), 8 ms in chunks of this many elements (1 MiB of fp32 each, reused
+# from the heap), and 8-12% of a sim step of a bf16 GPT-2 went to its norms
+# (docs/BENCHMARKS.md). Chunks also accumulate in a shorter chain: closer to the float64
+# norm, not further.
 NORM_CHUNK = 1 << 18
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
