@@ -108,11 +108,26 @@ def clip_coefficient(
 
 def clip_in_place(grads: list[torch.Tensor | None], coef_t: torch.Tensor) -> None:
     """Scale the gradients of ``grads`` (None entries skipped) by ``coef_t``, a 0-d fp32
-    tensor on their device, in place: each element in fp32 and rounded once to its
-    gradient's dtype, exactly what ``grad.mul_(coef_t)`` does, but in one foreach call (on
-    CUDA a few kernel launches for all of them, not one a gradient: device AdamW clips
-    every gradient of the model here)."""
+    tensor on their device, in place, with the values ``grad.mul_(coef_t)`` gives one
+    gradient at a time, in as few launches as torch allows:
+
+    - off CUDA a 0-d tensor is a scalar kept in fp32: each element in fp32, rounded once
+      (one foreach call);
+    - on CUDA ``mul_`` reads a 0-d fp32 tensor beside a bf16/fp16 gradient as that dtype
+      (its dynamic cast), and torch's foreach multiplication takes its fast path (a few
+      launches for the whole list) only when the scalar tensor's dtype is the list's: so
+      one call per dtype, the coefficient in that dtype, the same values as ``mul_``.
+      Device AdamW clips every gradient of the model here (291 at 7B), ZenFlow its
+      selected columns (226 weights) and the always-important parameters."""
     live = [g for g in grads if g is not None]
-    if live:
-        with torch.no_grad():
+    if not live:
+        return
+    with torch.no_grad():
+        if coef_t.device.type != "cuda":
             torch._foreach_mul_(live, coef_t)
+            return
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for g in live:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        for dtype, same in by_dtype.items():
+            torch._foreach_mul_(same, coef_t if dtype == coef_t.dtype else coef_t.to(dtype))

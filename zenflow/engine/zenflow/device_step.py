@@ -18,6 +18,7 @@ from zenflow.engine.device_adam import (
     adamw_fused_,
     column_factor_views,
 )
+from zenflow.engine.global_norm import clip_in_place
 from zenflow.engine.host import ColumnSteps
 from zenflow.engine.zenflow.state import ZfWeight
 
@@ -57,8 +58,8 @@ class DeviceStep:
         groups: dict[int | None, list[ZfWeight]] = {}
         weights = self.m.zweights
         if not self.m.zero_copy and coef_t is not None and weights:
-            # fp32 coefficient, rounded once (one foreach call: one launch, not one a weight)
-            torch._foreach_mul_([w.grad_sel for w in weights], coef_t)
+            # mul_'s values, in a few launches for all the weights (``clip_in_place``)
+            clip_in_place([w.grad_sel for w in weights], coef_t)
         ColumnSteps.increment_all([w.steps_dev for w in weights])
         for w in weights:  # None: per-column counts
             groups.setdefault(w.steps_dev.uniform, []).append(w)
