@@ -36,11 +36,10 @@ def terminal_sigint():
     """The processes this test starts take SIGINT as a terminal's job does. A suite started
     as a background job by a shell without job control (``pytest ... &`` in a script, some
     CI runners) inherits SIGINT ignored, and an ignored signal stays ignored through fork
-    and exec. zfctl's --nproc
-    launcher leaves an ignored SIGINT alone, as Python itself does, so a test's Ctrl-C
-    would never reach it. While the test runs this process catches SIGINT instead, and a
-    caught signal is reset to its default action in a new program: what a terminal's job
-    has."""
+    and exec. zfctl's --nproc launcher leaves an ignored SIGINT alone, as Python itself
+    does, so a test's Ctrl-C would never reach it. While the test runs this process catches
+    SIGINT instead, and a caught signal is reset to its default action in a new program:
+    what a terminal's job has."""
     if signal.getsignal(signal.SIGINT) != signal.SIG_IGN:
         yield
         return
