@@ -194,12 +194,26 @@ class Stack:
         return model(input_ids=batch, labels=batch).loss
 
 
-def run(mode: str, args, reselect: bool = False, stack: Stack | None = None) -> dict:
+class NoMeter:
+    """``AccelMeter``'s fields without its wrappers: the accelerator's calls untimed."""
+
+    def __init__(self, accel):
+        self.cpu_ns = 0
+        self.calls: dict[str, int] = dict.fromkeys(ACCEL_CALLS, 0)
+
+
+def run(
+    mode: str, args, reselect: bool = False, stack: Stack | None = None, metered: bool = True
+) -> dict:
     """Steady steps of ``mode`` (after warm-up and the first selection; ``reselect``: after
     re-selections too, so that selected columns carry their own step counts): the training
     thread's CPU per step, and for ZenFlow per weight route and per device step, each as
     (all, in the accelerator's calls). ``stack``: on that scaled layer stack (its LM head),
-    else on the GPT-2 of ``--layers`` x ``--width`` (a classifier)."""
+    else on the GPT-2 of ``--layers`` x ``--width`` (a classifier). ``metered`` False: the
+    accelerator's calls and the routes are not timed (each timer is two reads of the
+    thread's CPU clock, a system call: 0.4 us here, a few ms a 7B step in all), so the step,
+    the hooks and the device step are timed with nothing else inside them; the accelerator's
+    part reads 0 and there are no per-weight routes."""
     kw = {}
     if stack is None:
         model = bench_engine.build_model(args.layers, args.width, args.vocab, head="cls")
@@ -215,14 +229,15 @@ def run(mode: str, args, reselect: bool = False, stack: Stack | None = None) -> 
         batches = [b.cuda() for b in batches]
     cfg = config(mode == "zenflow", max(2, args.warmup // 3) if reselect else 1000)
     accel = make_accelerator(args.device)
-    meter = AccelMeter(accel)
+    meter = (AccelMeter if metered else NoMeter)(accel)
     if piece_elems:
         kw["bucket_elems"] = piece_elems
     with ZenFlowEngine(model, cfg, mode=mode, accelerator=accel, **kw) as eng:
         torch.set_num_threads(1)
         route = dev = hook = None
         if mode == "zenflow":
-            route = Timed(eng.impl, "route", meter, key=lambda spec, *a: spec.name)
+            if metered:
+                route = Timed(eng.impl, "route", meter, key=lambda spec, *a: spec.name)
             dev = Timed(eng.impl.device_step, "update", meter)
         if mode == "zenflow" and stack is not None:
             # every gradient hook whole (the route, and around it the gradient's device
@@ -256,7 +271,7 @@ def run(mode: str, args, reselect: bool = False, stack: Stack | None = None) -> 
         if mode == "zenflow":
             pieces = {w.spec.name: len(w.pieces) for w in eng.impl.zweights}
             out["weights"] = []
-            for k, v in route.calls.items():
+            for k, v in (route.calls if route is not None else {}).items():
                 (cpu, accel_s), (cpu_m, accel_m) = median_pair(v), mean_pair(v)
                 out["weights"].append({"pieces": pieces[k], "cpu_s": cpu, "accel_s": accel_s,
                                        "mean": {"cpu_s": cpu_m, "accel_s": accel_m}})  # fmt: skip
@@ -320,10 +335,12 @@ def measure_stack(args, model_bucket: int | None = None, device: bool = True) ->
     """ZenFlow (and, with ``device``, device AdamW) on ``--model``'s layer stack at
     ``--stack-width`` (``Stack``; ``model_bucket``: the model's bucket in elements, default
     the engine's rule): the training thread's CPU a step in the gradient hooks (whole:
-    the route, the gradient's accounting and bookkeeping; ``route_ms`` the route alone) and
-    the device step, all of it and the engine's own, as the mean over whole windows,
-    measured on the model's own weights and pieces (no fit). None with ``--stack-width
-    0``."""
+    the route, the gradient's accounting and bookkeeping) and the device step, all of it
+    and the engine's own, as the mean over whole windows, measured on the model's own
+    weights and pieces (no fit). Two runs: one that times only the step, the hooks and the
+    device step (the figures), and a metered one for the accelerator's part (the engine's
+    own is the first run's less it) and the routes alone (``metered``: its own figures,
+    each with its timers' cost inside). None with ``--stack-width 0``."""
     if not args.stack_width:
         return None
     try:
@@ -333,24 +350,33 @@ def measure_stack(args, model_bucket: int | None = None, device: bool = True) ->
     from zenflow.hardware.layout import Settings
     from zenflow.hardware.predict import pieces
 
-    zen = run("zenflow", args, stack=stack)
-    route = sum(w["mean"]["cpu_s"] for w in zen["weights"])
-    hooks, hooks_accel = zen["hooks_step_mean_s"]
-    dev, dev_accel = zen["device_step_mean_s"]
+    zen = run("zenflow", args, stack=stack, metered=False)  # the figures: nothing else timed
+    split = run("zenflow", args, stack=stack)  # the accelerator's part and the routes
+    hooks, dev = zen["hooks_step_mean_s"][0], zen["device_step_mean_s"][0]
+    accel = split["hooks_step_mean_s"][1] + split["device_step_mean_s"][1]
     ms = lambda s: s * 1e3  # noqa: E731
     B = stack.model_bucket
     out = {
         "model": args.model, "width": args.stack_width, "factor": stack.factor,
         "model_bucket_elements": B, "bucket_elements": stack.bucket_elems,
-        "weights": zen["weight_count"], "pieces": sum(w["pieces"] for w in zen["weights"]),
+        "weights": zen["weight_count"], "pieces": sum(w["pieces"] for w in split["weights"]),
         "model_weights": len(stack.census.zenflow_weights),
         "model_pieces": pieces(stack.census, Settings(bf16=True, topk_ratio=TOPK), B),
-        "hooks_ms": ms(hooks), "route_ms": ms(route), "device_step_ms": ms(dev),
-        "cpu_ms": ms(hooks + dev), "engine_cpu_ms": ms(hooks + dev - hooks_accel - dev_accel),
+        "hooks_ms": ms(hooks), "device_step_ms": ms(dev), "cpu_ms": ms(hooks + dev),
+        # less the accelerator's calls, timed in the metered run (each with about one read
+        # of the clock inside it: the engine's own is, if anything, understated by that)
+        "engine_cpu_ms": ms(hooks + dev - accel),
         "step_cpu_ms": {"zenflow": ms(zen["step_cpu_mean_s"][0])},
+        # the metered run's own figures: every accelerator call and route timed too
+        "metered": {
+            "route_ms": ms(sum(w["mean"]["cpu_s"] for w in split["weights"])),
+            "hooks_ms": ms(split["hooks_step_mean_s"][0]), "accel_ms": ms(accel),
+            "cpu_ms": ms(split["hooks_step_mean_s"][0] + split["device_step_mean_s"][0]),
+        },
     }  # fmt: skip
     if device:
-        out["step_cpu_ms"]["device"] = ms(run("device", args, stack=stack)["step_cpu_mean_s"][0])
+        dev_run = run("device", args, stack=stack, metered=False)
+        out["step_cpu_ms"]["device"] = ms(dev_run["step_cpu_mean_s"][0])
     return out
 
 

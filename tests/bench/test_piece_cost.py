@@ -130,7 +130,25 @@ def test_the_bench_measures_a_llama_stack(capsys):
     # may round one apart (llama-7b's stack matches exactly, above)
     assert st["weights"] == st["model_weights"] == 113
     assert abs(st["pieces"] - st["model_pieces"]) <= 1
-    # the hooks timed whole: the route is part of them
-    assert st["hooks_ms"] > st["route_ms"] > 0 and st["device_step_ms"] > 0
-    assert 0 < st["engine_cpu_ms"] < st["cpu_ms"]
+    # the hooks timed whole: the route is part of them (in the metered run, which times it)
+    assert st["metered"]["hooks_ms"] > st["metered"]["route_ms"] > 0
+    assert st["hooks_ms"] > 0 and st["device_step_ms"] > 0 and st["metered"]["accel_ms"] > 0
+    assert 0 < st["engine_cpu_ms"] < st["cpu_ms"] == st["hooks_ms"] + st["device_step_ms"]
     assert st["step_cpu_ms"]["zenflow"] > st["step_cpu_ms"]["device"] > 0
+
+
+def test_an_unmetered_run_leaves_the_accelerators_calls_untimed(monkeypatch):
+    """The figures' run times the step, the hooks and the device step and nothing inside
+    them: the accelerator's calls stay its own methods (a metered run wraps them)."""
+    made, real = [], pc.make_accelerator
+    monkeypatch.setattr(pc, "make_accelerator", lambda name: made.append(real(name)) or made[-1])
+    args = SimpleNamespace(layers=1, width=32, vocab=64, seq=4, piece_elems=None, warmup=4,
+                           steps=4, device="sim")  # fmt: skip
+    for metered in (False, True):
+        out = pc.run("zenflow", args, metered=metered)
+        accel = made[-1]
+        own = all(getattr(getattr(accel, n), "__func__", None) is getattr(type(accel), n)
+                  for n in pc.ACCEL_CALLS)  # fmt: skip
+        assert own is not metered
+        assert (out["weights"] == []) is not metered
+        assert (sum(out["accel_calls_per_step"].values()) == 0) is not metered

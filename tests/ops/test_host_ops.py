@@ -167,6 +167,29 @@ def test_accumulate_matches_reference(native, numel, src_dtype, overwrite):
     assert sq == pytest.approx(float(got.double().square().sum()), rel=1e-6)
 
 
+@pytest.mark.parametrize("offset", [0, 1, 5, 15])
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])
+def test_accumulate_streamed_overwrite_matches_reference(native, offset, src_dtype):
+    """A window's first sum of 2^18 elements or more is written with non-temporal stores
+    (scalar stores up to the vector alignment): bit for bit the reference, at every start
+    a piece's place in a window sum can have, on every thread count, and not one element
+    outside it written."""
+    numel = (1 << 18) + 4099  # blocks of 64K, a partial last one, a tail off the vector
+    gen = torch.Generator().manual_seed(offset)
+    src = torch.randn(numel, generator=gen)
+    src[:6] = torch.tensor([float("inf"), float("-inf"), float("nan"), -0.0, 1e-40, 3e38])
+    src = src.to(src_dtype)
+    want = torch.full((numel,), 7.0)
+    accumulate_reference_(want, src, 0.37, True)
+    for threads in THREADS:
+        buf = torch.full((numel + 32,), -3.0)
+        got = buf[offset : offset + numel]
+        assert accumulate_(got, src, 0.37, True, num_threads=threads) == 0.0
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))  # NaN's bits too
+        outside = torch.cat([buf[:offset], buf[offset + numel :]])
+        assert torch.equal(outside, torch.full_like(outside, -3.0))
+
+
 def test_accumulate_unit_scale_is_the_exact_sum(native):
     """scale 1: the window sum equals torch's fp32 add exactly."""
     gen = torch.Generator().manual_seed(0)
