@@ -171,9 +171,9 @@ def test_accumulate_matches_reference(native, numel, src_dtype, overwrite):
 @pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])
 def test_accumulate_streamed_overwrite_matches_reference(native, offset, src_dtype):
     """A window's first sum of 2^18 elements or more is written with non-temporal stores
-    (scalar stores up to the vector alignment): bit for bit the reference, at every start
-    a piece's place in a window sum can have, on every thread count, and not one element
-    outside it written."""
+    (scalar stores up to the vector alignment): bit for bit the reference, aligned and at
+    starts 1, 5 and 15 elements off (a piece's place in a window sum starts anywhere), on
+    1-3 threads, and not one element outside it written."""
     numel = (1 << 18) + 4099  # blocks of 64K, a partial last one, a tail off the vector
     gen = torch.Generator().manual_seed(offset)
     src = torch.randn(numel, generator=gen)
