@@ -98,12 +98,12 @@ TOPK = 0.1  # the config's topk_ratio (--topk-ratio sets the fitted at-scale fig
 
 class AccelMeter:
     """Wraps the accelerator's calls to add their thread CPU time to ``cpu_ns`` and count
-    them in ``calls`` (by name)."""
+    them in ``calls`` (by name); ``wrap`` False: leaves them untimed (both stay 0)."""
 
-    def __init__(self, accel):
+    def __init__(self, accel, wrap: bool = True):
         self.cpu_ns = 0
         self.calls: dict[str, int] = dict.fromkeys(ACCEL_CALLS, 0)
-        for name in ACCEL_CALLS:
+        for name in ACCEL_CALLS if wrap else ():
             setattr(accel, name, self._wrap(name, getattr(accel, name)))
 
     def _wrap(self, name, inner):
@@ -194,14 +194,6 @@ class Stack:
         return model(input_ids=batch, labels=batch).loss
 
 
-class NoMeter:
-    """``AccelMeter``'s fields without its wrappers: the accelerator's calls untimed."""
-
-    def __init__(self, accel):
-        self.cpu_ns = 0
-        self.calls: dict[str, int] = dict.fromkeys(ACCEL_CALLS, 0)
-
-
 def run(
     mode: str, args, reselect: bool = False, stack: Stack | None = None, metered: bool = True
 ) -> dict:
@@ -229,7 +221,7 @@ def run(
         batches = [b.cuda() for b in batches]
     cfg = config(mode == "zenflow", max(2, args.warmup // 3) if reselect else 1000)
     accel = make_accelerator(args.device)
-    meter = (AccelMeter if metered else NoMeter)(accel)
+    meter = AccelMeter(accel, wrap=metered)
     if piece_elems:
         kw["bucket_elems"] = piece_elems
     with ZenFlowEngine(model, cfg, mode=mode, accelerator=accel, **kw) as eng:
