@@ -11,13 +11,17 @@ the same settings (``zenflow.hardware.preflight``, what ``zfctl finetune``'s pre
 computes for a sim run, the runtime included) with measured / estimate; then, per host
 state, the slope in bytes per parameter between the two models (the process's constant
 part - Python, torch, the data - cancels). ``--set`` adds config overrides to every run
-(e.g. ``--set gradient_clipping=0 --set zfctl.step_store=off``). Each run's checkpoints
+(e.g. ``--set gradient_clipping=0 --set zfctl.step_store=off``). ``--heap`` loads
+``bench/heap_probe`` into each run (a sampler of its RSS and glibc's ``mallinfo2``) and
+adds the C heap's free bytes at the peak RSS and the live host peak (the largest RSS less
+them, less the device's peak) with its slope: where the bytes beyond the engine's are,
+not a replacement for the host peak. Each run's checkpoints
 and model are deleted once read (summary.json stays). Owns nothing else; must not run
 the engine itself (it measures the CLI, as a user runs it; the estimate is
 ``zenflow.hardware``'s, which reads the model's config only).
 
     .venv/bin/python bench/host_memory.py [--models gpt2 gpt2-medium] [--states exact compact]
-        [--steps 8] [--set KEY=VALUE ...] [--out DIR]
+        [--steps 8] [--set KEY=VALUE ...] [--out DIR] [--heap]
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ZFCTL = ROOT / ".venv" / "bin" / "zfctl"
+PROBE = ROOT / "bench" / "heap_probe"  # its sitecustomize.py samples RSS and the C heap
 
 # k = 0.1, two-step windows, a re-selection every 4 steps (at the window end of step 4),
 # a checkpoint every 3 steps, an evaluation every 4 (on 32 samples), fp32 on sim
@@ -59,8 +64,24 @@ def estimated_peak(model: str, settings: list[str]) -> int:
     return est.engines["zenflow"].host_peak_bytes
 
 
-def run_one(model: str, state: str, steps: int, out: Path, extra: list[str]) -> dict:
-    """One ``zfctl finetune`` under /usr/bin/time -v -> its figures."""
+def probe_env(run_dir: Path) -> dict:
+    """The environment of a run with ``heap_probe`` loaded (``--heap``)."""
+    path = os.pathsep.join(p for p in (str(PROBE), os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": path, "ZF_HEAP_PROBE_OUT": str(run_dir / "heap_probe.json")}
+
+
+def heap_figures(run_dir: Path, device_peak: int) -> dict:
+    """The probe's figures of a run: the heap's free bytes at its peak RSS, and the live
+    host peak (the largest RSS less those free bytes, less the device's peak)."""
+    probe = json.loads((run_dir / "heap_probe.json").read_text())
+    return {"probe_rss_peak": probe["rss_peak"], "free_at_peak": probe["free_at_peak"],
+            "live_host_peak": probe["live_peak"] - device_peak}  # fmt: skip
+
+
+def run_one(model: str, state: str, steps: int, out: Path, extra: list[str],
+            heap: bool = False) -> dict:  # fmt: skip
+    """One ``zfctl finetune`` under /usr/bin/time -v -> its figures (``heap``: with
+    ``heap_probe`` loaded, and its figures)."""
     run_dir = out / f"{model}-{state}"
     settings = SETTINGS + [f"zfctl.host_state={state}"] + extra
     sets = [a for s in settings for a in ("--set", s)]
@@ -70,6 +91,8 @@ def run_one(model: str, state: str, steps: int, out: Path, extra: list[str]) -> 
            "--eval-every", "4", "--max-eval-samples", "32", "--run-dir", str(run_dir),
            "--overwrite", "--no-dashboard", "--force", *sets]  # fmt: skip
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    if heap:
+        env.update(probe_env(run_dir))
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stderr[-3000:]}")
@@ -80,7 +103,7 @@ def run_one(model: str, state: str, steps: int, out: Path, extra: list[str]) -> 
     params = int(summary["params"])
     device_peak = int(summary.get("device_peak_bytes") or
                       summary["device_peak_bytes_per_param"] * params)  # fmt: skip
-    return {
+    row = {
         "model": model, "state": state, "params": params, "rss_peak": rss_kb * 1024,
         "device_peak": device_peak, "host_peak": rss_kb * 1024 - device_peak,
         "engine_host_peak": summary.get("host_peak_bytes"),
@@ -88,6 +111,7 @@ def run_one(model: str, state: str, steps: int, out: Path, extra: list[str]) -> 
         "estimate": estimated_peak(model, settings),
         "command": " ".join(cmd[2:]),
     }  # fmt: skip
+    return row | (heap_figures(run_dir, device_peak) if heap else {})
 
 
 def slope(rows: list[dict], key: str) -> float | None:
@@ -120,6 +144,25 @@ def table(rows: list[dict]) -> str:
         s3 = slope(mine, "estimate")
         fmt = lambda v: "-" if v is None else f"{v:.2f} B/param"  # noqa: E731
         lines.append(f"| {state} | {fmt(s1)} | {fmt(s2)} | {fmt(s3)} |")
+    if all("free_at_peak" in r for r in rows):
+        lines += ["", heap_table(rows)]
+    return "\n".join(lines)
+
+
+def heap_table(rows: list[dict]) -> str:
+    """``--heap``: the C heap's free bytes at the peak RSS, and the live host peak with its
+    slope (beside the host peak's, which stays the measurement)."""
+    gib = 2**30
+    lines = ["| model | host state | probe's RSS peak | heap free at it | live host peak "
+             "(RSS - free heap - device) |", "|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['state']} | {r['probe_rss_peak'] / gib:.2f} GiB | "
+                     f"{r['free_at_peak'] / gib:.2f} GiB | "
+                     f"{r['live_host_peak'] / gib:.2f} GiB |")  # fmt: skip
+    lines += ["", "| host state | slope of the live host peak |", "|---|---|"]
+    for state in sorted({r["state"] for r in rows}):
+        s = slope([r for r in rows if r["state"] == state], "live_host_peak")
+        lines.append(f"| {state} | {'-' if s is None else f'{s:.2f} B/param'} |")
     return "\n".join(lines)
 
 
@@ -137,12 +180,15 @@ def main(argv: list[str] | None = None) -> None:
         help="a config override for every run (repeatable)",
     )
     ap.add_argument("--out", type=Path, default=Path("/tmp/zfctl-host-memory"))
+    ap.add_argument("--heap", action="store_true",
+                    help="also sample each run's C heap (bench/heap_probe): its free bytes "
+                    "at the peak RSS, and the live host peak")  # fmt: skip
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     for state in args.states:
         for model in args.models:
-            rows.append(run_one(model, state, args.steps, args.out, args.extra))
+            rows.append(run_one(model, state, args.steps, args.out, args.extra, args.heap))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     (args.out / "results.json").write_text(json.dumps(rows, indent=1))
     print(table(rows))
