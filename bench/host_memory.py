@@ -93,6 +93,7 @@ def run_one(model: str, state: str, steps: int, out: Path, extra: list[str],
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     if heap:
         env.update(probe_env(run_dir))
+        (run_dir / "heap_probe.json").unlink(missing_ok=True)  # never an earlier run's
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stderr[-3000:]}")

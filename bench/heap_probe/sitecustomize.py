@@ -10,9 +10,11 @@ daemon thread samples, every ``ZF_HEAP_PROBE_MS`` (2) milliseconds, the process'
   (``fordblks - keepcost``: freed memory the heap keeps, resident, that no tensor holds);
 - ``live_peak``: the largest RSS less those free bytes over the samples (what the
   process's live allocations, its code and its mappings held at most);
-- ``samples``.
+- ``samples``, and ``pid``.
 
-Owns nothing of zfctl: it measures the process it runs in, and touches nothing else.
+Only the first process that loads it measures: it sets ``ZF_HEAP_PROBE_PID``, and the
+Python processes it starts (which inherit ``PYTHONPATH``) see another pid there and stay
+out. Owns nothing of zfctl: it measures the process it runs in, and touches nothing else.
 Does nothing without ``ZF_HEAP_PROBE_OUT`` or off glibc.
 """
 
@@ -41,7 +43,8 @@ def _start(out: str) -> None:
         return
     page = os.sysconf("SC_PAGE_SIZE")
     every = float(os.environ.get("ZF_HEAP_PROBE_MS", "2")) / 1e3
-    state = {"rss_peak": 0, "free_at_peak": 0, "live_peak": 0, "samples": 0}
+    state = {"rss_peak": 0, "free_at_peak": 0, "live_peak": 0, "samples": 0,
+             "pid": os.getpid()}  # fmt: skip
     lock = threading.Lock()
 
     def sample() -> None:
@@ -69,5 +72,7 @@ def _start(out: str) -> None:
     atexit.register(write)
 
 
-if os.environ.get("ZF_HEAP_PROBE_OUT"):
+if os.environ.get("ZF_HEAP_PROBE_OUT") and os.environ.setdefault(
+    "ZF_HEAP_PROBE_PID", str(os.getpid())
+) == str(os.getpid()):
     _start(os.environ["ZF_HEAP_PROBE_OUT"])

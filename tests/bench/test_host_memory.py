@@ -32,6 +32,7 @@ time.sleep(0.3)
 
 def run_child(tmp_path: Path, code: str) -> dict:
     env = dict(os.environ) | hm.probe_env(tmp_path)
+    env.pop("ZF_HEAP_PROBE_PID", None)
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
     return json.loads((tmp_path / "heap_probe.json").read_text())
 
@@ -59,6 +60,22 @@ def test_the_live_peak_is_the_rss_less_the_free_heap_less_the_device(tmp_path):
          "live_host_peak": 4000},
     ]  # fmt: skip
     assert "| exact | 15.00 B/param |" in hm.heap_table(rows)
+
+
+def test_only_the_first_process_measures(tmp_path):
+    # the child starts a Python grandchild, which inherits PYTHONPATH and the variables:
+    # the grandchild runs no sampler, and the file is the child's
+    grandchild = "import threading; print('heap-probe' in [t.name for t in threading.enumerate()])"
+    code = ("import os, subprocess, sys; "
+            f"g = subprocess.run([sys.executable, '-c', {grandchild!r}], check=True, "
+            "capture_output=True, text=True); print(g.stdout.strip(), os.getpid())")  # fmt: skip
+    env = dict(os.environ) | hm.probe_env(tmp_path)
+    env.pop("ZF_HEAP_PROBE_PID", None)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       check=True, timeout=60)  # fmt: skip
+    sampled, pid = r.stdout.split()
+    assert sampled == "False"
+    assert json.loads((tmp_path / "heap_probe.json").read_text())["pid"] == int(pid)
 
 
 def test_without_its_variable_the_probe_does_nothing(tmp_path):
