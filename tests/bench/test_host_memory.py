@@ -15,7 +15,9 @@ from bench import host_memory as hm
 
 # 400 blocks of 64 KiB (below glibc's 128 KiB mmap threshold: they come from the heap), every
 # other one freed: half of them are free and resident, held between live neighbours, so
-# the heap cannot trim them; then a wait long enough for several samples
+# the heap cannot trim them. Then 16 MiB more, written (above the threshold: a mapping of
+# its own, outside the heap's free bytes), so that the peak RSS comes after the frees
+# whenever the sampler runs; then a wait long enough for several samples.
 CHILD = """
 import ctypes, time
 libc = ctypes.CDLL("libc.so.6")
@@ -26,6 +28,8 @@ for b in blocks:
     ctypes.memset(b, 1, 65536)
 for b in blocks[::2]:
     libc.free(b)
+time.sleep(0.05)
+late = b"\\x01" * (16 << 20)
 time.sleep(0.3)
 """
 
