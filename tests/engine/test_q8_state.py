@@ -99,3 +99,27 @@ def test_moments_through_fp32_hold_two_arrays_and_keep_the_codes(kernel, monkeyp
         assert max(sizes, default=0) <= 8 * 4096
     for k, t in st.moment_tensors().items():  # a round trip gives the same codes
         assert torch.equal(t, codes[k]), k
+
+
+def test_the_fp32_moments_are_counted_in_the_host_peak_while_they_live():
+    """With an accelerator, the moments' fp32 arrays (a re-layout's, the first selection's)
+    are accounted as ``moments_fp32`` while they live: the run's host peak has them (the
+    estimate's 8 N of a weight), and they leave the held bytes when freed."""
+    from zenflow.engine.accelerator import CpuAccelerator
+
+    accel = CpuAccelerator()
+    kernels = resolve_kernel("reference")
+    shape = (64, 300)
+    st = Q8HostState.empty(accel, shape, shape[1], False, kernels)
+    steady = accel.host_peak_bytes()
+    assert "moments_fp32" not in accel.host_held()
+    m, v = st.moments_fp32()
+    assert accel.host_held()["moments_fp32"] == 2 * 4 * m.numel()
+    assert accel.host_peak_bytes() == steady + 8 * m.numel()
+    st.set_moments(m, v)  # consumes them
+    del m, v
+    assert "moments_fp32" not in accel.host_held()
+    t = st.fp32_array((5, 7))  # the first selection's targets take the same way
+    assert accel.host_held()["moments_fp32"] == 4 * 35
+    del t
+    assert "moments_fp32" not in accel.host_held()

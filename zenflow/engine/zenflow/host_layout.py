@@ -178,9 +178,9 @@ def new_compact(w, mode) -> HostState | Q8HostState:
 
 def _moment_targets(new, shape) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 arrays to fill with the new layout's moments: the new arrays themselves
-    (exact), or temporaries quantised by ``_commit`` (8-bit)."""
+    (exact), or temporaries quantised by ``_commit`` (8-bit, accounted while they live)."""
     if hasattr(new, "set_moments"):
-        return torch.empty(shape, dtype=torch.float32), torch.empty(shape, dtype=torch.float32)
+        return new.fp32_array(shape), new.fp32_array(shape)
     return new.exp_avg, new.exp_avg_sq
 
 

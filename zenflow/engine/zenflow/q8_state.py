@@ -36,9 +36,12 @@ MOMENT_KEYS = ("m_codes", "m_scales", "u_codes", "u_scales")
 
 class Q8HostState:
     """The compact host state of one weight with 8-bit moments (see the module docstring).
-    ``kernels``: the ``HostKernels`` whose (de)quantisation it uses."""
+    ``kernels``: the ``HostKernels`` whose (de)quantisation it uses; ``accel``: the
+    accelerator that accounts its fp32 temporaries (``fp32_array``), if any."""
 
-    def __init__(self, master: torch.Tensor, moments: dict, steps: ColumnSteps, kernels):
+    def __init__(
+        self, master: torch.Tensor, moments: dict, steps: ColumnSteps, kernels, accel=None
+    ):
         self.master = master
         self.m_codes = moments["m_codes"]
         self.m_scales = moments["m_scales"]
@@ -46,6 +49,7 @@ class Q8HostState:
         self.u_scales = moments["u_scales"]
         self.steps = steps
         self.kernels = kernels
+        self.accel = accel
 
     @classmethod
     def empty(cls, accel, shape, n_cols: int, pin: bool, kernels) -> Q8HostState:
@@ -61,7 +65,7 @@ class Q8HostState:
         }
         master = accel.host_empty(shape, torch.float32, pin, "host_state")
         steps = ColumnSteps(accel.host_empty((n_cols,), torch.int64, False, "host_state"), None)
-        return cls(master, moments, steps, kernels)
+        return cls(master, moments, steps, kernels, accel)
 
     def moment_tensors(self) -> dict[str, torch.Tensor]:
         """The moments as named tensors (what a checkpoint saves)."""
@@ -76,11 +80,18 @@ class Q8HostState:
         for k in MOMENT_KEYS:
             getattr(self, k).zero_()
 
+    def fp32_array(self, shape) -> torch.Tensor:
+        """An uninitialised fp32 array for the moments on their way through fp32 (a
+        re-layout's, the first selection's), accounted as ``moments_fp32`` by the
+        accelerator while it lives, so that the run's host peak counts it."""
+        if self.accel is None:
+            return torch.empty(shape, dtype=torch.float32)
+        return self.accel.host_empty(shape, torch.float32, False, "moments_fp32")
+
     def moments_fp32(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(exp_avg, exp_avg_sq) dequantised, fp32, in the master's shape (``v = u * u``,
         squared in place: two fp32 arrays at the peak, 8 bytes per element)."""
-        m = torch.empty(self.master.shape, dtype=torch.float32)
-        v = torch.empty(self.master.shape, dtype=torch.float32)
+        m, v = self.fp32_array(self.master.shape), self.fp32_array(self.master.shape)
         self.kernels.dequantize(self.m_codes, self.m_scales, m, fmt="m")
         self.kernels.dequantize(self.u_codes, self.u_scales, v, fmt="u")
         return m, v.mul_(v)
