@@ -4,8 +4,10 @@ Runs ``zfctl finetune MODEL --init random --device sim`` in fp32 for gpt2 and gp
 in both host states (``zfctl.host_state`` exact and compact), each under
 ``/usr/bin/time -v``, with periodic checkpoints, evaluations and a re-selection within the
 run, and prints per run: the process's peak RSS, the simulated device's peak (its memory
-lives in the same process: weights, gradients, the selected columns' state, buckets, from
-summary.json), the host peak = RSS peak - device peak, and the engine's own whole-run host
+lives in the same process; summary.json's ``device_memory_peak_bytes``, its device pool at
+its largest, activations and the pool's cache included; without a pool, ``ZENFLOW_SIM_POOL=
+off``, the accounted ``device_peak_bytes``: weights, gradients, the selected columns' state,
+buckets), the host peak = RSS peak - device peak, and the engine's own whole-run host
 accounting (summary.json ``host_peak_bytes``), and the estimate's whole-run host peak for
 the same settings (``zenflow.hardware.preflight``, what ``zfctl finetune``'s preflight
 computes for a sim run, the runtime included) with measured / estimate; then, per host
@@ -102,11 +104,16 @@ def run_one(model: str, state: str, steps: int, out: Path, extra: list[str],
     for bulky in ("checkpoints", "model"):  # gpt2-medium's fp32 checkpoints are 5 GB each
         shutil.rmtree(run_dir / bulky, ignore_errors=True)
     params = int(summary["params"])
-    device_peak = int(summary.get("device_peak_bytes") or
-                      summary["device_peak_bytes_per_param"] * params)  # fmt: skip
+    accounted = int(summary.get("device_peak_bytes") or
+                    summary["device_peak_bytes_per_param"] * params)  # fmt: skip
+    # the device pool's peak where the run had one (what the simulated device held in the
+    # RSS, activations and its cache included), else the accounted peak (no activations)
+    pooled = summary.get("device_memory_peak_bytes")
+    device_peak = int(pooled) if pooled is not None else accounted
     row = {
         "model": model, "state": state, "params": params, "rss_peak": rss_kb * 1024,
-        "device_peak": device_peak, "host_peak": rss_kb * 1024 - device_peak,
+        "device_peak": device_peak, "device_accounted_peak": accounted,
+        "device_pool": pooled is not None, "host_peak": rss_kb * 1024 - device_peak,
         "engine_host_peak": summary.get("host_peak_bytes"),
         "engine_host_per_param": summary.get("host_bytes_per_param"),
         "estimate": estimated_peak(model, settings),
@@ -125,14 +132,16 @@ def slope(rows: list[dict], key: str) -> float | None:
 
 def table(rows: list[dict]) -> str:
     gib = 2**30
-    lines = ["| model | host state | params | RSS peak | sim device peak | host peak "
-             "(RSS - device) | engine host peak | estimate | measured / estimate |",
+    lines = ["| model | host state | params | RSS peak | sim device peak (pool / accounted) "
+             "| host peak (RSS - device) | engine host peak | estimate | measured / estimate |",
              "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         eng = r["engine_host_peak"]
+        pool = f"{r['device_peak'] / gib:.2f}" if r.get("device_pool") else "-"
         lines.append(
             f"| {r['model']} | {r['state']} | {r['params'] / 1e6:.1f}M | "
-            f"{r['rss_peak'] / gib:.2f} GiB | {r['device_peak'] / gib:.2f} GiB | "
+            f"{r['rss_peak'] / gib:.2f} GiB | {pool} / "
+            f"{r.get('device_accounted_peak', r['device_peak']) / gib:.2f} GiB | "
             f"{r['host_peak'] / gib:.2f} GiB | "
             f"{'-' if eng is None else f'{eng / gib:.2f} GiB'} | "
             f"{r['estimate'] / gib:.2f} GiB | {r['host_peak'] / r['estimate']:.2f} |"

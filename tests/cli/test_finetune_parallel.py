@@ -144,6 +144,10 @@ def test_sim_device_is_named_and_reports_device_bytes(tiny_gpt2_dir, data, tmp_p
     assert s["device"].startswith("sim (simulated")
     assert 4.0 < s["device_bytes_per_param"] < 10.0  # fp32: 4 + 4 + the selected state
     assert s["bytes_per_step_x_model"] > 0.5  # a separate device: the gradient really moves
+    # the device pool's peak: what the accounting counts, and activations and its cache
+    # beside; the weights (made before the device) count outside the pool
+    assert s["device_memory_peak_bytes"] >= s["device_peak_bytes"] > 0
+    assert s["device_memory_peak_bytes"] < 4 * s["device_peak_bytes"]
 
 
 # ---- stops and crashes (issue 31)

@@ -262,7 +262,8 @@ class DeviceMode:
         if self.mixed:  # fp32 master copies on the device (mixed precision)
             self.masters = []
             for s in engine.specs:
-                master = torch.nn.Parameter(masters[s.name].to(engine.device).clone())
+                with engine.accel.device_scope():  # device memory (sim: its pool)
+                    master = torch.nn.Parameter(masters[s.name].to(engine.device).clone())
                 self.masters.append(engine.accel.track(master, "optimizer"))
         else:
             self.masters = self.params

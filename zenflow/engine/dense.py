@@ -34,7 +34,8 @@ def dense_state(s: ParamSpec, master: torch.Tensor, accel) -> DenseState:
     the weight is not fp32 itself."""
     m = None
     if s.param.dtype != torch.float32:
-        m = accel.track(master.to(accel.device).clone(), "optimizer")
+        with accel.device_scope():  # device memory (sim: its pool)
+            m = accel.track(master.to(accel.device).clone(), "optimizer")
     return DenseState(
         s, m, accel.zeros(s.param.shape, torch.float32, "optimizer"),
         accel.zeros(s.param.shape, torch.float32, "optimizer"),

@@ -147,6 +147,7 @@ class ZenFlowEngine:
             self.model_bytes = sum(s.param.numel() * s.param.element_size() for s in self.specs)
             self.accel.set_held("weights", sum(p.numel() * p.element_size()
                                                for p in model.parameters()))  # fmt: skip
+            self.accel.note_device_tensors([*model.parameters(), *model.buffers()])
             self.zf = None
             if mode == "zenflow":
                 self.zf = zenflow_settings(config)

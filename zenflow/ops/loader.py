@@ -5,6 +5,8 @@ This is the one place that reads environment variables for native-build settings
 - ``ZENFLOW_OPS=reference`` routes every ``zenflow.ops`` op call to the plain
   PyTorch reference (for debugging, or where no compiler is available).
 - ``ZENFLOW_BUILD_DIR`` overrides the build cache root (default ``~/.cache/zenflow/build``).
+- ``ZENFLOW_SIM_POOL=off`` leaves the simulated accelerator's device tensors in glibc's heap
+  (no device pool, ``zenflow.ops.sim_pool``): the memory model before the pool, to compare.
 - ``ZENFLOW_NATIVE_MARCH`` overrides ``-march=native`` (``x86-64-v3`` builds the AVX2 path
   on an AVX-512 machine, ``x86-64`` the scalar one), so every SIMD path can be checked here.
 
@@ -50,7 +52,7 @@ except ImportError:  # pragma: no cover - not POSIX: builds run unguarded
     fcntl = None
 
 EXTENSION_NAME = "zenflow_cpu_adam"
-SOURCE_FILES = ("cpu_adam.cpp", "host_ops.cpp", "q8_ops.cpp")
+SOURCE_FILES = ("cpu_adam.cpp", "host_ops.cpp", "q8_ops.cpp", "sim_pool.cpp")
 # Included by the sources: part of the cache key, not compiled on their own.
 HEADER_FILES = ("adam_kernel.h", "q8_codec.h")
 LDFLAGS = ("-fopenmp",)
@@ -81,6 +83,12 @@ def ops_mode() -> str:
     """``"reference"`` when ``ZENFLOW_OPS=reference``, else ``"native"``."""
     value = os.environ.get("ZENFLOW_OPS", "").strip().lower()
     return "reference" if value == "reference" else "native"
+
+
+def sim_pool_enabled() -> bool:
+    """False when ``ZENFLOW_SIM_POOL=off`` (or 0, false, no)."""
+    value = os.environ.get("ZENFLOW_SIM_POOL", "").strip().lower()
+    return value not in ("off", "0", "false", "no")
 
 
 def compile_flags() -> tuple[str, ...]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import time
 from dataclasses import dataclass
@@ -100,6 +101,13 @@ def out_of_memory(engine, exc: BaseException):
     return DeviceOutOfMemory(f"device out of memory in forward/backward ({exc}). {OOM_FIX}")
 
 
+def device_scope(engine):
+    """The engine's device work inside: its accelerator's ``device_scope`` (sim: new
+    tensors from the simulated device's pool, not the host's heap); a no-op without one."""
+    accel = getattr(engine, "accel", None)
+    return accel.device_scope() if accel is not None else contextlib.nullcontext()
+
+
 class OptimizerStep:
     """One optimizer step: ``gas`` micro-batches through the objective's forward and loss
     and the engine's backward, then the engine's step."""
@@ -124,6 +132,8 @@ class OptimizerStep:
         self.mark = accel.mark if accel is not None else time.perf_counter
         self.to_device = accel.to_device_input if accel is not None else (
             lambda t, key="": t.to(device))  # fmt: skip
+        # where the device's new tensors come from (sim: its device pool, not the heap)
+        self.device_scope = functools.partial(device_scope, engine)
         # From the first backward on, the step changes engine state (gradient pieces stream
         # to the host accumulator): it is finished, not interrupted.
         self.in_engine_step = False
@@ -145,8 +155,9 @@ class OptimizerStep:
                 mark, loss = self._micro_batch(i, step, own if held is None else held)
                 marks.append(mark)
                 losses.append(loss)
-            mean_loss = self.torch.stack(losses).mean()
-            stats = self.engine.step(mean_loss)
+            with self.device_scope():  # the step's device work (host work scopes itself)
+                mean_loss = self.torch.stack(losses).mean()
+                stats = self.engine.step(mean_loss)
         if held is None:
             self.in_engine_step = False
         # the step's one read waited for backward: the marks are complete
@@ -172,13 +183,15 @@ class OptimizerStep:
         batch = {k: self.to_device(v[self.rank_rows], k) for k, v in batch.items()}
         m0, w0 = self.mark(), time.perf_counter()
         try:
-            loss = self.objective.loss(self.forward, batch, tokens, self.engine.autocast)
+            with self.device_scope():
+                loss = self.objective.loss(self.forward, batch, tokens, self.engine.autocast)
             m1 = self.mark()
             if i == 0:
                 what = f"step {step + 1}, then checkpoint {step + 1}"
                 held.enter_context(self.stops.protect(what))
                 self.in_engine_step = True
-            self.engine.backward(loss / self.gas)
+            with self.device_scope():  # the hooks scope their host work themselves
+                self.engine.backward(loss / self.gas)
         except self.torch.OutOfMemoryError as exc:
             raise out_of_memory(self.engine, exc) from None
         m2, w2 = self.mark(), time.perf_counter()

@@ -118,6 +118,14 @@ def _host_peak(run, steps: list[dict]) -> int | None:
     return _most(steps, "host_peak_bytes")
 
 
+def _device_memory_peak(run) -> int | None:
+    """The whole run's device memory peak as the device's allocator holds it (sim with its
+    pool: what the simulated device held in the process's RSS); None where not measured."""
+    accel = getattr(run.engine, "accel", None)
+    peak = accel.memory_peak_bytes() if hasattr(accel, "memory_peak_bytes") else None
+    return int(peak) if peak is not None else None
+
+
 def _most(steps: list[dict], key: str) -> int | None:
     seen = [int(m[key]) for m in steps if m.get(key) is not None]
     return max(seen) if seen else None
@@ -239,6 +247,9 @@ def _memory(run, steps: list[dict]) -> dict:
         # checkpoints included), and the device's largest step peak
         "host_peak_bytes": _host_peak(run, steps),
         "device_peak_bytes": _most(steps, "device_peak_bytes"),
+        # sim: the simulated device's pool at its largest (activations and its cache
+        # included), the bytes of the process's RSS that are the device's
+        "device_memory_peak_bytes": _device_memory_peak(run),
         # the sync counter: the most full device syncs / device-to-host reads in one step
         "full_syncs_max": _most(steps, "full_syncs"),
         "d2h_reads_max": _most(steps, "d2h_reads"),

@@ -111,6 +111,7 @@ from zenflow.train.step import (
     OptimizerStep,
     StepBoundary,
     check_finite_params,
+    device_scope,
 )
 from zenflow.train.summary import run_header, run_summary, step_counts
 
@@ -122,6 +123,16 @@ def _noop(_event) -> None:
 
 
 # ---------------------------------------------------------------------------- the run
+
+
+def _dev_metrics(run) -> dict:
+    """The objective's metrics on the dev set; its forward passes are device work (sim:
+    their tensors from the simulated device's pool)."""
+    with device_scope(run.engine):
+        return run.objective.evaluate(
+            run.model, run.encoded.dev, batch_size=run.eval_batch,
+            limit=run.spec.max_eval_samples, device=run.device, autocast=run.engine.autocast,
+        )  # fmt: skip
 
 
 class _Run:
@@ -430,10 +441,7 @@ class _Run:
         if not self.par.main:
             barrier(self.par)
             return None
-        metrics = {**self.objective.evaluate(
-            self.model, self.encoded.dev, batch_size=self.eval_batch,
-            limit=self.spec.max_eval_samples, device=self.device, autocast=self.engine.autocast,
-        ), **weights_seen(self.engine)}  # fmt: skip
+        metrics = {**_dev_metrics(self), **weights_seen(self.engine)}
         self.metrics.write({"type": "eval", "step": step, **metrics})
         self.on_event(EvalEvent(step, metrics))
         barrier(self.par)

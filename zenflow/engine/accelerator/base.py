@@ -25,6 +25,7 @@ Device memory is accounted per holder, with a peak and an optional budget that r
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -209,10 +210,32 @@ class Accelerator:
 
     def empty(self, shape, dtype, tag: str) -> torch.Tensor:
         """An uninitialised device tensor, accounted under ``tag``."""
-        return self.track(torch.empty(shape, dtype=dtype, device=self.device), tag)
+        with self.device_scope():
+            return self.track(torch.empty(shape, dtype=dtype, device=self.device), tag)
 
     def zeros(self, shape, dtype, tag: str) -> torch.Tensor:
         return self.empty(shape, dtype, tag).zero_()
+
+    def device_scope(self):
+        """Inside: this thread's new tensors are device memory (sim: from its device pool,
+        ``zenflow.ops.sim_pool``; elsewhere the device argument decides, and this is a
+        no-op). Device work on the training thread runs inside it."""
+        return contextlib.nullcontext()
+
+    def host_scope(self):
+        """Inside: this thread's new tensors are host memory, also within a
+        ``device_scope`` (sim: from glibc's heap; elsewhere a no-op)."""
+        return contextlib.nullcontext()
+
+    def note_device_tensors(self, tensors) -> None:
+        """The device tensors made before the engine (the model's weights and buffers); sim
+        counts those outside its pool in ``memory_peak_bytes``."""
+
+    def memory_peak_bytes(self) -> int | None:
+        """The device's memory peak as its allocator holds it, since it was opened (sim with
+        its pool: the pool's resident peak plus the device tensors made outside it; None
+        where not measured)."""
+        return None
 
     # ---------------------------------------------------------------- host memory
     def _pin(self, shape, dtype) -> torch.Tensor:
@@ -230,7 +253,8 @@ class Accelerator:
         the device reads or writes directly: staging, the compact master, landing buffers,
         the read buffer; never the moments."""
         pinned = pin and self.models_pinning
-        t = self._pin(shape, dtype) if pinned else torch.empty(shape, dtype=dtype)
+        with self.host_scope():
+            t = self._pin(shape, dtype) if pinned else torch.empty(shape, dtype=dtype)
         n = _nbytes(t)
         locked = self._pinned_size(n) if pinned else 0
         self._host_add(tag, n, locked)

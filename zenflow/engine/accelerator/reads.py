@@ -43,7 +43,8 @@ class DeviceReader:
         return self._buf
 
     def add(self, key, tensors: list[torch.Tensor]) -> None:
-        outs = [torch.empty(t.shape, dtype=t.dtype) for t in tensors]
+        with self.accel.host_scope():
+            outs = [torch.empty(t.shape, dtype=t.dtype) for t in tensors]
         self._open[key] = outs
         self._adding = key
         for t, out in zip(tensors, outs, strict=True):

@@ -17,24 +17,31 @@ have hidden it. ``synchronize`` waits for every copy engine (a hidden full sync 
 stall). Device memory is accounted per holder (``base.py``), with a peak and an optional
 budget that raises ``DeviceOutOfMemory``; "device compute" (the training thread) runs on a
 reserved share of the cores and the host side (worker, accumulator, copy engines) on the
-rest. A profile (``profiles.py``) scales the link so that compute:link matches a named GPU
-box; it is measured there and only read here.
+rest. Device memory is a memory of its own where the native library is built: tensors made
+inside ``device_scope`` come from the device pool (``zenflow.ops.sim_pool``, a caching
+allocator like CUDA's), not from glibc's heap, so the device's churn never fragments the
+host's heap, and ``memory_peak_bytes`` is what the device holds in the process's RSS (the
+figure a host-memory measurement subtracts). A profile (``profiles.py``) scales the link
+so that compute:link matches a named GPU box; it is measured there and only read here.
 
 Owns :class:`SimAccelerator`, its events and its copy engines; it must not touch torch.cuda.
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import random
 import threading
 import time
+import weakref
 from collections import deque
 
 import torch
 
 from zenflow.engine.accelerator.base import DONE, Accelerator, _nbytes
 from zenflow.engine.accelerator.sim_guards import SourceChanged, _AfterGuard, checksum, poison_
+from zenflow.ops import sim_pool
 
 # Modelled PCIe for ``sim``: 25 GB/s per direction and 10 us per copy, what a PCIe 4.0 x16
 # link sustains for large pinned copies (32 GB/s raw, ~80% achieved) and the launch cost of
@@ -197,8 +204,16 @@ class SimAccelerator(Accelerator):
         lag_s: float = 0.0,
         lag_seed: int = 0,
         profile=None,
+        device_pool: bool = True,
     ):
         super().__init__(torch.device("cpu"), budget_bytes=budget_bytes)
+        # the device pool (False: device tensors share glibc's heap with the host's)
+        self.pool = bool(device_pool) and sim_pool.install()
+        self._outside = 0  # device bytes made outside the pool (``note_device_tensors``)
+        if self.pool:
+            sim_pool.open_device()
+            sim_pool.reset_peak()
+        self._pool_close = weakref.finalize(self, sim_pool.close_device) if self.pool else None
         self.strict = strict
         self.bandwidth = bandwidth
         self.latency = latency
@@ -316,6 +331,32 @@ class SimAccelerator(Accelerator):
             self._closed = True
             for e in self._engines.values():
                 e.close()
+            if self._pool_close is not None:
+                self._pool_close()  # the cache goes back when no device is open
+
+    # ---------------------------------------------------------------- device memory
+    def device_scope(self):
+        return sim_pool.mode(sim_pool.DEVICE) if self.pool else contextlib.nullcontext()
+
+    def host_scope(self):
+        return sim_pool.mode(sim_pool.HOST) if self.pool else contextlib.nullcontext()
+
+    def note_device_tensors(self, tensors) -> None:
+        """Device tensors made before the device was (the model's weights and buffers, built
+        on the CPU): their bytes outside the pool count in ``memory_peak_bytes``."""
+        seen, n = set(), 0
+        for t in tensors:
+            st = t.untyped_storage()
+            if st.data_ptr() in seen or (self.pool and sim_pool.owns(t)):
+                continue
+            seen.add(st.data_ptr())
+            n += st.nbytes()
+        self._outside = n
+
+    def memory_peak_bytes(self) -> int | None:
+        if not self.pool:
+            return None
+        return sim_pool.stats()["resident_peak"] + self._outside
 
     def describe(self) -> str:
         mode = ", ".join(

@@ -13,10 +13,18 @@ from __future__ import annotations
 
 import torch
 
+from zenflow.ops import sim_pool
+
 
 def checksum(t: torch.Tensor) -> int:
     """A cheap checksum of a tensor's bytes (the source guard): the sum of its 16- or 32-bit
-    words, position-weighted so that swapped words change it too."""
+    words, position-weighted so that swapped words change it too. Its temporaries are the
+    simulator's, neither device nor engine memory: they stay out of the device pool."""
+    with sim_pool.mode(sim_pool.HOST):
+        return _checksum(t)
+
+
+def _checksum(t: torch.Tensor) -> int:
     flat = t.detach().reshape(-1)
     if flat.numel() == 0:
         return 0

@@ -99,8 +99,9 @@ class Handover:
         t0 = time.perf_counter()
         self._wait_return_copies()
         if host_scores is not None and not dp.enabled:
-            news_host = [select_topk(s, w.k) for w, s in zip(self.m.zweights, host_scores,
-                                                             strict=True)]  # fmt: skip
+            with e.accel.host_scope():  # top-k of the host's scores, on the host
+                news_host = [select_topk(s, w.k) for w, s in zip(self.m.zweights, host_scores,
+                                                                 strict=True)]  # fmt: skip
             # each its own tensor, as top-k's are (not views that keep the copy alive)
             news = [t.clone() for t in self._to_device(news_host)]
         else:
@@ -230,11 +231,12 @@ class Handover:
         here (the counts' host mirror says whether they are uniform)."""
         p = w.spec.param.data
         cd = w.cd
-        if new_host is None:
-            new_host = new.cpu()
-        plan = SelectionPlan.make(w.sel_host, new_host, w.n_cols)
-        old_host = w.sel_host if w.sel_host is not None else new_host[:0]
-        split = split_handover(old_host, new_host)  # on the host
+        with self.e.accel.host_scope():  # the plan: host memory
+            if new_host is None:
+                new_host = new.cpu()
+            plan = SelectionPlan.make(w.sel_host, new_host, w.n_cols)
+            old_host = w.sel_host if w.sel_host is not None else new_host[:0]
+            split = split_handover(old_host, new_host)  # on the host
         stay_o, stay_n, in_pos, in_cols, out_pos, out_cols, nonsel = self._to_device(
             [*split, plan.new_nonsel]
         )  # fmt: skip
@@ -274,7 +276,9 @@ class Handover:
             steps[in_pos] = incoming["counts"]
             if has_master:  # equal already (the apply put the master into W); explicit
                 p.index_copy_(cd, in_cols, incoming["master"].to(p.dtype))
-        w.steps_dev = ColumnSteps(steps, None, self._mirror(w, split, host_in.get("counts")))
+        with self.e.accel.host_scope():
+            mirror = self._mirror(w, split, host_in.get("counts"))
+        w.steps_dev = ColumnSteps(steps, None, mirror)
         w.steps_dev.recheck()
         w.set_selection(new, new_host, nonsel.clone(), plan.new_nonsel)
         return plan, leaving
@@ -282,7 +286,9 @@ class Handover:
     def _to_device(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
         """Host int64 index sets on the device, in one host->device copy (views of it)."""
         sizes = [int(x.numel()) for x in parts]
-        packed = self.e.accel.to_device(torch.cat(parts), "handover")
+        with self.e.accel.host_scope():
+            packed = torch.cat(parts)
+        packed = self.e.accel.to_device(packed, "handover")
         return list(packed.split(sizes))
 
     def _incoming(self, w: ZfWeight, host_in: dict, n_in: int, names: list[str]) -> dict:
@@ -296,7 +302,8 @@ class Handover:
         accel, dp = self.e.accel, self.e.dp
         if w.owned:
             parts = [host_in["counts"]] + [host_in[n] for n in names]
-            packed = torch.cat([x.contiguous().view(-1).view(torch.uint8) for x in parts])
+            with accel.host_scope():
+                packed = torch.cat([x.contiguous().view(-1).view(torch.uint8) for x in parts])
             dev = accel.to_device(packed, "handover")
         else:
             dev = accel.empty((sum(sizes),), torch.uint8, "handover")

@@ -72,6 +72,22 @@ def _positions(nonsel: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(nonsel, cols)
 
 
+def _on_host(mode_arg: int):
+    """Run the function with its new tensors in host memory (sim: glibc's heap, not the
+    device pool), also when the step's device work calls it. ``mode_arg``: the position of
+    the mode among its arguments."""
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            with args[mode_arg].e.accel.host_scope():
+                return fn(*args, **kwargs)
+
+        return run
+
+    return wrap
+
+
 # ---------------------------------------------------------------------- before a selection
 def counts(accel, n: int) -> ColumnSteps:
     """``n`` per-column step counts on the host (accounted), uninitialised."""
@@ -106,6 +122,7 @@ def full_state(w, accel) -> HostState:
     return st
 
 
+@_on_host(0)
 def gather(
     mode, src: torch.Tensor, cd: int, index: torch.Tensor, out: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -121,6 +138,7 @@ def gather(
     return out
 
 
+@_on_host(1)
 def entering(w, mode, cols: torch.Tensor) -> dict:
     """The host values of the columns ``cols`` (sorted, not selected now) that enter the
     device: master (fp32, or None where the device weight itself holds it: an fp32 weight
@@ -189,6 +207,7 @@ def _commit(new, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
         new.set_moments(exp_avg, exp_avg_sq)
 
 
+@_on_host(1)
 def first_compact(w, mode, plan: SelectionPlan) -> None:
     """The compact state at the first selection, from the warm-up state, the masters taken
     at set-up, or the device weight (an fp32 weight without masters: its non-selected
@@ -217,6 +236,7 @@ def first_compact(w, mode, plan: SelectionPlan) -> None:
     w.init_master = None
 
 
+@_on_host(1)
 def relayout(w, mode, plan: SelectionPlan, leaving: dict | None) -> None:
     """A hand-over's re-layout of ``w``'s compact arrays, in place: the columns entering the
     device leave them, the staying ones keep their order, and the columns leaving the

@@ -25,6 +25,8 @@ first selection) they are dequantised (``v = u * u``), moved as fp32 and quantis
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from zenflow.engine.host import ColumnSteps
@@ -92,17 +94,23 @@ class Q8HostState:
         """(exp_avg, exp_avg_sq) dequantised, fp32, in the master's shape (``v = u * u``,
         squared in place: two fp32 arrays at the peak, 8 bytes per element)."""
         m, v = self.fp32_array(self.master.shape), self.fp32_array(self.master.shape)
-        self.kernels.dequantize(self.m_codes, self.m_scales, m, fmt="m")
-        self.kernels.dequantize(self.u_codes, self.u_scales, v, fmt="u")
+        with self._on_host():
+            self.kernels.dequantize(self.m_codes, self.m_scales, m, fmt="m")
+            self.kernels.dequantize(self.u_codes, self.u_scales, v, fmt="u")
         return m, v.mul_(v)
 
     def set_moments(self, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
         """Quantise fp32 moments (the master's layout) into the codes and scales.
         Consumes ``exp_avg_sq``: its square root is taken in place (``sqrt_rounded_``, a
         chunk at a time), so nothing beside the two arrays is allocated."""
-        self.kernels.quantize(exp_avg.contiguous(), self.m_codes, self.m_scales, fmt="m")
-        u = sqrt_rounded_(exp_avg_sq.contiguous())  # the array itself when contiguous
-        self.kernels.quantize(u, self.u_codes, self.u_scales, fmt="u")
+        with self._on_host():
+            self.kernels.quantize(exp_avg.contiguous(), self.m_codes, self.m_scales, fmt="m")
+            u = sqrt_rounded_(exp_avg_sq.contiguous())  # the array itself when contiguous
+            self.kernels.quantize(u, self.u_codes, self.u_scales, fmt="u")
+
+    def _on_host(self):
+        """New tensors in host memory (sim: the heap, not the device pool) inside."""
+        return self.accel.host_scope() if self.accel is not None else contextlib.nullcontext()
 
     def step(self, grad: torch.Tensor, **kw) -> None:
         """One host AdamW step (``adamw_q8_step_``'s keywords)."""

@@ -90,8 +90,8 @@ class Warmup:
         scores, host_scores = [], []
         for w in self.m.zweights:
             if w.owned:
-                g = self._landing_grad(w)
-                host_scores.append(column_scores(g, w.cd))
+                with e.accel.host_scope():  # the landed gradient: host work
+                    host_scores.append(column_scores(self._landing_grad(w), w.cd))
                 if dp.enabled:  # all-reduced on the device
                     scores.append(host_scores[-1].to(e.device))
             else:
@@ -115,19 +115,26 @@ class Warmup:
         acc = self.m.transport.accumulator
         for w in self.m.zweights:
             if w.owned:
-                g = self._landing_grad(w)
-                sel = gather(self.m, g, w.cd, w.sel_host).to(w.grad_sel.dtype)
-                e.accel.compute_wait(e.accel.copy_h2d(w.grad_sel, sel))
-                ns = self._compact_out(w, g)
-                gather(self.m, g, w.cd, w.nonsel_host, out=ns.view(w.compact_shape()))
-                if ns.dtype != self.m.link_dtype:  # as the pieces cross the link (compact)
-                    ns = ns.to(self.m.link_dtype)
-                acc.add(DONE, ns, w.acc[0], self.m.plan.gate, True, None)
+                with e.accel.host_scope():  # the landed gradient's parts: host memory
+                    self._split_landed(w, acc)
                 acc.drain()  # the window sum is written before the next weight's landing
                 w.fresh[0] = False
             if dp.enabled:
                 dp.broadcast_(w.grad_sel, w.owner)
         self._release_landing()
+
+    def _split_landed(self, w: ZfWeight, acc) -> None:
+        """``w``'s landed gradient: its selected columns to the device buffer, the rest into
+        the window sum."""
+        e = self.e
+        g = self._landing_grad(w)
+        sel = gather(self.m, g, w.cd, w.sel_host).to(w.grad_sel.dtype)
+        e.accel.compute_wait(e.accel.copy_h2d(w.grad_sel, sel))
+        ns = self._compact_out(w, g)
+        gather(self.m, g, w.cd, w.nonsel_host, out=ns.view(w.compact_shape()))
+        if ns.dtype != self.m.link_dtype:  # as the pieces cross the link (compact)
+            ns = ns.to(self.m.link_dtype)
+        acc.add(DONE, ns, w.acc[0], self.m.plan.gate, True, None)
 
     def _compact_out(self, w: ZfWeight, g: torch.Tensor) -> torch.Tensor:
         """A flat buffer of N elements in ``g``'s dtype that overlaps neither ``g`` (the
