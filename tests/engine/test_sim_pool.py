@@ -245,9 +245,29 @@ def test_the_pool_can_be_turned_off_for_a_comparison():
         "from zenflow.ops import sim_pool\n"
         "a = SimAccelerator()\n"
         "t = a.empty((100_000,), torch.float32, 'buckets')\n"
-        "print(json.dumps([a.pool, sim_pool.owns(t), a.memory_peak_bytes()]))\n"
+        "print(json.dumps([a.pool, sim_pool.owns(t), a.memory_peak_bytes(), a.describe()]))\n"
     )
     for value, want in (("off", [False, False, None]), ("", [True, True])):
         got = _child(child, ZENFLOW_SIM_POOL=value)
         assert got[: len(want)] == want, (value, got)
+        assert ("no device pool: ZENFLOW_SIM_POOL=off" in got[3]) == (value == "off"), got[3]
     assert got[2] >= 400_000
+
+
+def test_without_a_native_library_sim_runs_on_the_heap_and_says_so():
+    """A machine without a compiler: the simulated device still works, its memory in the
+    host's heap, and its description (the run header's device line) says why."""
+    child = (
+        "import json\n"
+        "from zenflow.ops import sim_pool\n"
+        "from zenflow.ops.loader import NativeBuildError\n"
+        "def fail():\n"
+        "    raise NativeBuildError('no C++ compiler found\\nmore')\n"
+        "sim_pool.load_native = fail\n"
+        "from zenflow.engine.accelerator import SimAccelerator\n"
+        "a = SimAccelerator()\n"
+        "print(json.dumps([a.pool, a.describe()]))\n"
+    )
+    pool, text = _child(child)
+    assert pool is False
+    assert "no device pool: the native library is not built (no C++ compiler found)" in text

@@ -369,4 +369,7 @@ class SimAccelerator(Accelerator):
         )
         if self.profile is not None:
             text += f"; profile {self.profile.describe()}"
+        if not self.pool:
+            why = sim_pool.why_not() or "device_pool=False"
+            text += f"; device memory in the host's heap (no device pool: {why})"
         return text
