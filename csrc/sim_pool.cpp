@@ -25,8 +25,8 @@
 //   served (page-rounded), a chunk the bytes carved from it. Its peak is the simulated
 //   device's memory peak that a host-memory measurement subtracts from the process's RSS.
 // - While no simulated device is open, a freed block is not cached: a mapping is unmapped
-//   at once, and when the pool serves nothing at all its chunks are unmapped too (a test
-//   process that opens many devices does not keep their caches).
+//   at once, and once no block carved from a chunk is in use the chunks are unmapped too (a
+//   test process that opens many devices does not keep their caches).
 //
 // A DataPtr's context is its data pointer (as the default CPU allocator's), and the pool
 // finds its block from the pointer, so raw_allocate / raw_deleter work for both kinds.
@@ -77,14 +77,15 @@ size_t size_class(size_t n) {
 
 struct Block {
   void* ptr;
-  size_t size;     // the class
-  size_t written;  // resident bytes counted for it (own mappings: largest request served)
-  bool own;        // an own mapping (else carved from a chunk)
+  size_t size;       // the class
+  size_t written;    // resident bytes counted for it (own mappings: largest request served)
+  bool own;          // an own mapping (else carved from a chunk)
+  size_t asked = 0;  // the bytes asked for by the tensor on it; 0 while it is free
 };
 
 struct Stats {
-  int64_t resident = 0, resident_peak = 0, in_use = 0, in_use_peak = 0, reserved = 0,
-          mappings = 0, served = 0;
+  int64_t resident = 0, resident_peak = 0, in_use = 0, reserved = 0, mappings = 0,
+          served = 0;
 };
 
 class SimPool final : public c10::Allocator {
@@ -130,19 +131,13 @@ class SimPool final : public c10::Allocator {
 
   std::vector<int64_t> stats() {
     std::lock_guard<std::mutex> g(mu_);
-    return {s_.resident, s_.resident_peak, s_.in_use, s_.in_use_peak, s_.reserved,
-            s_.mappings, s_.served, opened_};
+    return {s_.resident, s_.resident_peak, s_.in_use, s_.reserved, s_.mappings, s_.served,
+            opened_};
   }
 
   void reset_peak() {
     std::lock_guard<std::mutex> g(mu_);
     s_.resident_peak = s_.resident;
-    s_.in_use_peak = s_.in_use;
-  }
-
-  void empty_cache() {
-    std::lock_guard<std::mutex> g(mu_);
-    trim_locked();
   }
 
  private:
@@ -166,10 +161,10 @@ class SimPool final : public c10::Allocator {
         b->written = w;
       }
     }
-    live_[b->ptr] = n;
+    b->asked = n;
+    if (!b->own) carved_live_ += 1;
     s_.in_use += static_cast<int64_t>(n);
     s_.served += 1;
-    s_.in_use_peak = std::max(s_.in_use_peak, s_.in_use);
     s_.resident_peak = std::max(s_.resident_peak, s_.resident);
     return b->ptr;
   }
@@ -213,17 +208,15 @@ class SimPool final : public c10::Allocator {
       return;
     }
     Block* b = it->second;
-    auto live = live_.find(p);
-    if (live != live_.end()) {
-      s_.in_use -= static_cast<int64_t>(live->second);
-      live_.erase(live);
-    }
+    s_.in_use -= static_cast<int64_t>(b->asked);
+    b->asked = 0;
+    if (!b->own) carved_live_ -= 1;
     if (opened_ == 0 && b->own) {  // no device open: nothing is cached
       unmap(b);
       return;
     }
     free_[b->size].push_back(b);
-    if (opened_ == 0 && live_.empty()) trim_locked();
+    if (opened_ == 0 && carved_live_ == 0) trim_locked();
   }
 
   void unmap(Block* b) {
@@ -237,10 +230,6 @@ class SimPool final : public c10::Allocator {
 
   // Unmap every cached own mapping; the chunks too when no carved block is in use.
   void trim_locked() {
-    bool carved_live = false;
-    for (auto& kv : live_) {
-      if (!blocks_.at(kv.first)->own) carved_live = true;
-    }
     for (auto& kv : free_) {
       std::vector<Block*> keep;
       for (Block* b : kv.second) {
@@ -252,7 +241,7 @@ class SimPool final : public c10::Allocator {
       }
       kv.second.swap(keep);
     }
-    if (carved_live) return;
+    if (carved_live_ != 0) return;
     for (auto& kv : free_) {
       for (Block* b : kv.second) {
         s_.resident -= static_cast<int64_t>(b->written);
@@ -272,8 +261,8 @@ class SimPool final : public c10::Allocator {
   c10::Allocator* prev_ = nullptr;
   c10::DeleterFnPtr prev_raw_ = nullptr;
   int64_t opened_ = 0;
-  std::unordered_map<void*, Block*> blocks_;   // every block the pool made
-  std::unordered_map<void*, size_t> live_;     // blocks in use -> the bytes asked for
+  std::unordered_map<void*, Block*> blocks_;  // every block the pool made
+  int64_t carved_live_ = 0;                   // blocks from chunks in use
   std::unordered_map<size_t, std::vector<Block*>> free_;  // class -> cached blocks
   std::vector<void*> chunks_;
   size_t chunk_used_ = 0;
@@ -294,12 +283,11 @@ void sim_pool_open(int64_t delta) { SimPool::get().open(delta); }
 
 bool sim_pool_owns(int64_t ptr) { return SimPool::get().owns(static_cast<uintptr_t>(ptr)); }
 
-// [resident, resident_peak, in_use, in_use_peak, reserved, mappings, served, opened]
+// [resident, resident_peak, in_use, reserved, mappings, served, opened]
 std::vector<int64_t> sim_pool_stats() { return SimPool::get().stats(); }
 
 void sim_pool_reset_peak() { SimPool::get().reset_peak(); }
 
-void sim_pool_empty_cache() { SimPool::get().empty_cache(); }
 
 }  // namespace
 
@@ -310,5 +298,4 @@ TORCH_LIBRARY_FRAGMENT(zenflow, m) {
   m.def("sim_pool_owns(int ptr) -> bool", &sim_pool_owns);
   m.def("sim_pool_stats() -> int[]", &sim_pool_stats);
   m.def("sim_pool_reset_peak() -> ()", &sim_pool_reset_peak);
-  m.def("sim_pool_empty_cache() -> ()", &sim_pool_empty_cache);
 }

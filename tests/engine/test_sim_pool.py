@@ -220,11 +220,13 @@ def test_a_zenflow_run_files_no_host_memory_as_the_devices(state, bf16, clip):
             pytest.skip("the device pool is off here")
         device_ptrs = {t.untyped_storage().data_ptr()
                        for t in [*model.parameters(), *model.buffers()]}  # fmt: skip
+        grads = []  # autograd's gradients, made in the scope: the device's
         with _Attribution(device_ptrs) as seen:
             for batch in gpt2_batches(7, seq=16):
                 with engine.accel.device_scope():
                     loss = loss_of(model, batch)
                     loss.backward()
+                    grads.append(sim_pool.owns(model.transformer.ln_f.weight.grad))
                     engine.step(loss)
                 engine.zero_grad()
             engine.state_dict()
@@ -233,6 +235,7 @@ def test_a_zenflow_run_files_no_host_memory_as_the_devices(state, bf16, clip):
             for t in [*w.acc, *getattr(w.host, "moment_tensors", lambda: {})().values()]:
                 assert not sim_pool.owns(t), w.spec.name
         assert sim_pool.owns(engine.zweights[0].grad_sel)
+        assert grads and all(grads)
     assert not seen.found, sorted(set(seen.found))
 
 

@@ -12,8 +12,8 @@ device's description says so).
 
 ``stats()`` keys: ``resident`` (bytes the pool holds in RSS: a block counts the largest
 request it served, page-rounded), ``resident_peak``, ``in_use`` (bytes asked for by live
-tensors), ``in_use_peak``, ``reserved`` (address space mapped), ``mappings``, ``served``
-(allocations served), ``opened`` (simulated devices open).
+tensors), ``reserved`` (address space mapped), ``mappings``, ``served`` (allocations
+served), ``opened`` (simulated devices open).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import torch
 from zenflow.ops.loader import NativeBuildError, load_native, ops_mode, sim_pool_enabled
 
 HOST, DEVICE = 0, 1
-_STAT_KEYS = ("resident", "resident_peak", "in_use", "in_use_peak", "reserved", "mappings",
-              "served", "opened")  # fmt: skip
+_STAT_KEYS = ("resident", "resident_peak", "in_use", "reserved", "mappings", "served",
+              "opened")  # fmt: skip
 
 _local = threading.local()  # this thread's mode as last set here (skips no-op calls)
 _installed: list[bool] = []
@@ -117,8 +117,3 @@ def owns(t: torch.Tensor) -> bool:
 
 def reset_peak() -> None:
     torch.ops.zenflow.sim_pool_reset_peak()
-
-
-def empty_cache() -> None:
-    """Unmap the cached blocks (the small blocks' chunks too when none is in use)."""
-    torch.ops.zenflow.sim_pool_empty_cache()

@@ -183,14 +183,13 @@ class OptimizerStep:
         batch = {k: self.to_device(v[self.rank_rows], k) for k, v in batch.items()}
         m0, w0 = self.mark(), time.perf_counter()
         try:
-            with self.device_scope():
-                loss = self.objective.loss(self.forward, batch, tokens, self.engine.autocast)
-            m1 = self.mark()
-            if i == 0:
-                what = f"step {step + 1}, then checkpoint {step + 1}"
-                held.enter_context(self.stops.protect(what))
-                self.in_engine_step = True
             with self.device_scope():  # the hooks scope their host work themselves
+                loss = self.objective.loss(self.forward, batch, tokens, self.engine.autocast)
+                m1 = self.mark()
+                if i == 0:
+                    what = f"step {step + 1}, then checkpoint {step + 1}"
+                    held.enter_context(self.stops.protect(what))
+                    self.in_engine_step = True
                 self.engine.backward(loss / self.gas)
         except self.torch.OutOfMemoryError as exc:
             raise out_of_memory(self.engine, exc) from None
