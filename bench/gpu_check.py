@@ -492,6 +492,9 @@ def compare(res: dict, est: dict | None, mode: str, accel: str) -> dict:
         out["device_peak_over_estimate"] = peak / e["device_bytes"]
     else:
         out["device_peak_over_estimate"] = NO_CUDA
+    sim_peak = res.get("sim_device_allocated_peak_bytes")
+    if isinstance(sim_peak, (int, float)) and e["device_bytes"]:  # the rehearsal's (CPU kernels)
+        out["sim_device_peak_over_estimate"] = sim_peak / e["device_bytes"]
     if isinstance(mem.get("engine_pinned_bytes"), (int, float)) and e["pinned_bytes"]:
         out["engine_pinned_over_estimate"] = mem["engine_pinned_bytes"] / e["pinned_bytes"]
     host = mem.get("engine_host_peak_bytes") or mem.get("engine_host_bytes")

@@ -16,8 +16,12 @@ sync phase. Phases, each printing the result so far (a budget cut keeps what was
 3. ``timed``: steady steps. Per step: forward, backward and optimizer from the accelerator's
    marks (CUDA events on cuda, read after one synchronize at the phase's end), the step on
    the device's timeline (one step's first mark to the next's) and on the host's clock; the
-   engine's own counters (stall, reads, full syncs, bytes). Device peak
-   (``torch.cuda.max_memory_allocated`` over these steps).
+   engine's own counters (stall, reads, full syncs, bytes). Device peak: the largest of
+   the steps' own peaks (each step's ``torch.cuda.max_memory_allocated``, its forward and
+   backward included, as the engine reads it before it restarts the counter for the next
+   step; read after the phase, the counter would hold only what followed the last step's
+   restart). On sim: the simulated device's pool at its most in use (activations
+   included, on the CPU's kernels) and the engine's accounted peak.
 4. ``sync``: more steps (a re-selection among them) with ``torch.cuda.set_sync_debug_mode
    ("warn")``: the synchronizing calls per step, split forward / backward / step, with the
    places that made them; the re-selection's host functions by own time (cProfile).
@@ -174,17 +178,25 @@ class Case:
         self.i += 1
         m0, t0 = self.accel.mark(), time.perf_counter()
 
+        def on_device(fn):  # sim: tensors from the simulated device's pool (cuda: no-op)
+            def run():
+                with self.accel.device_scope():
+                    return fn()
+
+            return run
+
+        @on_device
         def fwd():
             with e.autocast():
                 return self.model(input_ids=b, labels=b).loss
 
         loss, s_fwd = syncs.run(fwd)
         m1 = self.accel.mark()
-        _, s_bwd = syncs.run(lambda: e.backward(loss))
+        _, s_bwd = syncs.run(on_device(lambda: e.backward(loss)))
         m2, t2 = self.accel.mark(), time.perf_counter()
         if not self.cuda:  # sim: the device computed on this thread (the overlap figure)
             self.accel.note_compute(t0, t2)
-        st, s_step = syncs.run(lambda: e.step(loss))
+        st, s_step = syncs.run(on_device(lambda: e.step(loss)))
         e.zero_grad()
         m3, t3 = self.accel.mark(), time.perf_counter()
         kind = "steady"
@@ -196,6 +208,9 @@ class Case:
             kind = "window-end"
         return {"step": st.step, "kind": kind, "marks": (m0, m1, m2, m3),
                 "host_ms": (t3 - t0) * 1e3,
+                # the step's device peak (cuda: max_memory_allocated from the last step's
+                # end, forward and backward included; sim: the engine's accounting)
+                "device_peak_bytes": st.device_peak_bytes,
                 "syncs": None if s_fwd is None else {"forward": s_fwd, "backward": s_bwd,
                                                      "step": s_step},
                 "engine": {"step_ms": st.step_ms, "stall_ms": st.stall_ms,
@@ -248,6 +263,12 @@ class Case:
         print(f"case: {name}: {n} steps in {time.perf_counter() - t0:.1f} s, kinds "
               f"{[r['kind'] for r in rows]}", flush=True)  # fmt: skip
         return rows
+
+
+def steps_peak(rows: list[dict]) -> int:
+    """The largest device peak of the steps ``rows`` (each step's own, read by the engine
+    before it restarts the counter for the next)."""
+    return max(int(r["device_peak_bytes"]) for r in rows)
 
 
 def summarize(rows: list[dict], tokens: int) -> dict:
@@ -400,14 +421,16 @@ def run(args) -> dict:
         warm = case.phase("warm", PHASES["warm"], warm_counter, host_profile=True)
         out["warm"] = sync_summary(warm, warm_counter, case.cuda)
         if case.cuda:
-            out["device_peak_through_warm_bytes"] = torch.cuda.max_memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
+            out["device_peak_through_warm_bytes"] = steps_peak(warm)
         emit(out)
         timed = case.phase("timed", PHASES["timed"], SyncCounter(False))
         out["timed"] = summarize(timed, args.tokens)
-        out["device_peak_bytes"] = torch.cuda.max_memory_allocated() if case.cuda else NO_CUDA
+        out["device_peak_bytes"] = steps_peak(timed) if case.cuda else NO_CUDA
         if not case.cuda:
-            out["engine_accounted_peak_bytes"] = case.accel.peak_bytes()  # sim's accounting
+            out["engine_accounted_peak_bytes"] = steps_peak(timed)  # sim's accounting
+            # the simulated device's pool (warm-up and timed steps): what its live tensors
+            # held at most, activations included (None without the pool)
+            out["sim_device_allocated_peak_bytes"] = case.accel.memory_allocated_peak_bytes()
         emit(out)
         counter = SyncCounter(sync_on)
         rows = case.phase("sync", PHASES["sync"], counter, host_profile=True)

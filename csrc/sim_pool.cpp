@@ -27,6 +27,8 @@
 // - While no simulated device is open, a freed block is not cached: a mapping is unmapped
 //   at once, and once no block carved from a chunk is in use the chunks are unmapped too (a
 //   test process that opens many devices does not keep their caches).
+// - It also counts the bytes asked for by live device tensors ("in use", CUDA's
+//   memory_allocated) and their peak, activations and temporaries included.
 //
 // A DataPtr's context is its data pointer (as the default CPU allocator's), and the pool
 // finds its block from the pointer, so raw_allocate / raw_deleter work for both kinds.
@@ -85,7 +87,7 @@ struct Block {
 
 struct Stats {
   int64_t resident = 0, resident_peak = 0, in_use = 0, reserved = 0, mappings = 0,
-          served = 0;
+          served = 0, in_use_peak = 0;
 };
 
 class SimPool final : public c10::Allocator {
@@ -132,12 +134,13 @@ class SimPool final : public c10::Allocator {
   std::vector<int64_t> stats() {
     std::lock_guard<std::mutex> g(mu_);
     return {s_.resident, s_.resident_peak, s_.in_use, s_.reserved, s_.mappings, s_.served,
-            opened_};
+            opened_, s_.in_use_peak};
   }
 
   void reset_peak() {
     std::lock_guard<std::mutex> g(mu_);
     s_.resident_peak = s_.resident;
+    s_.in_use_peak = s_.in_use;
   }
 
  private:
@@ -164,6 +167,7 @@ class SimPool final : public c10::Allocator {
     b->asked = n;
     if (!b->own) carved_live_ += 1;
     s_.in_use += static_cast<int64_t>(n);
+    s_.in_use_peak = std::max(s_.in_use_peak, s_.in_use);
     s_.served += 1;
     s_.resident_peak = std::max(s_.resident_peak, s_.resident);
     return b->ptr;
@@ -283,7 +287,7 @@ void sim_pool_open(int64_t delta) { SimPool::get().open(delta); }
 
 bool sim_pool_owns(int64_t ptr) { return SimPool::get().owns(static_cast<uintptr_t>(ptr)); }
 
-// [resident, resident_peak, in_use, reserved, mappings, served, opened]
+// [resident, resident_peak, in_use, reserved, mappings, served, opened, in_use_peak]
 std::vector<int64_t> sim_pool_stats() { return SimPool::get().stats(); }
 
 void sim_pool_reset_peak() { SimPool::get().reset_peak(); }

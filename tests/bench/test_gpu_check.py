@@ -205,6 +205,12 @@ def test_one_engine_case_on_sim_reports_every_phase():
         assert [f["own_ms"] for f in prof] == sorted((f["own_ms"] for f in prof), reverse=True)
     assert all("host_profile" not in s for s in res["phases"]["timed"]["steps"])
     assert res["device_peak_bytes"] == gc.NO_CUDA
+    # the phase's device peak is its steps' largest, each read before the next step's
+    # restart, not the counter after the phase (which holds only what followed the last
+    # restart); the pool's includes the activations the accounting does not see
+    timed_peaks = [s["device_peak_bytes"] for s in res["phases"]["timed"]["steps"]]
+    assert res["engine_accounted_peak_bytes"] == max(timed_peaks) > 0
+    assert res["sim_device_allocated_peak_bytes"] > res["engine_accounted_peak_bytes"]
     assert res["profile"]["copy_under_compute_share"] == gc.NO_CUDA
     assert 0 < res["profile"]["sim_modelled_overlap_share"] <= 1
     t = res["timed"]

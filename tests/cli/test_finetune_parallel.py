@@ -148,6 +148,9 @@ def test_sim_device_is_named_and_reports_device_bytes(tiny_gpt2_dir, data, tmp_p
     # beside; the weights (made before the device) count outside the pool
     assert s["device_memory_peak_bytes"] >= s["device_peak_bytes"] > 0
     assert s["device_memory_peak_bytes"] < 4 * s["device_peak_bytes"]
+    # what its live tensors held at most (activations included, the cache not)
+    assert s["device_memory_peak_bytes"] >= s["device_allocated_peak_bytes"]
+    assert s["device_allocated_peak_bytes"] > s["device_peak_bytes"]
 
 
 # ---- stops and crashes (issue 31)

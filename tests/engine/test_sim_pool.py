@@ -164,6 +164,34 @@ def test_the_accelerator_puts_device_tensors_in_the_pool_and_host_ones_in_the_he
         accel.close()
 
 
+def test_the_bytes_in_use_and_their_peak_are_what_live_tensors_asked_for():
+    """``in_use`` is what live device tensors asked for (not their classes), its peak the
+    most at once (CUDA's max_memory_allocated): what a device budget must hold, which the
+    accelerator reports with the weights made outside the pool."""
+    accel = SimAccelerator()
+    if not accel.pool:
+        pytest.skip("the device pool is off here")
+    try:
+        base = sim_pool.stats()["in_use"]
+        sim_pool.reset_peak()
+        with accel.device_scope():
+            a = torch.empty(300_001, dtype=torch.uint8)  # class 320 KiB: asked 300,001
+            b = torch.empty(70_000, dtype=torch.uint8)
+            assert sim_pool.stats()["in_use"] == base + 370_001
+            del a
+            c = torch.empty(10_000, dtype=torch.uint8)
+        st = sim_pool.stats()
+        assert st["in_use"] == base + 80_000
+        assert st["in_use_peak"] == base + 370_001, "the peak stays after a free"
+        accel.note_device_tensors([torch.empty(25_000)])
+        assert accel.memory_allocated_peak_bytes() == base + 370_001 + 100_000
+        sim_pool.reset_peak()
+        assert sim_pool.stats()["in_use_peak"] == base + 80_000
+        del b, c
+    finally:
+        accel.close()
+
+
 class _Attribution(TorchDispatchMode):
     """Every op on this thread whose output is in the device pool although none of its
     inputs is device memory (the pool's, or the model's weights made before the engine),

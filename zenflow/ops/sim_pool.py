@@ -13,7 +13,8 @@ device's description says so).
 ``stats()`` keys: ``resident`` (bytes the pool holds in RSS: a block counts the largest
 request it served, page-rounded), ``resident_peak``, ``in_use`` (bytes asked for by live
 tensors), ``reserved`` (address space mapped), ``mappings``, ``served`` (allocations
-served), ``opened`` (simulated devices open).
+served), ``opened`` (simulated devices open), ``in_use_peak`` (the most bytes in use:
+CUDA's max_memory_allocated).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from zenflow.ops.loader import NativeBuildError, load_native, ops_mode, sim_pool
 
 HOST, DEVICE = 0, 1
 _STAT_KEYS = ("resident", "resident_peak", "in_use", "reserved", "mappings", "served",
-              "opened")  # fmt: skip
+              "opened", "in_use_peak")  # fmt: skip
 
 _local = threading.local()  # this thread's mode as last set here (skips no-op calls)
 _installed: list[bool] = []

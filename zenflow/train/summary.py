@@ -118,11 +118,13 @@ def _host_peak(run, steps: list[dict]) -> int | None:
     return _most(steps, "host_peak_bytes")
 
 
-def _device_memory_peak(run) -> int | None:
+def _device_memory_peak(run, what: str = "memory_peak_bytes") -> int | None:
     """The whole run's device memory peak as the device's allocator holds it (sim with its
-    pool: what the simulated device held in the process's RSS); None where not measured."""
+    pool, ``what`` "memory_peak_bytes": what the simulated device held in the process's RSS;
+    "memory_allocated_peak_bytes": the most its live tensors held); None where not
+    measured."""
     accel = getattr(run.engine, "accel", None)
-    peak = accel.memory_peak_bytes() if hasattr(accel, "memory_peak_bytes") else None
+    peak = getattr(accel, what)() if hasattr(accel, what) else None
     return int(peak) if peak is not None else None
 
 
@@ -250,6 +252,9 @@ def _memory(run, steps: list[dict]) -> dict:
         # sim: the simulated device's pool at its largest (activations and its cache
         # included), the bytes of the process's RSS that are the device's
         "device_memory_peak_bytes": _device_memory_peak(run),
+        # sim: the most its live tensors held at once (CUDA's max_memory_allocated over the
+        # whole run): what a device budget must hold, activations included
+        "device_allocated_peak_bytes": _device_memory_peak(run, "memory_allocated_peak_bytes"),
         # the sync counter: the most full device syncs / device-to-host reads in one step
         "full_syncs_max": _most(steps, "full_syncs"),
         "d2h_reads_max": _most(steps, "d2h_reads"),

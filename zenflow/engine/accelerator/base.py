@@ -237,6 +237,13 @@ class Accelerator:
         where not measured)."""
         return None
 
+    def memory_allocated_peak_bytes(self) -> int | None:
+        """The most bytes live device tensors held at once since the device was opened,
+        activations and temporaries included (sim with its pool: its bytes in use at their
+        peak plus the device tensors made outside it; None where not measured: CUDA's
+        counter is reset every step, ``peak_bytes``)."""
+        return None
+
     # ---------------------------------------------------------------- host memory
     def _pin(self, shape, dtype) -> torch.Tensor:
         """A host tensor whose pages are locked (cuda: registered) or modelled so (sim)."""

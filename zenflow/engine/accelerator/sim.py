@@ -358,6 +358,11 @@ class SimAccelerator(Accelerator):
             return None
         return sim_pool.stats()["resident_peak"] + self._outside
 
+    def memory_allocated_peak_bytes(self) -> int | None:
+        if not self.pool:
+            return None
+        return sim_pool.stats()["in_use_peak"] + self._outside
+
     def describe(self) -> str:
         mode = ", ".join(
             x for x in ("strict" if self.strict else "", f"lag <= {self.lag_s * 1e3:g} ms"
