@@ -188,7 +188,9 @@ def activation_note(data: dict) -> str:
         )
         + "). B/param is the device state (weights, grads, optimizer, staging) per "
         "trainable param, at the peak of a step (backward included). Not counted: the "
-        "framework's own overhead (CUDA context, allocator fragmentation)."
+        "framework's own overhead (CUDA context, allocator fragmentation). Measured on sim "
+        '(docs/BENCHMARKS.md, "The activation term against the pool"), a Llama shape held '
+        "up to 1.25x these activations and GPT-2 1.4-2.2x (its GELU is six ops)."
     )
 
 
