@@ -39,7 +39,7 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from zenflow.engine.accelerator import SimAccelerator  # noqa: E402
-from zenflow.hardware.census import ArchShape  # noqa: E402
+from zenflow.hardware.census import arch_of  # noqa: E402
 from zenflow.hardware.layout import Settings, activation_bytes  # noqa: E402
 from zenflow.ops import sim_pool  # noqa: E402
 
@@ -60,6 +60,7 @@ CASES = (
     Case("gpt2, no dropout", "gpt2", 8, 128, dropout=False),
     Case("gpt2, eager attention", "gpt2", 8, 128, attention="eager"),
     Case("gpt2, checkpointing", "gpt2", 8, 128, checkpointing=True),
+    Case("gpt2, checkpointing, no dropout", "gpt2", 8, 128, checkpointing=True, dropout=False),
     Case("llama", "llama", 4, 256, dropout=False),
     Case("llama, eager attention", "llama", 4, 256, dropout=False, attention="eager"),
     Case("llama, checkpointing", "llama", 4, 256, checkpointing=True, dropout=False),
@@ -86,7 +87,7 @@ def build(case: Case, tiny: bool):
         cfg = GPT2Config(num_labels=2, pad_token_id=0, n_positions=max(1024, s), **size,
                          **drop)  # fmt: skip
         model = GPT2ForSequenceClassification(cfg)
-        arch = ArchShape(cfg.n_embd, cfg.n_head, cfg.n_layer, cfg.vocab_size, 2, False)
+        arch = arch_of(cfg, 2, False)
         ids = torch.randint(0, cfg.vocab_size, (b, s))
         inputs = dict(input_ids=ids, labels=torch.randint(0, 2, (b,)))
     else:
@@ -97,8 +98,7 @@ def build(case: Case, tiny: bool):
                      num_attention_heads=16, num_key_value_heads=16, vocab_size=32000))  # fmt: skip
         cfg = LlamaConfig(max_position_embeddings=max(2048, s), **size)
         model = LlamaForCausalLM(cfg)
-        arch = ArchShape(cfg.hidden_size, cfg.num_attention_heads, cfg.num_hidden_layers,
-                         cfg.vocab_size, 2, True)  # fmt: skip
+        arch = arch_of(cfg, 2, True)
         ids = torch.randint(0, cfg.vocab_size, (b, s))
         inputs = dict(input_ids=ids, labels=ids)
     model.config._attn_implementation = case.attention

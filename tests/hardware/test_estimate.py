@@ -25,6 +25,7 @@ from zenflow.hardware.preflight import WillNotFitError
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "templates" / "zenflow.json"
 GIB = 2**30
+DEV = 2 * GIB  # a device the tests of the host checks fit (gpt2 at micro-batch 8 x 128)
 
 # --------------------------------------------------------------------------- by hand
 #
@@ -245,16 +246,16 @@ def test_early_images_that_do_not_fit_are_checked_as_never():
     stay; the row says which, and the host-state verdict says why."""
     c = resolve_census("gpt2")  # large enough that the images make the whole run's peak
     s = Settings(bf16=True, overlap_step=True, early_steps=100)
-    big = Budget(GIB, 2**40, False, "d", "h")
+    big = Budget(DEV, 2**40, False, "d", "h")
     on = est.check(c, "zenflow", s, big)
     off = est.check(c, "zenflow", dataclasses.replace(s, return_image="never"), big)
     assert on.return_image == "early" and off.return_image == "never"
     assert on.host_peak_phase == "early phase" and on.host_peak_bytes > off.host_peak_bytes
-    tight = Budget(GIB, off.host_peak_bytes, False, "d", "h")  # no room for the images' 2N
+    tight = Budget(DEV, off.host_peak_bytes, False, "d", "h")  # no room for the images' 2N
     got = est.check(c, "zenflow", s, tight)
     assert got.fits and got.return_image == "never"
     assert got.host_peak_bytes == off.host_peak_bytes
-    assert est.check(c, "zenflow", s, Budget(GIB, on.host_peak_bytes, False, "d", "h")
+    assert est.check(c, "zenflow", s, Budget(DEV, on.host_peak_bytes, False, "d", "h")
                      ).return_image == "early"  # fmt: skip
     # "always" is the user's explicit choice: never changed, refused when it does not fit
     always = est.check(c, "zenflow", dataclasses.replace(s, return_image="always"), tight)
@@ -264,7 +265,7 @@ def test_early_images_that_do_not_fit_are_checked_as_never():
         verdict["sentence"]  # fmt: skip
     assert "never" not in est.estimate(c, s, big).host_state_verdict()["sentence"]
     # below even the peak without images: refused, the shortfall without them
-    short = est.check(c, "zenflow", s, Budget(GIB, off.host_peak_bytes - 1, False, "d", "h"))
+    short = est.check(c, "zenflow", s, Budget(DEV, off.host_peak_bytes - 1, False, "d", "h"))
     assert short.short == {"host": 1} and short.return_image == "never"
 
 
@@ -275,21 +276,21 @@ def test_a_step_store_that_does_not_fit_a_run_without_clipping_is_checked_as_off
     early images too, the images go first and the store only where that is not enough."""
     c = resolve_census("gpt2")
     s = Settings(bf16=True, overlap_step=True, clipping=False)
-    big = Budget(GIB, 2**40, False, "d", "h")
+    big = Budget(DEV, 2**40, False, "d", "h")
     on = est.check(c, "zenflow", s, big)
     off = est.check(c, "zenflow", dataclasses.replace(s, step_store="off"), big)
     assert on.step_store == "on" and off.step_store == "off"
     assert on.host_peak_bytes > off.host_peak_bytes and on.to_json()["step_store"] == "on"
-    tight = Budget(GIB, off.host_peak_bytes, False, "d", "h")
+    tight = Budget(DEV, off.host_peak_bytes, False, "d", "h")
     got = est.check(c, "zenflow", s, tight)
     assert got.fits and got.step_store == "off" and got.host_peak_bytes == off.host_peak_bytes
-    assert est.check(c, "zenflow", s, Budget(GIB, on.host_peak_bytes, False, "d", "h")
+    assert est.check(c, "zenflow", s, Budget(DEV, on.host_peak_bytes, False, "d", "h")
                      ).step_store == "on"  # fmt: skip
     clipped = est.check(c, "zenflow", dataclasses.replace(s, clipping=True), tight)
     assert not clipped.fits and clipped.step_store == "on"
     for moot in (dataclasses.replace(s, gradient_accumulation_steps=2),  # host sums
                  dataclasses.replace(s, cpu_device=True, stream_grads=False)):  # fmt: skip
-        assert est.check(c, "zenflow", moot, Budget(GIB, 1, False, "d", "h")).step_store == "on"
+        assert est.check(c, "zenflow", moot, Budget(DEV, 1, False, "d", "h")).step_store == "on"
     verdict = est.estimate(c, s, tight).host_state_verdict()
     assert verdict["choice"] == "exact" and 'runs zfctl.step_store as "off"' in verdict["sentence"]
     assert "step_store" not in est.estimate(c, s, big).host_state_verdict()["sentence"]
@@ -297,12 +298,12 @@ def test_a_step_store_that_does_not_fit_a_run_without_clipping_is_checked_as_off
     early = dataclasses.replace(s, early_steps=100)
     images = est.check(c, "zenflow", early, big).host_peak_bytes
     assert images > on.host_peak_bytes  # the images make the peak
-    got = est.check(c, "zenflow", early, Budget(GIB, on.host_peak_bytes, False, "d", "h"))
+    got = est.check(c, "zenflow", early, Budget(DEV, on.host_peak_bytes, False, "d", "h"))
     assert got.fits and (got.return_image, got.step_store) == ("never", "on")
     got = est.check(c, "zenflow", early, tight)
     assert got.fits and (got.return_image, got.step_store) == ("never", "off")
     # below everything: the one short by least (both), its shortfall
-    short = est.check(c, "zenflow", early, Budget(GIB, off.host_peak_bytes - 1, False, "d", "h"))
+    short = est.check(c, "zenflow", early, Budget(DEV, off.host_peak_bytes - 1, False, "d", "h"))
     assert short.short == {"host": 1} and (short.return_image, short.step_store) == ("never", "off")
 
 
@@ -373,15 +374,33 @@ def test_holders_group_items_by_engine_category():
 
 def test_activation_formula():
     arch = ArchShape(hidden=64, heads=4, layers=2, vocab=100, num_labels=3, causal_lm=False)
-    # per layer s*b*h*(34 + 5*a*s/h) = 16*2*64*(34 + 5*4*16/64) = 2048*39 = 79872 (bf16)
+    # any other layer: Korthikanti's, s*b*h*(34 + 5*a*s/h) = 16*2*64*(34 + 5*4*16/64)
+    # = 2048*39 = 79872 (bf16)
     s = Settings(micro_batch=2, seq_len=16, bf16=True)
     assert est.activation_bytes(arch, s)[0] == 2 * 79872 + 2 * 3 * 8
     assert est.activation_bytes(arch, Settings(micro_batch=2, seq_len=16, bf16=False))[0] == (
         2 * 2 * 79872 + 2 * 3 * 8
     )
+    # a causal LM's head: logits, their fp32 copy and its log-softmax, 12 bytes a logit
     causal = ArchShape(hidden=64, heads=4, layers=2, vocab=100, num_labels=3, causal_lm=True)
-    assert est.activation_bytes(causal, s)[0] == 2 * 79872 + 2 * 16 * 100 * 8
+    assert est.activation_bytes(causal, s)[0] == 2 * 79872 + 2 * 16 * 100 * 12
     assert est.activation_bytes(None, s)[0] is None
+    # GPT-2 and Llama layers as transformers runs them (flash attention, no s*s term), and
+    # half a layer of the backward's transients: s*b*h = 2048
+    sbh = 2048
+    gpt2 = dataclasses.replace(arch, family="gpt2", intermediate=256)  # i/h = 4: 20 + 40
+    assert est.activation_bytes(gpt2, s)[0] == 2 * sbh * 60 + sbh * 30 + 2 * 3 * 8
+    dropped = dataclasses.replace(gpt2, dropout=True)  # two one-byte masks a layer
+    assert est.activation_bytes(dropped, s)[0] == 2 * sbh * 62 + sbh * 31 + 2 * 3 * 8
+    llama = dataclasses.replace(arch, family="llama", intermediate=176)  # i/h = 2.75: 24 + 22
+    assert est.activation_bytes(llama, s)[0] == 2 * sbh * 46 + sbh * 23 + 2 * 3 * 8
+    ckpt = Settings(micro_batch=2, seq_len=16, bf16=True, gradient_checkpointing=True)
+    # each layer keeps its input (2 bytes), one is recomputed with its transients
+    assert est.activation_bytes(llama, ckpt)[0] == 2 * sbh * 2 + sbh * 69 + 2 * 3 * 8
+    # the seq length changes Korthikanti's layer per token, not a flash-attention one
+    long = Settings(micro_batch=1, seq_len=32, bf16=True)  # as many tokens; its head: b=1
+    assert est.activation_bytes(llama, long)[0] - 3 * 8 == est.activation_bytes(llama, s)[0] - 48
+    assert est.activation_bytes(arch, long)[0] > est.activation_bytes(arch, s)[0]
 
 
 # --------------------------------------------------------------------------- meta device
@@ -427,7 +446,9 @@ def test_architectures_come_from_the_registry_finetune_uses():
     assert q.source == "built-in architecture qwen2-0.5b (Qwen2Config)"
     assert q.params == 494_034_560  # Qwen2.5-0.5B's 494,032,768 + a 896 x 2 classifier
     assert q.arch == ArchShape(hidden=896, heads=14, layers=24, vocab=151936, num_labels=2,
-                               causal_lm=False, positions=32768)  # fmt: skip
+                               causal_lm=False, positions=32768, family="llama",
+                               intermediate=4864)  # fmt: skip
+    assert resolve_census("gpt2").arch.family == "gpt2"
     assert q.tied_numel == 0  # the classifier has no LM head to tie
     # causal-lm: the embedding doubles as the LM head (tied), counted once and marked tied
     assert resolve_census("qwen2-0.5b", head="causal-lm").tied_numel == 151936 * 896

@@ -47,6 +47,12 @@ class ArchShape:
     num_labels: int
     causal_lm: bool
     positions: int | None = None  # n_positions / max_position_embeddings, when the config says
+    # the layer's shape as ``zenflow.hardware.layout.activation_bytes`` models it: "gpt2"
+    # (LayerNorm, a four-times MLP with transformers' six-op GELU), "llama" (RMSNorm with its
+    # fp32 copy, SwiGLU: llama, mistral, qwen2), None (any other: Korthikanti's layer)
+    family: str | None = None
+    intermediate: int | None = None  # the MLP's width (family only)
+    dropout: bool = False  # gpt2: a hidden dropout > 0 (its masks, one byte each on a GPU)
 
 
 @dataclass(frozen=True)
@@ -163,12 +169,36 @@ def _positions(config) -> int | None:
     return None
 
 
-def _arch_of(config, num_labels: int, causal_lm: bool) -> ArchShape | None:
+LLAMA_LIKE = ("llama", "mistral", "qwen2")  # RMSNorm + SwiGLU layers (activation family "llama")
+
+
+def _family(config) -> tuple[str | None, int | None, bool]:
+    """(family, MLP width, dropout) of a config for the activation estimate."""
+    kind = getattr(config, "model_type", None)
+    try:
+        if kind == "gpt2":
+            inner = getattr(config, "n_inner", None) or 4 * int(config.hidden_size)
+            drop = max(float(getattr(config, k, 0.0) or 0.0)
+                       for k in ("resid_pdrop", "embd_pdrop")) > 0  # fmt: skip
+            if getattr(config, "activation_function", "gelu_new") == "gelu_new":
+                return "gpt2", int(inner), drop
+        elif kind in LLAMA_LIKE and getattr(config, "hidden_act", "silu") == "silu":
+            return "llama", int(config.intermediate_size), False
+    except (AttributeError, TypeError, ValueError):
+        pass
+    return None, None, False
+
+
+def arch_of(config, num_labels: int, causal_lm: bool) -> ArchShape | None:
+    """The activation estimate's shape of a transformers config, or None where it lacks
+    hidden size, heads, layers or vocabulary."""
+    family, inner, drop = _family(config)
     try:
         return ArchShape(
             hidden=int(config.hidden_size), heads=int(config.num_attention_heads),
             layers=int(config.num_hidden_layers), vocab=int(config.vocab_size),
             num_labels=num_labels, causal_lm=causal_lm, positions=_positions(config),
+            family=family, intermediate=inner, dropout=drop,
         )  # fmt: skip
     except (AttributeError, TypeError):
         return None
@@ -225,4 +255,4 @@ def resolve_census(model: str, *, head: str = "classification", num_labels: int 
             f"transformers has no {head} model for {model!r} ({type(config).__name__}): "
             f"{exc}. Try --head {other}."
         ) from exc
-    return census_of(net, name=model, source=source, arch=_arch_of(config, num_labels, causal))
+    return census_of(net, name=model, source=source, arch=arch_of(config, num_labels, causal))

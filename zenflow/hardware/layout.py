@@ -190,28 +190,56 @@ class Item:
 def activation_bytes(arch: ArchShape | None, s: Settings) -> tuple[int | None, str]:
     """Activation memory of one micro-batch (an estimate) and its formula.
 
-    Transformer blocks: Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
-    Transformer Models"), s*b*h*(34 + 5*a*s/h) bytes per layer at 2-byte activations, scaled
-    by dt/2. With activation checkpointing (``gradient_checkpointing``: transformers
-    recomputes each layer in backward from its input) every layer keeps only its input,
-    s*b*h*dt, and one layer's full activations exist at a time, while it is recomputed.
-    Head: fp32 logits and their gradient, b*s*vocab*4*2 for a causal LM, b*num_labels*4*2
-    for a classifier.
+    Transformer blocks, per token and hidden unit of one layer at 2-byte activations (k;
+    scaled by dt/2):
+
+    - GPT-2 and Llama-like layers (``ArchShape.family``), as transformers runs them with
+      ``sdpa`` (flash attention: no s x s scores kept), measured on the simulated device's
+      pool (``bench/activations.py``, docs/BENCHMARKS.md): attention 12 (q, k, v, its output
+      and the output projection's input); GPT-2 two LayerNorms' inputs and outputs 8 and an
+      MLP of width i whose six-op GELU keeps five i-wide tensors, 10*i/h (+2 for its two
+      dropout masks, a byte each on a GPU, where dropout is on); Llama two RMSNorms with their
+      fp32 copies 12 and SwiGLU's four i-wide tensors 8*i/h. The backward's transients add
+      half a layer.
+    - Any other layer: Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+      Transformer Models"), k = 34 + 5*a*s/h.
+
+    With activation checkpointing (``gradient_checkpointing``: transformers recomputes each
+    layer in backward from its input) every layer keeps only its input, s*b*h*dt, and one
+    layer's full activations exist at a time, while it is recomputed (GPT-2 and Llama: with
+    its transients). Head: a causal LM's logits in the training dtype, their fp32 copy for
+    the loss and its log-softmax, b*s*vocab*12 (measured: 11.3-12); a classifier's fp32
+    logits and their gradient, b*num_labels*8.
     """
     if arch is None:
         return None, "unknown for this architecture (no hidden_size/heads/layers in its config)"
-    b, seq, h, a, dt = s.micro_batch, s.seq_len, arch.hidden, arch.heads, s.dtype_bytes
-    per_layer = seq * b * h * (34 + 5 * a * seq / h) * dt / 2
+    b, seq, h, dt = s.micro_batch, s.seq_len, arch.hidden, s.dtype_bytes
     if arch.causal_lm:
-        head, head_f = b * seq * arch.vocab * 4 * 2, "b*s*vocab*8"
+        head, head_f = b * seq * arch.vocab * 12, "b*s*vocab*12"
     else:
         head, head_f = b * arch.num_labels * 4 * 2, "b*labels*8"
+    k, k_f, transient = _layer_k(arch, seq)
+    per_layer = seq * b * h * k * dt / 2
+    extra = per_layer / 2 if transient else 0
+    extra_f = f" + s*b*h*{k_f}*dt/4" if transient else ""
     if s.gradient_checkpointing:
-        body = arch.layers * seq * b * h * dt + per_layer
-        formula = f"L*s*b*h*dt + s*b*h*(34+5*a*s/h)*dt/2 (checkpointed) + {head_f}"
+        body = arch.layers * seq * b * h * dt + per_layer + extra
+        formula = f"L*s*b*h*dt + s*b*h*{k_f}*dt/2{extra_f} (checkpointed) + {head_f}"
         return int(body + head), formula
-    formula = f"L*s*b*h*(34+5*a*s/h)*dt/2 + {head_f}"
-    return int(arch.layers * per_layer + head), formula
+    formula = f"L*s*b*h*{k_f}*dt/2{extra_f} + {head_f}"
+    return int(arch.layers * per_layer + extra + head), formula
+
+
+def _layer_k(arch: ArchShape, seq: int) -> tuple[float, str, bool]:
+    """(k, its formula, whether the backward's transients are added) of one layer:
+    ``activation_bytes``."""
+    i_h = (arch.intermediate or 4 * arch.hidden) / arch.hidden
+    if arch.family == "gpt2":
+        masks = 2 if arch.dropout else 0
+        return 20 + masks + 10 * i_h, f"({20 + masks}+10*i/h)", True
+    if arch.family == "llama":
+        return 24 + 8 * i_h, "(24+8*i/h)", True
+    return 34 + 5 * arch.heads * seq / arch.hidden, "(34+5*a*s/h)", False
 
 
 # --------------------------------------------------------------------------- the layout

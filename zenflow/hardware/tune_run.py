@@ -124,17 +124,10 @@ def link_rates(acc, mem) -> tuple[float, float, str]:
 
 def arch_shape(model, num_labels: int = 2):
     """The activation estimate's shape of a transformers classification model, or None."""
-    from zenflow.hardware.census import ArchShape
+    from zenflow.hardware.census import arch_of
 
     cfg = getattr(model, "config", None)
-    try:
-        return ArchShape(
-            hidden=int(cfg.hidden_size), heads=int(cfg.num_attention_heads),
-            layers=int(cfg.num_hidden_layers), vocab=int(cfg.vocab_size),
-            num_labels=num_labels, causal_lm=False,
-        )  # fmt: skip
-    except (AttributeError, TypeError):
-        return None
+    return arch_of(cfg, num_labels, False) if cfg is not None else None
 
 
 def run_tune(settings: TuneSettings) -> dict:
