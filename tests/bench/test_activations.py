@@ -27,10 +27,12 @@ def test_the_pool_sees_what_dropout_and_checkpointing_change():
     ckpt = act.measure(_case("gpt2, checkpointing"), tiny=True)
     assert plain["measured_bytes"] > no_drop["measured_bytes"] > 0
     assert ckpt["measured_bytes"] < plain["measured_bytes"]
-    _, arch, _ = act.build(_case("gpt2"), tiny=True)
+    model, arch, _ = act.build(_case("gpt2"), tiny=True)
     est, _ = activation_bytes(arch, Settings(micro_batch=8, seq_len=128, bf16=True))
-    assert plain["estimate_bytes"] == est
-    assert plain["measured_over_estimate"] == plain["measured_bytes"] / est
+    largest = max(p.numel() * 2 for p in model.parameters())  # bf16
+    assert plain["activation_term_bytes"] == est and plain["largest_gradient_bytes"] == largest
+    assert plain["estimate_bytes"] == est + largest
+    assert plain["measured_over_estimate"] == plain["measured_bytes"] / (est + largest)
     assert "| gpt2 | 8 x 128 |" in act.table([plain])
 
 
