@@ -178,11 +178,6 @@ def activation_note(data: dict) -> str:
     act = data["activations"]
     if act["bytes"] is None:
         return f"Activations: {act['formula']}; not included."
-    if "34+5*a*s/h" in act["formula"]:
-        source = "Korthikanti et al. 2022"
-    else:  # zenflow.hardware.layout.activation_bytes: GPT-2 and Llama-like layers
-        source = ('transformers\' layers with flash attention, measured on sim: '
-                  'docs/BENCHMARKS.md, "The activation term against the pool"')  # fmt: skip
     recompute = (
         "each layer recomputed in backward"
         if data.get("gradient_checkpointing")
@@ -190,7 +185,7 @@ def activation_note(data: dict) -> str:
     )
     return (
         f"Activations ({fmt_bytes(act['bytes'])} on the device, every engine alike) are an "
-        f"estimate: {act['formula']} ({source}; {recompute}). B/param is the device state "
+        f"estimate: {act['formula']} ({act['source']}; {recompute}). B/param is the device state "
         "(weights, grads, optimizer, staging) per trainable param, at the peak of a step "
         "(backward included). Not counted: the framework's own overhead (CUDA context, "
         "allocator fragmentation)."

@@ -401,6 +401,9 @@ def test_activation_formula():
     long = Settings(micro_batch=1, seq_len=32, bf16=True)  # as many tokens; its head: b=1
     assert est.activation_bytes(llama, long)[0] - 3 * 8 == est.activation_bytes(llama, s)[0] - 48
     assert est.activation_bytes(arch, long)[0] > est.activation_bytes(arch, s)[0]
+    # the note cites where each layer term comes from
+    assert est.activation_source(arch) == est.activation_source(None) == "Korthikanti et al. 2022"
+    assert "measured on sim" in est.activation_source(gpt2) == est.activation_source(llama)
 
 
 # --------------------------------------------------------------------------- meta device

@@ -38,15 +38,16 @@ from zenflow.hardware.layout import (
     Item,
     Settings,
     activation_bytes,
+    activation_source,
     layout,
     settings_from_config,
 )
 
 __all__ = [
     "ArchShape", "Budget", "EngineEstimate", "Estimate", "EstimateError", "HOST_STATES", "Item",
-    "ParamCensus", "Settings", "activation_bytes", "census_of", "check", "detect_budget",
-    "estimate", "human_bytes", "layout", "parse_size", "preset_names", "resolve_census",
-    "settings_from_config",
+    "ParamCensus", "Settings", "activation_bytes", "activation_source", "census_of", "check",
+    "detect_budget", "estimate", "human_bytes", "layout", "parse_size", "preset_names",
+    "resolve_census", "settings_from_config",
 ]  # fmt: skip
 
 ENGINE_TITLES = {
@@ -355,7 +356,12 @@ class Estimate:
             "grad_accumulation": s.grad_accumulation,
             "gradient_checkpointing": s.gradient_checkpointing,
             "update_interval": s.update_interval,
-            "activations": {"bytes": act, "formula": formula, "is_estimate": True},
+            "activations": {
+                "bytes": act,
+                "formula": formula,
+                "is_estimate": True,
+                "source": activation_source(c.arch),
+            },
             "host_runtime_bytes": RUNTIME_BYTES,
             "warnings": self.warnings(),
         }

@@ -230,6 +230,14 @@ def activation_bytes(arch: ArchShape | None, s: Settings) -> tuple[int | None, s
     return int(arch.layers * per_layer + extra + head), formula
 
 
+def activation_source(arch: ArchShape | None) -> str:
+    """Where ``activation_bytes``'s layer term for ``arch`` comes from (the estimate's note)."""
+    if arch is not None and arch.family in ("gpt2", "llama"):
+        return ("transformers' layers with flash attention, measured on sim: "
+                'docs/BENCHMARKS.md, "The activation term against the pool"')  # fmt: skip
+    return "Korthikanti et al. 2022"
+
+
 def _layer_k(arch: ArchShape, seq: int) -> tuple[float, str, bool]:
     """(k, its formula, whether the backward's transients are added) of one layer:
     ``activation_bytes``."""
