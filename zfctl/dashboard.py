@@ -139,13 +139,14 @@ def _metric_text(metrics: dict, names: list[str]) -> str:
 
 
 # zfctl-block options that change ZenFlow's arithmetic (opt-in), shown beside the zenflow block
-ALGORITHM_OPTIONS = ("window_lr", "select_schedule", "host_state")
+ALGORITHM_OPTIONS = ("window_lr", "select_schedule", "host_state", "host_clipping")
 
 
 def algorithm_options(header: dict) -> dict:
-    """The run's zfctl-block algorithm options as the engine resolved them (zenflow only)."""
+    """The run's zfctl-block algorithm options as the engine resolved them (zenflow only;
+    ``host_clipping`` where the run clips: zfctl.step_store decides it)."""
     resolved = header.get("engine_resolved") or {}
-    return {k: resolved[k] for k in ALGORITHM_OPTIONS if k in resolved}
+    return {k: resolved[k] for k in ALGORITHM_OPTIONS if resolved.get(k) is not None}
 
 
 def thread_note(resolved: dict) -> str:

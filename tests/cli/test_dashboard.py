@@ -238,3 +238,9 @@ def test_header_shows_the_zfctl_algorithm_options_beside_the_zenflow_block():
     state.apply(RunStarted(header))
     text = render_text(render_dashboard(state), width=200)
     assert "warm-up None, window_lr sum, select_schedule doubling" in text
+    # how the non-selected columns are clipped, where the run clips (zfctl.step_store "off":
+    # by each window's smallest coefficient); nothing where it does not
+    for clipping, shown in (("window", ", host_clipping=window"), (None, "")):
+        header = {**HEADER, "engine_resolved": {**resolved, "host_clipping": clipping}}
+        (line,) = [x for x in format_plain_header(header) if x.startswith("zenflow: ")]
+        assert line.endswith("select_schedule=doubling" + shown), line

@@ -232,7 +232,7 @@ def test_finetune_refuses_a_run_whose_whole_run_host_peak_does_not_fit(
             "--host-mem", "1MiB", *SHORT)  # fmt: skip
     assert_user_error(r, "will not fit", "zfctl.host_state exact", "on the host over the whole",
                       "--host-mem)", "short by", 'zfctl.host_state "compact"',
-                      "--engine offload", 'zfctl.step_store "off" with gradient_clipping 0',
+                      "--engine offload", 'zfctl.step_store "off" (each window',
                       "--force")  # fmt: skip
     assert not root.exists()  # refused before anything was made
     # just under the whole-run peak (the steady state would fit): the fix that fits, named
@@ -249,7 +249,7 @@ def test_finetune_refuses_a_run_whose_whole_run_host_peak_does_not_fit(
     r = cli("finetune", tiny_gpt2_dir, "--task", "sst2", "--data-dir", glue_dir,
             "--runs-root", root, "--device", "sim", "--device-mem", "1GiB",
             "--host-mem", str(host), *SHORT)  # fmt: skip
-    store_off = "--set gradient_clipping=0 --set zfctl.step_store=off"
+    store_off = "--set zfctl.step_store=off"
     assert_user_error(r, "will not fit", "short by 1 B", "Fix:", "--engine offload", store_off)
     assert not root.exists()
     # the advice taken as given: the same host, no store, and the run goes
@@ -366,7 +366,7 @@ def test_finetune_without_clipping_runs_without_the_step_store_where_it_does_not
     resolved = json.loads((runs.latest_run(root) / "config.json").read_text())["engine_resolved"]
     assert resolved["step_store"] == "on"
     r, root = run(without)  # the template's clipping: refused, the fix named
-    assert_user_error(r, "will not fit", "--set gradient_clipping=0 --set zfctl.step_store=off")
+    assert_user_error(r, "will not fit", "--set zfctl.step_store=off")
     assert not root.exists()
 
 

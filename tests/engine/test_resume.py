@@ -33,13 +33,16 @@ SCRIPT = textwrap.dedent(
         zfctl["select_schedule"] = "doubling"
     if "compact" in flags:
         zfctl["host_state"] = "compact"
+    clip = 1.0
+    if "storeoff" in flags:  # no step store, clipping that bites at every step
+        zfctl["step_store"], clip = "off", 0.05
     if "early" in flags:  # windows 1 (steps 1-6), then 2, over 10 early steps
         zfctl["early"] = {{"steps": 10, "overlap": "earlysync" not in flags}}
     torch.manual_seed(0)
     model = MLP()
     batches = mlp_batches(2 * n)
     kw = dict(host_kernel="reference", accelerator=accel, sim_strict=True, min_numel=1000)
-    cfg = make_config(zf, clip=1.0, bf16={{"enabled": bf16}}, zfctl=zfctl)
+    cfg = make_config(zf, clip=clip, bf16={{"enabled": bf16}}, zfctl=zfctl)
     engine = ZenFlowEngine(model, cfg, **kw)
     if phase == "first":
         train_engine(engine, model, batches[:n])
@@ -116,11 +119,14 @@ DOUBLING = {"topk_ratio": 0.1, "update_interval": 2, "select_interval": 100, "ov
         # ... bf16: the in-flight host step wrote a bf16 image for the return
         # (zfctl.return_image "early"); the resumed run returns it from the master
         (FIXED, "sim", "sim", "bf16-early"),
+        # zfctl.step_store "off" with clipping: the saved window's smallest coefficient so
+        # far (step 7's) must resume, or its host step scales by steps 8-9's only
+        (FIXED, "sim", "sim", "fp32-storeoff"),
     ],
     ids=["sim-overlap", "sim-overlap-bf16", "cpu-overlap", "cpu-auto-warmup",
          "sim-auto-warmup", "sim-to-cpu", "sim-window-lr-sum", "sim-doubling",
          "sim-compact", "sim-compact-bf16", "cpu-auto-warmup-compact", "sim-early-ramp",
-         "sim-early-ramp-sync", "sim-early-ramp-bf16"],
+         "sim-early-ramp-sync", "sim-early-ramp-bf16", "sim-store-off-clipped"],
 )  # fmt: skip
 def test_resume_in_fresh_process(tmp_path, zf, first, second, dtype):
     n = 7

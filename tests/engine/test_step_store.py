@@ -1,13 +1,18 @@
-"""``zfctl.step_store`` "off": without clipping, each streamed piece is added into its window
-sum as it arrives (through the staging ring), and no step store exists.
+"""``zfctl.step_store`` "off": each streamed piece is added into its window sum as it arrives
+(through the staging ring), unclipped, and no step store exists.
 
-- With no non-finite step it trains the same weights as the store, bit for bit, in both
-  host states and both training dtypes: the same adds, in the same order, by 1.0.
+- Without clipping and with no non-finite step it trains the same weights as the store, bit
+  for bit, in both host states and both training dtypes: the same adds, in the same order,
+  by 1.0. So it does with clipping that never bites.
+- With clipping, the window's host step scales its sum by the smallest coefficient of the
+  window's steps: with one-step windows that is the store's per-step clipping, bit for bit
+  (the exact state); with longer ones each host step's scale is that minimum over the
+  window's length, from the steps' own norms.
 - Its host holds no step store, only the ring, and the estimate's layout says the same.
 - A non-finite step is still skipped on the device; on the host its non-finite piece is
   zeroed before it crosses, so the window sums and the host state stay finite and the run
   goes on.
-- The config refuses it with clipping on, and with micro-batches summed on the host.
+- The config refuses it with micro-batches summed on the host.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from conftest import gpt2_batches, loss_of, make_config, tiny_gpt2, train_engine
 
 from zenflow import ZenFlowEngine
 from zenflow.config import ConfigError, load_config
+from zenflow.engine.global_norm import clip_coefficient
+from zenflow.engine.zenflow import window as window_room
 from zenflow.hardware import layout
 from zenflow.hardware.census import census_of
 
@@ -25,48 +32,117 @@ ZF = {"topk_ratio": 0.1, "update_interval": 2, "overlap_step": True,
       "select_strategy": "step", "select_interval": 4}  # fmt: skip
 
 
-def _engine(state: str, bf16: bool, store: str, clip: float = 0.0):
+def _engine(state: str, bf16: bool, store: str, clip: float = 0.0, **zf):
     model = tiny_gpt2()
-    cfg = make_config(ZF, clip=clip, bf16={"enabled": bf16},
+    cfg = make_config({**ZF, **zf}, clip=clip, bf16={"enabled": bf16},
                       zfctl={"host_state": state, "step_store": store})  # fmt: skip
     return model, ZenFlowEngine(model, cfg, accelerator="sim", sim_strict=True,
                                 host_kernel="reference")  # fmt: skip
 
 
-def _host_arrays(e) -> dict[str, list[torch.Tensor]]:
+def _host_arrays(e, sums: bool = True) -> dict[str, list[torch.Tensor]]:
     out = {}
     for w in e.zweights:
         h = w.host
         fields = [h.master, h.steps.counts]
         fields += [h.m_codes, h.m_scales, h.u_codes, h.u_scales] if hasattr(h, "m_codes") \
             else [h.exp_avg, h.exp_avg_sq]  # fmt: skip
-        out[w.spec.name] = [t.clone() for t in fields] + [a.clone() for a in w.acc]
+        out[w.spec.name] = [t.clone() for t in fields] + ([a.clone() for a in w.acc] if sums
+                                                          else [])  # fmt: skip
     return out
 
 
-@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("state", ["exact", "compact"])
-def test_off_trains_what_the_store_trains_bit_for_bit(state, bf16):
+def _on_and_off(state: str, bf16: bool, clip: float = 0.0, sums: bool = True, **zf):
+    """The same 10 steps with the step store and without: (stats, host bytes held, host
+    arrays, parameters) of each."""
     runs = {}
     for store in ("on", "off"):
-        model, e = _engine(state, bf16, store)
+        model, e = _engine(state, bf16, store, clip, **zf)
         with e:
             stats = train_engine(e, model, gpt2_batches(10, seed=3))  # re-selections at 4, 8
             e.impl.drain()
             held = e.accel.host_held()
-            host = _host_arrays(e)
+            host = _host_arrays(e, sums)
             params = [p.detach().clone() for p in model.parameters()]
         runs[store] = (stats, held, host, params)
-    (st_on, held_on, host_on, p_on), (st_off, held_off, host_off, p_off) = runs["on"], \
-        runs["off"]  # fmt: skip
+    return runs["on"], runs["off"]
+
+
+def _assert_same_training(on, off) -> None:
+    (st_on, _, host_on, p_on), (st_off, _, host_off, p_off) = on, off
     assert sum(s.selection_changed for s in st_on) > 0  # columns did move
     assert [s.loss for s in st_on] == [s.loss for s in st_off]
     assert all(torch.equal(a, b) for a, b in zip(p_on, p_off, strict=True))
     for name, arrays in host_on.items():
         assert all(torch.equal(a, b) for a, b in zip(arrays, host_off[name], strict=True)), name
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("state", ["exact", "compact"])
+def test_off_trains_what_the_store_trains_bit_for_bit(state, bf16):
+    on, off = _on_and_off(state, bf16)
+    _assert_same_training(on, off)
+    held_on, held_off = on[1], off[1]
     # the store is gone; the ring took its place, a few buckets long
     assert held_on["step_pieces"] > 0 and "step_pieces" not in held_off
     assert 0 < held_off["link"] < held_on["step_pieces"]
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_with_clipping_that_never_bites_off_is_the_store_bit_for_bit(bf16):
+    on, off = _on_and_off("compact", bf16, clip=1e9)
+    assert all(s.grad_norm < 1e9 for s in on[0])
+    _assert_same_training(on, off)
+
+
+def _close(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.allclose(x.float(), y.float(), rtol=1e-4, atol=2e-5)
+               for x, y in zip(a, b, strict=True))  # fmt: skip
+
+
+def test_with_clipping_and_one_step_windows_off_is_per_step_clipping():
+    """A window of one step: its smallest coefficient is the step's own, applied by the host
+    step to the unclipped sum where the store's add applied it to the piece (the same
+    product, g * c rounded once). Not bit for bit: without the store the step's norm is
+    summed from the pieces' norms, not the whole gradients', so its last bits (and the
+    coefficient's) may differ, and Adam carries that to a few 1e-6 (fp32 weights: a bf16
+    model's would show it as whole bf16 steps)."""
+    on, off = _on_and_off("exact", False, clip=0.05, sums=False, update_interval=1)
+    assert all(s.grad_norm > 0.05 for s in on[0])  # every step is clipped
+    assert [s.selection_changed for s in on[0]] == [s.selection_changed for s in off[0]]
+    assert _close(on[3], off[3])
+    for name, arrays in on[2].items():
+        assert _close(arrays, off[2][name]), name
+    # and the unclipped run is not that close: the host step did scale
+    unclipped = _on_and_off("exact", False, clip=0.0, sums=False, update_interval=1)[1]
+    assert not _close(off[3], unclipped[3])
+
+
+@pytest.mark.parametrize("state,bf16", [("exact", False), ("compact", True)])
+def test_with_clipping_each_host_step_takes_its_windows_smallest_coefficient(
+    monkeypatch, state, bf16
+):
+    """Windows of 2 steps: every host step's scale is min(coef over the window) / 2, the
+    coefficients from the steps' own norms as the engine clips them."""
+    scales = []
+    real = window_room.run_host_tasks
+
+    def spy(tasks, kernels, lr, hp, nt, job, before):
+        scales.append((job.window_start, job.submit_step, {t.grad_scale for t in tasks}))
+        return real(tasks, kernels, lr, hp, nt, job, before)
+
+    monkeypatch.setattr(window_room, "run_host_tasks", spy)
+    model, e = _engine(state, bf16, "off", clip=0.05)
+    with e:
+        stats = train_engine(e, model, gpt2_batches(10, seed=3))
+        e.impl.drain()
+        assert e.impl.resolved()["host_clipping"] == "window"  # the run header says so
+    coef = {s.step: clip_coefficient(0.05, s.grad_norm, torch.device("cpu"))[0] for s in stats}
+    assert len(set(coef.values())) > 3  # the coefficients differ from step to step
+    assert len(scales) >= 4
+    for start, end, got in scales:
+        window = [coef[t] for t in range(start, end + 1)]
+        assert got == {min(window) / len(window)}, (start, end, window)
 
 
 def test_off_holds_what_the_layout_says():
@@ -135,11 +211,8 @@ def _raw(**over):
     return raw
 
 
-def test_the_config_refuses_off_with_clipping_or_host_summed_micro_batches():
-    with pytest.raises(ConfigError) as err:
-        load_config(_raw())
-    text = str(err.value)
-    assert "zfctl.step_store" in text and "gradient_clipping 0" in text
+def test_the_config_takes_off_with_clipping_and_refuses_host_summed_micro_batches():
+    assert load_config(_raw()).engine.step_store == "off"
     with pytest.raises(ConfigError) as err:
         load_config(_raw(gradient_clipping=0, gradient_accumulation_steps=2))
     assert 'zfctl.grad_accumulation "device"' in str(err.value)
@@ -153,3 +226,19 @@ def test_the_config_refuses_off_with_clipping_or_host_summed_micro_batches():
     assert ok.engine.step_store == "off"
     with pytest.raises(ConfigError, match="step_store"):
         load_config(_raw(gradient_clipping=0, zfctl={"step_store": "maybe"}))
+
+
+def test_a_checkpoint_mid_window_keeps_the_windows_smallest_coefficient():
+    """Saved one step into a window (steps 5-6), the coefficient of step 5 is part of the
+    state: a resumed run that lost it would scale the window by step 6's alone (the whole
+    resume, bit for bit, is ``test_resume``'s "sim-store-off-clipped")."""
+    model, e = _engine("exact", False, "off", clip=0.05)
+    with e:
+        train_engine(e, model, gpt2_batches(5, seed=3))
+        assert e.impl.window_len == 1 and e.impl.window_coef < 1.0
+        saved, coef = e.state_dict(), e.impl.window_coef
+        model2, e2 = _engine("exact", False, "off", clip=0.05)
+        with e2:
+            model2.load_state_dict(model.state_dict())
+            e2.load_state_dict(saved)
+            assert e2.impl.window_len == 1 and e2.impl.window_coef == coef

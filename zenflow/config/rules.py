@@ -82,7 +82,7 @@ def validate(raw: Mapping, source: str, world_size: int) -> Config:
     monitor = _parse_monitor(r, raw)
     engine = _parse_engine(r, raw)
     if zenflow is not None:
-        _check_zenflow_options(r, zenflow, engine, clip, gas)
+        _check_zenflow_options(r, zenflow, engine, gas)
     problems = r.problems + zf_problems
     if problems:
         raise ConfigError(problems, source)
@@ -109,12 +109,12 @@ def validate(raw: Mapping, source: str, world_size: int) -> Config:
     )
 
 
-def _check_zenflow_options(r: Reader, zenflow, engine: EngineOptions, clip: float,
-                           gas: int) -> None:  # fmt: skip
+def _check_zenflow_options(r: Reader, zenflow, engine: EngineOptions, gas: int) -> None:
     """The zfctl options that depend on the rest: the early ramp needs an integer
-    update_interval; zfctl.step_store "off" adds each piece as it arrives, so no clipping
-    coefficient to wait for and no micro-batch sum on the host (its fp32 sum would take the
-    store's place)."""
+    update_interval; zfctl.step_store "off" adds each piece as it arrives, so no micro-batch
+    sum on the host (its fp32 sum would take the store's place). With clipping, "off" clips
+    each window's host part by the smallest coefficient of its steps (the window's host
+    step), not each step's pieces by their own."""
     if engine.early.on and engine.early.windows == "ramp" and zenflow.update_interval == "auto":
         r.problem("zfctl.early.windows", "ramp",
                   'ramps the window length up to update_interval, which is "auto" here',
@@ -123,11 +123,6 @@ def _check_zenflow_options(r: Reader, zenflow, engine: EngineOptions, clip: floa
                   'template turns the ramp on)')  # fmt: skip
     if engine.step_store != "off":
         return
-    if clip > 0:
-        r.problem("zfctl.step_store", "off",
-                  f"needs gradient_clipping 0 (it is {clip:g}): a step's pieces must wait "
-                  "for its clipping coefficient, known at the end of backward",
-                  'set "gradient_clipping": 0, or zfctl.step_store "on"')  # fmt: skip
     if gas > 1 and engine.grad_accumulation == "host":
         r.problem("zfctl.step_store", "off",
                   f"with gradient_accumulation_steps {gas} the micro-batches are summed on "

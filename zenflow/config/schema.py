@@ -216,14 +216,20 @@ ENGINE_FIELD_DOCS: dict[str, str] = {
     "parameter in bf16, 4 in fp32), where the device copies them, until the step's clipping "
     "coefficient is known at the end of backward; the host adds them into the window sum "
     'from there, while the next step\'s forward runs. "off": no store; each piece crosses '
-    "into a small ring and is added into the window sum as it arrives, which needs no "
-    "coefficient: only with gradient_clipping 0 (and, with gradient_accumulation_steps > 1, "
-    'zfctl.grad_accumulation "device"). It saves the store\'s host memory; the backward '
+    "into a small ring and is added into the window sum as it arrives, before any "
+    "coefficient is known (with gradient_accumulation_steps > 1 only with "
+    'zfctl.grad_accumulation "device"). With gradient_clipping, the window\'s host step then '
+    "scales its sum by the smallest clipping coefficient of the window's steps instead of "
+    "each step's pieces by their own: never more than per-step clipping gives, the same "
+    "where the coefficient is 1 (or constant) through the window, and the selected columns "
+    "on the device are clipped per step either way (measured: docs/BENCHMARKS.md, "
+    '"Clipping without the step store"). It saves the store\'s host memory; the backward '
     "then waits for the host's adds when they are slower than the pieces, and a window's "
     "first step waits for the previous window's host step to read the sum. A non-finite "
     "step is still skipped on the device; on the host its pieces that are not finite are "
     "dropped (zeroed on the device before they cross) and its finite pieces stay in the "
-    "window sum. With no non-finite step both settings give the same weights, bit for bit.",
+    "window sum. Without clipping and with no non-finite step both settings give the same "
+    "weights, bit for bit.",
     "return_image": "How a host step's result (the non-selected columns' fp32 master) goes "
     "back to a bf16 model's device: as the fp32 master columns themselves, cast to bf16 on "
     "the device (no host copy of them), or as a bf16 image the host step writes in the same "

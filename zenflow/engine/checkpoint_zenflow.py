@@ -79,6 +79,7 @@ def zenflow_state(engine, share_host: bool) -> dict:
         "selections": impl.selections,
         "window_len": impl.window_len,
         "window_lr_sum": impl.window_lr_sum,
+        "window_coef": impl.window_coef,
         "window_start": impl.window_start,
         "pending": pending,
         "topk_ratio": impl.topk_ratio,
@@ -273,6 +274,8 @@ def _load_schedule(impl, z: dict) -> None:
     impl.window_start = int(z["window_start"])
     # older checkpoints (before zfctl.window_lr) hold no sum: "last" never reads it
     impl.window_lr_sum = float(z.get("window_lr_sum", 0.0))
+    # older checkpoints (before clipping without the step store) hold none: 1.0 then
+    impl.window_coef = float(z.get("window_coef", 1.0))
     p = z["pending"]
     # a finished, not yet applied host step: applied at the next window end (its result
     # is the loaded master, exactly what the worker wrote)

@@ -401,7 +401,9 @@ class ZenFlowEngine:
         if not skipped:
             coef, coef_t = clip_coefficient(self.clip, grad_norm, self.device)
         if hasattr(self.impl, "plan") and self.impl.plan is not None:
-            self.impl.plan.gate.set(coef, skipped)
+            # store-free, nothing reaches the window sum clipped: its host step clips it
+            gate_coef = 1.0 if getattr(self.impl, "store_free", False) else coef
+            self.impl.plan.gate.set(gate_coef, skipped)
         if skipped:
             self.skipped_steps += 1
             if hasattr(self.impl, "skip_step"):

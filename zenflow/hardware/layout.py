@@ -22,8 +22,9 @@ ZenFlow's host keeps only the non-selected columns of each weight, compact
 non-selected column, and a store of the step's pieces in the link's dtype while they wait
 for the step's clipping coefficient (N x 2 in bf16, pinned: the device copies the pieces
 there; micro-batches summed on the host: their fp32 sum instead, and a bounded ring of
-pinned staging slots their pieces land in; ``zfctl.step_store`` "off", without clipping:
-neither, only the ring). The link has one pinned read buffer; the
+pinned staging slots their pieces land in; ``zfctl.step_store`` "off": neither, only the
+ring; with clipping each window's sum is then clipped once, by its steps' smallest
+coefficient). The link has one pinned read buffer; the
 master is pinned too (the host->device return reads it). These are the steady
 state, between steps; ``zenflow.hardware.host_peak`` adds what a whole run holds on top.
 
@@ -73,7 +74,7 @@ class Settings:
     host_state: str = "exact"  # zfctl.host_state: "exact" or "compact"
     update_interval: int = 4  # S, steps per host window ("auto" is taken as 4)
     return_image: str = "early"  # zfctl.return_image: "early", "always" or "never"
-    step_store: str = "on"  # zfctl.step_store: "off" adds pieces as they arrive (no clipping)
+    step_store: str = "on"  # zfctl.step_store: "off" adds pieces as they arrive, unclipped
     clipping: bool = True  # gradient_clipping > 0: a step's pieces wait for its coefficient
     early_steps: int = 0  # zfctl.early.steps (0: no early phase)
     lora_rank: int = 8  # --engine lora: the adapters' rank (zfctl.lora.rank)

@@ -6,7 +6,8 @@ step, the host at the whole run's peak (set-up, steps, checkpoints, re-selection
 save, the process's runtime). A refusal (``WillNotFitError``, exit 2) names the shortfall,
 the largest holders and the changes that make the run fit, each one checked by the same
 estimate: ``zfctl.host_state`` compact, another topk_ratio, bf16, a smaller micro-batch, fewer
-``zfctl.copy_buckets``, no step store (``zfctl.step_store`` off, which needs clipping off),
+``zfctl.copy_buckets``, no step store (``zfctl.step_store`` off: with clipping, each window's
+host part clipped by its steps' smallest coefficient),
 another engine. A lever the run already uses is never advised.
 
 Must not hold a formula (``zenflow.hardware.layout`` / ``host_peak`` do) nor print anything.
@@ -86,7 +87,8 @@ def _changes(census: ParamCensus, s: Settings, budget: Budget, mode: str) -> lis
         mb = next((m for m in smaller if fits(mode, rep(s, micro_batch=m))), 1)
         out.append(Change(f"--micro-batch {mb}", mode, rep(s, micro_batch=mb),
                           "a smaller --micro-batch"))  # fmt: skip
-    # no step store needs clipping off (without clipping ``check`` takes the store off itself)
+    # no step store with clipping changes how the host's part is clipped: a fix to choose
+    # (without clipping ``check`` takes the store off itself: the same arithmetic)
     if mode == "zenflow" and s.clipping and rep(s, clipping=False).store_optional:
         out.append(_store_change(s))
     n = copy_bucket_fix(census, mode, s, budget)
@@ -100,11 +102,16 @@ def _changes(census: ParamCensus, s: Settings, budget: Budget, mode: str) -> lis
 
 
 def _store_change(s: Settings) -> Change:
-    """No step store: each piece is added as it arrives, so no step may wait for a clipping
-    coefficient (the config refuses "off" with clipping on: the change turns both off)."""
-    settings = dataclasses.replace(s, step_store="off", clipping=False)
-    return Change("--set gradient_clipping=0 --set zfctl.step_store=off", "zenflow", settings,
-                  'zfctl.step_store "off" with gradient_clipping 0')  # fmt: skip
+    """No step store with clipping on: each piece is added as it arrives, unclipped, and each
+    window's host step scales its sum by the smallest clipping coefficient of its steps."""
+    settings = dataclasses.replace(s, step_store="off")
+    return Change("--set zfctl.step_store=off", "zenflow", settings, STORE_OFF_CLIPPED)
+
+
+STORE_OFF_CLIPPED = (
+    'zfctl.step_store "off" (each window\'s host part clipped by the '
+    "smallest coefficient of its steps)"
+)
 
 
 def copy_bucket_fix(census: ParamCensus, mode: str, s: Settings, budget: Budget) -> int | None:

@@ -59,6 +59,7 @@ class ZenFlowMode:
     # the schedule's counters and the host jobs (checkpoints save and restore them)
     window_len = _InRoom("window")
     window_lr_sum = _InRoom("window")
+    window_coef = _InRoom("window")
     window_start = _InRoom("window")
     slot = _InRoom("window")
     inflight = _InRoom("window")
@@ -99,8 +100,8 @@ class ZenFlowMode:
             self.slots = 2
         gas = engine.gas
         self.host_gas = gas > 1 and engine.grad_accumulation == "host" and not self.zero_copy
-        # zfctl.step_store "off" (no clipping): each piece is added into the window sum as
-        # it arrives, through the ring, with no step store to wait in
+        # zfctl.step_store "off": each piece is added into the window sum as it arrives,
+        # unclipped, through the ring (the window's host step clips: Window.add_step)
         self.store_free = engine.step_store == "off" and not self.host_gas \
             and not self.zero_copy  # fmt: skip
         # One rank, pieces held for the coefficient (the step store): the step's norm is each
@@ -206,6 +207,11 @@ class ZenFlowMode:
             # "off": each piece added as it arrives; "on": a step's pieces wait in the store
             # for the step's coefficient (None: no pieces, the CPU device)
             "step_store": None if self.zero_copy else "off" if self.store_free else "on",
+            # how the non-selected columns are clipped (None: no clipping): "step", each
+            # step's by its own coefficient; "window", each window's sum by its steps'
+            # smallest (the store-free path)
+            "host_clipping": (None if not self.e.clip else "window" if self.store_free
+                              else "step"),  # fmt: skip
             "grad_path": path,
             "bucket_elems": None if self.zero_copy else self.bucket_elems,
             "zenflow_weights": len(self.zweights),
@@ -299,7 +305,8 @@ class ZenFlowMode:
         e.rec.devopt_s += time.perf_counter() - t0
         if self.zero_copy:
             self.window.accumulate_zero_copy()
-        self.window.add_step(hp.lr)
+        # store-free: the pieces crossed unclipped; the window's host step clips them
+        self.window.add_step(hp.lr, coef if self.store_free else 1.0)
         if self.window.ends_now(self.early.interval(t)):
             reselect = self.handover.due(t)
             scores = self.handover.scores() if reselect else None

@@ -13,13 +13,13 @@ One step t (after warm-up): as backward produces W's gradient (``zenflow.engine.
 its selected columns are gathered into the device buffer and its non-selected columns go to
 the host in pieces (``zenflow.engine.copies``: gathered into a device bucket, copied on the
 copy engine, added into the fp32 window sum by the accumulator thread, scaled there by the
-step's clipping coefficient once it is known; with ``zfctl.step_store`` "off", no
-clipping, added as it arrives); the gradient is then freed. The step's
-norm and non-finite check come from the whole gradient's norm, taken in the hook (from the
-pieces' norms with data parallelism or without the step store), its auto-interval masses
-from the pieces as they pass (device scalars, read once per step with the loss). On a CPU
-device without streaming the gradient is instead summed where autograd wrote it, with no
-copy at all (ZENFLOW.md section 7).
+step's clipping coefficient once it is known; with ``zfctl.step_store`` "off", added
+as it arrives, unclipped: the window's host step clips the sum); the gradient is then
+freed. The step's norm and non-finite check come from the whole gradient's norm, taken
+in the hook (from the pieces' norms with data parallelism or without the step store), its
+auto-interval masses from the pieces as they pass (device scalars, read once per step with
+the loss). On a CPU device without streaming the gradient is instead summed where
+autograd wrote it, with no copy at all (ZENFLOW.md section 7).
 """
 
 from __future__ import annotations

@@ -21,7 +21,8 @@ n = n_cols - k non-selected ones:
 |        | autograd writes, 2 slots with overlap)                                           |
 | host   | the step store: one step's pieces in the link's dtype (pinned where the backend   |
 |        | pins: the device copies them there), their adds waiting for the step's gate       |
-|        | (none with ``zfctl.step_store`` "off": each piece is added as it arrives)         |
+|        | (none with ``zfctl.step_store`` "off": each piece is added as it arrives, and the |
+|        | window's host step clips the sum by its steps' smallest coefficient)             |
 
 Before the first selection the host holds warm-up's full-shape state, or only the masters
 taken at set-up (``init_master``; none for an fp32 weight on a separate device: the device

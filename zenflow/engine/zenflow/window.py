@@ -50,6 +50,9 @@ class Window:
             self.worker = HostWorker(accel.bind_thread)
         self.window_len = 0
         self.window_lr_sum = 0.0  # the lrs of the window's steps (zfctl.window_lr "sum")
+        # zfctl.step_store "off" with clipping: the window's pieces were added unclipped, and
+        # its host step scales them by the smallest clipping coefficient of its steps
+        self.window_coef = 1.0
         self.window_start = mode.warmup_rounds + 1
         self.slot = 0
         self.inflight: HostJob | None = None
@@ -57,10 +60,12 @@ class Window:
         self.host_log: list[HostJob] = []
         self.window_lengths: list[int] = []
 
-    def add_step(self, lr: float) -> None:
-        """One more step in the window (its lr for zfctl.window_lr "sum")."""
+    def add_step(self, lr: float, coef: float = 1.0) -> None:
+        """One more step in the window (its lr for zfctl.window_lr "sum"; ``coef``: its
+        clipping coefficient where its pieces were added unclipped, the store-free path)."""
         self.window_len += 1
         self.window_lr_sum += lr
+        self.window_coef = min(self.window_coef, coef)
 
     def accumulate_zero_copy(self) -> None:
         """The CPU path (no streaming): the step's gradient summed into the window sum where
@@ -190,8 +195,8 @@ class Window:
                     acc.poke()
 
             image = None if images is None else images.get(w.position)
-            tasks.append(HostTask(w.host, w.acc[slot].view(w.compact_shape()), 1.0 / n,
-                                  w.col_inner, image, after))  # fmt: skip
+            tasks.append(HostTask(w.host, w.acc[slot].view(w.compact_shape()),
+                                  self.window_coef / n, w.col_inner, image, after))  # fmt: skip
         if not self.m.zero_copy:  # backward's order: the next window's first pieces are the
             tasks.reverse()  # last layers', whose sums the worker then frees first
         before = None
@@ -280,6 +285,7 @@ class Window:
         self.window_lengths.append(n)
         self.window_len = 0
         self.window_lr_sum = 0.0
+        self.window_coef = 1.0
         self.window_start = t + 1
 
     def flush(self, t: int, hp) -> None:
