@@ -777,9 +777,15 @@ def test_a_host_refusal_names_the_step_store_off_with_window_clipping():
     assert set(r.engines["zenflow"].short) == {"host"}
     msg = pf.refusal_message(r, "zenflow")
     assert "--set zfctl.step_store=off" in msg and "gradient_clipping=0" not in msg, msg
+    # the estimate's verdict says the same: neither state fits, compact does without it
+    verdict = r.host_state_verdict()
+    assert verdict["choice"] is None and verdict["store_off_choice"] == "compact"
+    assert "--set zfctl.step_store=off" in verdict["sentence"], verdict["sentence"]
+    assert est.human_bytes(off) in verdict["sentence"]
     # with clipping already off there is nothing to refuse: the check takes the store off
     unclipped = est.estimate(c, dataclasses.replace(s, clipping=False), budget)
     assert unclipped.engines["zenflow"].fits and unclipped.engines["zenflow"].step_store == "off"
+    assert unclipped.host_state_verdict()["store_off_choice"] is None  # taken, not offered
     # a refusal that lists its levers names it among them; never where it is set or moot
     none = Budget(1 << 40, 1 << 20, False, "d", "h")
     assert pf.STORE_OFF_CLIPPED in pf.refusal_message(

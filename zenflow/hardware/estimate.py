@@ -402,7 +402,34 @@ class Estimate:
                 'zfctl.step_store as "off" (the same weights; the backward may wait for the '
                 "host's adds)."
             )
+        store_off = self._clipped_store_off() if choice is None else None
+        if store_off is not None:
+            name, e = store_off
+            sentence += (
+                f' With zfctl.step_store "off" (--set zfctl.step_store=off: each window\'s '
+                "host part clipped by the smallest coefficient of its steps, not each step's "
+                f"by its own) {name} fits: peak {human_bytes(e.host_peak_bytes)}, "
+                f"{_margin(e)}."
+            )
+        figures["store_off_choice"] = None if store_off is None else store_off[0]
         return {**figures, "choice": choice, "sentence": sentence}
+
+    def _clipped_store_off(self) -> tuple[str, EngineEstimate] | None:
+        """A clipped run that fits in neither host state with the step store: the first
+        state that fits without it (a change of how the host's part is clipped, so named,
+        never taken by itself), or None."""
+        s = self.settings
+        if not (s.clipping and s.step_store == "on" and not s.store_free):
+            return None
+        probe = dataclasses.replace(s, step_store="off")
+        if not probe.store_free:  # no store to leave out (host-summed micro-batches, CPU)
+            return None
+        for name in HOST_STATES:
+            e = check(self.census, "zenflow", dataclasses.replace(probe, host_state=name),
+                      self.budget)  # fmt: skip
+            if e.fits:
+                return name, e
+        return None
 
     def warnings(self) -> list[str]:
         """Settings the run would refuse although the memory fits (the estimate is still

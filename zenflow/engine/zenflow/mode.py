@@ -210,8 +210,9 @@ class ZenFlowMode:
             # how the non-selected columns are clipped (None: no clipping): "step", each
             # step's by its own coefficient; "window", each window's sum by its steps'
             # smallest (the store-free path)
-            "host_clipping": (None if not self.e.clip else "window" if self.store_free
-                              else "step"),  # fmt: skip
+            "host_clipping": (
+                None if not self.e.clip else "window" if self.store_free else "step"
+            ),  # fmt: skip
             "grad_path": path,
             "bucket_elems": None if self.zero_copy else self.bucket_elems,
             "zenflow_weights": len(self.zweights),
