@@ -225,6 +225,11 @@ def test_memory_table_of_a_run_without_clipping_peaks_without_the_step_store(cen
         store_off = o.host_peak_compact_bytes < c.host_peak_compact_bytes
         assert f.host_peak_compact_store_bytes == (c.host_peak_compact_bytes if store_off else 0)
         assert c.host_peak_store_bytes == c.host_peak_compact_store_bytes == 0  # clipping
+        # with clipping the peaks without the store are beside them (tune-hw may choose
+        # them, window clipping); without clipping there are none (the check takes them)
+        assert c.host_peak_window_clip_bytes == o.host_peak_bytes
+        assert c.host_peak_compact_window_clip_bytes == o.host_peak_compact_bytes
+        assert f.host_peak_window_clip_bytes == f.host_peak_compact_window_clip_bytes == 0
     assert free[0].host_peak_bytes < clipped[0].host_peak_bytes  # k 0.01: the store is 99%
     assert free[0].host_peak_compact_bytes < clipped[0].host_peak_compact_bytes
     # at a large k the ring without the store outweighs the store (6% of the columns): the

@@ -416,6 +416,36 @@ def test_a_host_state_that_fits_only_without_the_step_store_says_so():
     assert "with it compact needs 500 B" in c.reasons["host_state"]
 
 
+def test_a_clipped_run_that_fits_only_without_the_step_store_is_told_and_written():
+    """Clipping on: the table's peaks are with the store (exact 1000, compact 600) and,
+    beside them, without it (700, 400). Where neither fits with it and one fits without,
+    tune-hw chooses that state with zfctl.step_store "off" (written by --write) and says how
+    it changes the clipping; where a state fits with the store, the store stays."""
+    rows = tuple(dataclasses.replace(r, host_peak_window_clip_bytes=700,
+                                     host_peak_compact_window_clip_bytes=400)
+                 for r in host_rows(1000, 600))  # fmt: skip
+    budget = topk.MemoryBudget(10**6, 1000, False, "test")
+
+    def choose(available: int):
+        return tuning.choose(inputs(memory_table=rows, memory_budget=budget,
+                                    mem_available_bytes=available))  # fmt: skip
+
+    c = choose(500)
+    assert c.memory["host_state"] == "compact" and c.memory["ok"] is True
+    assert c.memory["window_clipping"] is True
+    assert c.zfctl_block() == {"host_state": "compact", "step_store": "off"}
+    why = c.reasons["host_state"]
+    assert why.startswith("compact without the step store:") and "400 B" in why, why
+    assert "smallest coefficient of its steps" in why
+    assert '"step_store": "off"' in why
+    c = choose(800)  # exact without it fits, but compact with it fits: the store stays
+    assert c.memory["host_state"] == "compact" and c.memory["window_clipping"] is False
+    assert c.zfctl_block() == {"host_state": "compact"}
+    c = choose(300)  # nothing fits either way: the refusal
+    assert c.memory["host_state"] is None and c.memory["window_clipping"] is False
+    assert c.zfctl_block() == {}
+
+
 def test_when_neither_host_state_fits_the_refusal_is_said():
     c = tuning.choose(host_inputs(500))
     assert c.memory["host_state"] is None and c.memory["ok"] is False

@@ -43,6 +43,9 @@ def memory_check(
     need = {"exact": side + row.host_peak_bytes, "compact": side + row.host_peak_compact_bytes}
     choice = next((st for st in ("exact", "compact") if need[st] <= available), None)
     reason = _reason(need, available, choice, shared)
+    window = _window_clip_choice(row, side, available) if choice is None else None
+    if window is not None:  # neither fits with the step store; one does without it
+        choice, reason = window[0], _window_clip_reason(need, window, available)
     store = {"exact": row.host_peak_store_bytes, "compact": row.host_peak_compact_store_bytes}
     store_off = choice is not None and store[choice] and side + store[choice] > available
     if store_off:
@@ -58,6 +61,9 @@ def memory_check(
         "ok": choice is not None,
         "needed": need,
         "step_store_off": bool(store_off),
+        # with clipping: the state fits only with zfctl.step_store "off", each window's host
+        # part clipped by its steps' smallest coefficient (tune-hw writes it)
+        "window_clipping": window is not None,
         "device_side_in_host": side,
         "available": available,
         "reason": reason,
@@ -69,6 +75,32 @@ def memory_check(
         out["pinned_needed"] = row.pinned_bytes
         out["pinned_ok"] = memlock is None or memlock >= row.pinned_bytes
     return out
+
+
+def _window_clip_choice(row: TopkMemory, side: int, available: int) -> tuple[str, int] | None:
+    """With clipping, the first host state whose whole-run peak fits without the step store
+    (and what it needs), or None: no such peaks (no clipping, no store to drop) or none
+    fits."""
+    peaks = {"exact": row.host_peak_window_clip_bytes,
+             "compact": row.host_peak_compact_window_clip_bytes}  # fmt: skip
+    for state, peak in peaks.items():
+        if peak and side + peak <= available:
+            return state, side + peak
+    return None
+
+
+def _window_clip_reason(need: dict[str, int], window: tuple[str, int], available: int) -> str:
+    state, needs = window
+    return (
+        f"{state} without the step store: with it neither state fits (exact needs "
+        f"{human_bytes(need['exact'])}, compact {human_bytes(need['compact'])} of the "
+        f"{human_bytes(available)} available); without it {state} needs "
+        f"{human_bytes(needs)}, {human_bytes(available - needs)} to spare. The run clips, "
+        "so that changes the training: each window's host part is clipped by the smallest "
+        "coefficient of its steps instead of each step's by its own (docs/BENCHMARKS.md, "
+        '"Clipping without the step store"). Set "zfctl": {"host_state": '
+        f'"{state}", "step_store": "off"}} in the config (--write does)'
+    )
 
 
 def _reason(need: dict[str, int], available: int, choice: str | None, shared: bool) -> str:

@@ -72,6 +72,11 @@ class TopkMemory:
     # clipping: zfctl finetune takes the store off where it does not fit); else 0
     host_peak_store_bytes: int = 0
     host_peak_compact_store_bytes: int = 0
+    # with clipping, the two peaks without the step store (zfctl.step_store "off": each
+    # window's host part clipped by its steps' smallest coefficient, a choice tune-hw makes
+    # only where neither state fits with the store); else 0
+    host_peak_window_clip_bytes: int = 0
+    host_peak_compact_window_clip_bytes: int = 0
 
     @property
     def device_bytes(self) -> int:
@@ -134,6 +139,13 @@ def memory_table(census, settings, grid: tuple[float, ...] = TOPK_GRID) -> tuple
         without = layout_peak(dataclasses.replace(s, step_store="off"))
         return (without, with_store) if without < with_store else (with_store, 0)
 
+    def window_clip_peak(s) -> int:
+        """With clipping, the peak without the step store (0 where there is none to drop)."""
+        off = dataclasses.replace(s, step_store="off")
+        if not (s.clipping and s.step_store == "on" and off.store_free):
+            return 0
+        return layout_peak(off)
+
     rows = []
     for k in grid:
         s = dataclasses.replace(settings, topk_ratio=k, host_state="exact")
@@ -142,10 +154,11 @@ def memory_table(census, settings, grid: tuple[float, ...] = TOPK_GRID) -> tuple
         device = sum(i.bytes for i in items if i.side == "device")
         host = sum(i.bytes for i in items if i.side == "host")
         pinned = sum(i.bytes for i in items if i.side == "host" and i.pinned)
-        (exact, exact_store), (compact, compact_store) = peak(s), peak(
-            dataclasses.replace(s, host_state="compact"))  # fmt: skip
+        sc = dataclasses.replace(s, host_state="compact")
+        (exact, exact_store), (compact, compact_store) = peak(s), peak(sc)
         rows.append(TopkMemory(k, selected, device - selected, host, exact, compact, pinned,
-                               exact_store, compact_store))  # fmt: skip
+                               exact_store, compact_store, window_clip_peak(s),
+                               window_clip_peak(sc)))  # fmt: skip
     return tuple(rows)
 
 

@@ -107,9 +107,14 @@ class Choices:
 
     def zfctl_block(self) -> dict:
         """The keys this tool sets in a config's zfctl block: the host state that fits (none
-        when the memory was not checked or neither state fits)."""
+        when the memory was not checked or neither state fits), and zfctl.step_store "off"
+        where, with clipping, the state fits only without the step store."""
         state = self.memory.get("host_state") if self.memory.get("checked") else None
-        return {"host_state": state} if state else {}
+        if not state:
+            return {}
+        if self.memory.get("window_clipping"):
+            return {"host_state": state, "step_store": "off"}
+        return {"host_state": state}
 
 
 def interval_to_hide(host_ms: float, fb_ms: float) -> int:
