@@ -4,12 +4,13 @@
 
 SPEC: mode, accelerator, zenflow block (or null), steps, optional "resume_from" (a state
 file to load first) / "save_after" (write the state after that many steps and stop),
-"fail_rank" / "fail_step" (raise there), "die_rank" / "die_step" (SIGKILL itself there, as
-the out-of-memory killer would: the other ranks write what their failed collective raised,
-and whether ``zenflow.train.parallel.peer_lost`` knows it, instead of the results),
+"fail_rank" / "fail_step" (raise there), "clip" (gradient_clipping, default 1.0),
+"die_rank" / "die_step" (SIGKILL itself there, as the out-of-memory killer would: the
+other ranks write what their failed collective raised, and whether
+``zenflow.train.parallel.peer_lost`` knows it, instead of the results),
 "stop_kinds" (one stop request per rank, None / "SIGINT" / "SIGTERM": every rank writes the
 stop ``agree_stop`` agreed, then exits), "timeout_s" (the collectives' timeout, default
-60), "stream_grads" / "grad_accumulation" / "host_state" (the
+60), "stream_grads" / "grad_accumulation" / "host_state" / "step_store" (the
 zfctl block's keys, left out: its defaults) and "gas" (gradient_accumulation_steps: the rank's
 slice in that many micro-batches of loss / gas; default 1). Each rank trains on its slice of
 the same global batches; WORLD=1 trains on whole batches. Writes the parameters, the
@@ -58,11 +59,11 @@ def main() -> None:
     model = MLP()
     gas = spec.get("gas", 1)
     extra = {"gradient_accumulation_steps": gas} if gas > 1 else {}
-    zfctl = {k: spec[k] for k in ("stream_grads", "grad_accumulation", "host_state")
-             if k in spec}  # fmt: skip
+    zfctl = {k: spec[k] for k in ("stream_grads", "grad_accumulation", "host_state",
+                                  "step_store") if k in spec}  # fmt: skip
     if zfctl:
         extra["zfctl"] = zfctl
-    cfg = make_config(spec["zenflow"], clip=1.0, **extra)
+    cfg = make_config(spec["zenflow"], clip=spec.get("clip", 1.0), **extra)
     engine = ZenFlowEngine(
         model, cfg, mode=spec["mode"], accelerator=spec["accelerator"], sim_strict=True,
         host_kernel="reference", min_numel=1000,
