@@ -419,7 +419,7 @@ class Estimate:
         state that fits without it (a change of how the host's part is clipped, so named,
         never taken by itself), or None."""
         s = self.settings
-        if not (s.clipping and s.step_store == "on" and not s.store_free):
+        if not (s.clipping and s.step_store == "on"):
             return None
         probe = dataclasses.replace(s, step_store="off")
         if not probe.store_free:  # no store to leave out (host-summed micro-batches, CPU)
