@@ -390,19 +390,25 @@ def test_host_state_is_compact_when_only_compact_fits_and_says_why():
     assert '"zfctl": {"host_state": "compact"}' in why
 
 
-def test_a_host_state_that_fits_only_without_the_step_store_says_so():
-    """No clipping: the table's peaks are without the store where that is lower (exact 600,
-    with the store 900; compact 400, with it 500). The choice says when it relies on the
-    store being off, and not when the state fits with the store too."""
-    rows = tuple(dataclasses.replace(r, host_peak_store_bytes=900,
-                                     host_peak_compact_store_bytes=500)
-                 for r in host_rows(600, 400))  # fmt: skip
+def _chooser(rows: tuple[topk.TopkMemory, ...], **peaks):
+    """tuning.choose over ``rows`` with ``peaks`` set on every row, at a given available
+    host memory (the device never short)."""
+    rows = tuple(dataclasses.replace(r, **peaks) for r in rows)
     budget = topk.MemoryBudget(10**6, 1000, False, "test")
 
     def choose(available: int):
         return tuning.choose(inputs(memory_table=rows, memory_budget=budget,
                                     mem_available_bytes=available))  # fmt: skip
 
+    return choose
+
+
+def test_a_host_state_that_fits_only_without_the_step_store_says_so():
+    """No clipping: the table's peaks are without the store where that is lower (exact 600,
+    with the store 900; compact 400, with it 500). The choice says when it relies on the
+    store being off, and not when the state fits with the store too."""
+    choose = _chooser(host_rows(600, 400), host_peak_store_bytes=900,
+                      host_peak_compact_store_bytes=500)  # fmt: skip
     c = choose(700)
     assert c.memory["host_state"] == "exact" and c.memory["step_store_off"] is True
     why = c.reasons["host_state"]
@@ -421,15 +427,8 @@ def test_a_clipped_run_that_fits_only_without_the_step_store_is_told_and_written
     beside them, without it (700, 400). Where neither fits with it and one fits without,
     tune-hw chooses that state with zfctl.step_store "off" (written by --write) and says how
     it changes the clipping; where a state fits with the store, the store stays."""
-    rows = tuple(dataclasses.replace(r, host_peak_window_clip_bytes=700,
-                                     host_peak_compact_window_clip_bytes=400)
-                 for r in host_rows(1000, 600))  # fmt: skip
-    budget = topk.MemoryBudget(10**6, 1000, False, "test")
-
-    def choose(available: int):
-        return tuning.choose(inputs(memory_table=rows, memory_budget=budget,
-                                    mem_available_bytes=available))  # fmt: skip
-
+    choose = _chooser(host_rows(1000, 600), host_peak_window_clip_bytes=700,
+                      host_peak_compact_window_clip_bytes=400)  # fmt: skip
     c = choose(500)
     assert c.memory["host_state"] == "compact" and c.memory["ok"] is True
     assert c.memory["window_clipping"] is True
