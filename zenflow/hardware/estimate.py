@@ -419,11 +419,9 @@ class Estimate:
         state that fits without it (a change of how the host's part is clipped, so named,
         never taken by itself), or None."""
         s = self.settings
-        if not (s.clipping and s.step_store == "on"):
+        if not s.store_window_clip:
             return None
         probe = dataclasses.replace(s, step_store="off")
-        if not probe.store_free:  # no store to leave out (host-summed micro-batches, CPU)
-            return None
         for name in HOST_STATES:
             e = check(self.census, "zenflow", dataclasses.replace(probe, host_state=name),
                       self.budget)  # fmt: skip

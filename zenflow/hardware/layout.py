@@ -113,6 +113,13 @@ class Settings:
         return self.step_store == "on" and not self.clipping and self._store_setting_applies
 
     @property
+    def store_window_clip(self) -> bool:
+        """The step store is on and the run clips: without the store each window's host
+        part would be clipped by its steps' smallest coefficient, a change of arithmetic the
+        user chooses (preflight's fix, the estimate's sentence, tune-hw's choice)."""
+        return self.step_store == "on" and self.clipping and self._store_setting_applies
+
+    @property
     def dtype_bytes(self) -> int:
         return 2 if self.bf16 else 4
 

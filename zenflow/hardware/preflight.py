@@ -89,7 +89,7 @@ def _changes(census: ParamCensus, s: Settings, budget: Budget, mode: str) -> lis
                           "a smaller --micro-batch"))  # fmt: skip
     # no step store with clipping changes how the host's part is clipped: a fix to choose
     # (without clipping ``check`` takes the store off itself: the same arithmetic)
-    if mode == "zenflow" and s.clipping and rep(s, clipping=False).store_optional:
+    if mode == "zenflow" and s.store_window_clip:
         out.append(_store_change(s))
     n = copy_bucket_fix(census, mode, s, budget)
     if n is not None:

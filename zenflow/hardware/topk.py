@@ -141,10 +141,7 @@ def memory_table(census, settings, grid: tuple[float, ...] = TOPK_GRID) -> tuple
 
     def window_clip_peak(s) -> int:
         """With clipping, the peak without the step store (0 where there is none to drop)."""
-        off = dataclasses.replace(s, step_store="off")
-        if not (s.clipping and s.step_store == "on" and off.store_free):
-            return 0
-        return layout_peak(off)
+        return layout_peak(dataclasses.replace(s, step_store="off")) if s.store_window_clip else 0
 
     rows = []
     for k in grid:

@@ -112,9 +112,8 @@ class Choices:
         state = self.memory.get("host_state") if self.memory.get("checked") else None
         if not state:
             return {}
-        if self.memory.get("window_clipping"):
-            return {"host_state": state, "step_store": "off"}
-        return {"host_state": state}
+        store = {"step_store": "off"} if self.memory.get("window_clipping") else {}
+        return {"host_state": state, **store}
 
 
 def interval_to_hide(host_ms: float, fb_ms: float) -> int:
