@@ -166,6 +166,12 @@ TORCH_LIBRARY(zenflow, m) {
       "accumulate_(Tensor(a!) dst, Tensor src, float scale, bool overwrite, bool sumsq, "
       "int num_threads) -> float");
   m.def(
+      "accumulate_keep_i8_(Tensor(a!) dst, Tensor src, float scale, Tensor(b!) codes, "
+      "Tensor(c!) scales, int num_threads) -> ()");
+  m.def(
+      "add_dequantized_i8_(Tensor(a!) dst, Tensor codes, Tensor scales, float scale, "
+      "int num_threads) -> ()");
+  m.def(
       "compact_merge_(Tensor(a!) data, Tensor drop, Tensor insert_at, Tensor values, "
       "int column_dim, int num_threads) -> ()");
   m.def(

@@ -259,8 +259,9 @@ def render(console: Console, result: dict) -> None:
         state = (result.get("zfctl_choices") or {}).get("host_state")
         shown = json.dumps(state) if state else "(none fits)"
         table.add_row("zfctl.host_state", escape(shown), escape(reasons["host_state"]))
-        if (result.get("zfctl_choices") or {}).get("step_store") == "off":
-            table.add_row("zfctl.step_store", '"off"', "with zfctl.host_state: see its reason")
+        store = (result.get("zfctl_choices") or {}).get("step_store")
+        if store:
+            table.add_row("zfctl.step_store", f'"{store}"', "with zfctl.host_state: see its reason")
     console.print(table)
 
     probes = Table(title="Probes", title_justify="left")

@@ -105,14 +105,17 @@ def test_two_ranks_equal_one_rank_over_the_global_batch(tmp_path, mode, accelera
         assert 0 < r0["score_floats"] * 10 < r0["score_grad_equivalent"]
 
 
-def test_two_ranks_without_the_step_store_clip_as_one_rank(tmp_path):
+@pytest.mark.parametrize("store", ["off", "q8"])
+def test_two_ranks_without_the_step_store_clip_as_one_rank(tmp_path, store):
     """zfctl.step_store "off" with clipping that bites at every step: every rank scales its
     windows by the same smallest coefficient (the global norm's), so two ranks train what
     one rank trains over the global batch, and their replicas stay identical. (Within 5e-6:
     with every step clipped, the averaged gradient's last bits move the coefficient and
-    Adam carries that to ~3e-6 in a few elements, with the step store as without it.)"""
+    Adam carries that to ~3e-6 in a few elements, with the step store as without it.)
+    "q8": each weight's owner keeps the averaged pieces' 8-bit copies and corrects its sums
+    by the same global coefficient; the same holds."""
     spec = {"mode": "zenflow", "accelerator": "sim", "zenflow": ZF, "steps": 8,
-            "step_store": "off", "clip": 0.05}  # fmt: skip
+            "step_store": store, "clip": 0.05}  # fmt: skip
     one = _run(tmp_path, 1, spec, "one")[0]
     r0, r1 = _run(tmp_path, 2, spec, "two")
     _assert_params_close(r0["params"], one["params"], atol=5e-6)

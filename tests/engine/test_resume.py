@@ -36,6 +36,8 @@ SCRIPT = textwrap.dedent(
     clip = 1.0
     if "storeoff" in flags:  # no step store, clipping that bites at every step
         zfctl["step_store"], clip = "off", 0.05
+    if "storeq8" in flags:  # the 8-bit copies and the predicted coefficient
+        zfctl["step_store"], clip = "q8", 0.05
     if "early" in flags:  # windows 1 (steps 1-6), then 2, over 10 early steps
         zfctl["early"] = {{"steps": 10, "overlap": "earlysync" not in flags}}
     torch.manual_seed(0)
@@ -122,11 +124,16 @@ DOUBLING = {"topk_ratio": 0.1, "update_interval": 2, "select_interval": 100, "ov
         # zfctl.step_store "off" with clipping: the saved window's smallest coefficient so
         # far (step 7's) must resume, or its host step scales by steps 8-9's only
         (FIXED, "sim", "sim", "fp32-storeoff"),
+        # zfctl.step_store "q8" with clipping: the prediction (step 7's coefficient) must
+        # resume, or step 8's adds are scaled and corrected from another one
+        (FIXED, "sim", "sim", "fp32-storeq8"),
+        (FIXED, "sim", "sim", "bf16-storeq8"),
     ],
     ids=["sim-overlap", "sim-overlap-bf16", "cpu-overlap", "cpu-auto-warmup",
          "sim-auto-warmup", "sim-to-cpu", "sim-window-lr-sum", "sim-doubling",
          "sim-compact", "sim-compact-bf16", "cpu-auto-warmup-compact", "sim-early-ramp",
-         "sim-early-ramp-sync", "sim-early-ramp-bf16", "sim-store-off-clipped"],
+         "sim-early-ramp-sync", "sim-early-ramp-bf16", "sim-store-off-clipped",
+         "sim-store-q8-clipped", "sim-store-q8-clipped-bf16"],
 )  # fmt: skip
 def test_resume_in_fresh_process(tmp_path, zf, first, second, dtype):
     n = 7

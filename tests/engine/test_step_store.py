@@ -1,5 +1,11 @@
 """``zfctl.step_store`` "off": each streamed piece is added into its window sum as it arrives
-(through the staging ring), unclipped, and no step store exists.
+(through the staging ring), unclipped, and no step store exists; and "q8", which adds it
+as it arrives too, scaled by the previous step's coefficient and corrected from an 8-bit
+copy once the step's own is known (its arithmetic, element for element: ``test_step_q8``).
+
+- q8: without clipping, and with clipping that never bites, the store's weights bit for
+  bit; with clipping, the first windows' sums are the store's within 0.6%, where "off"'s
+  are more than ten times further; its copies are the bytes the layout counts.
 
 - Without clipping and with no non-finite step it trains the same weights as the store, bit
   for bit, in both host states and both training dtypes: the same adds, in the same order,
@@ -27,6 +33,7 @@ from zenflow.engine.global_norm import clip_coefficient
 from zenflow.engine.zenflow import window as window_room
 from zenflow.hardware import layout
 from zenflow.hardware.census import census_of
+from zenflow.ops import i8_num_blocks
 
 ZF = {"topk_ratio": 0.1, "update_interval": 2, "overlap_step": True,
       "select_strategy": "step", "select_interval": 4}  # fmt: skip
@@ -52,11 +59,12 @@ def _host_arrays(e, sums: bool = True) -> dict[str, list[torch.Tensor]]:
     return out
 
 
-def _on_and_off(state: str, bf16: bool, clip: float = 0.0, sums: bool = True, **zf):
-    """The same 10 steps with the step store and without: (stats, host bytes held, host
-    arrays, parameters) of each."""
+def _on_and_off(state: str, bf16: bool, clip: float = 0.0, sums: bool = True,
+                stores=("on", "off"), **zf):  # fmt: skip
+    """The same 10 steps with the step store and without (``stores``: "on" and the other):
+    (stats, host bytes held, host arrays, parameters) of each."""
     runs = {}
-    for store in ("on", "off"):
+    for store in stores:
         model, e = _engine(state, bf16, store, clip, **zf)
         with e:
             stats = train_engine(e, model, gpt2_batches(10, seed=3))  # re-selections at 4, 8
@@ -65,7 +73,7 @@ def _on_and_off(state: str, bf16: bool, clip: float = 0.0, sums: bool = True, **
             host = _host_arrays(e, sums)
             params = [p.detach().clone() for p in model.parameters()]
         runs[store] = (stats, held, host, params)
-    return runs["on"], runs["off"]
+    return runs[stores[0]], runs[stores[1]]
 
 
 def _assert_same_training(on, off) -> None:
@@ -79,20 +87,71 @@ def _assert_same_training(on, off) -> None:
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("state", ["exact", "compact"])
-def test_off_trains_what_the_store_trains_bit_for_bit(state, bf16):
-    on, off = _on_and_off(state, bf16)
-    _assert_same_training(on, off)
-    held_on, held_off = on[1], off[1]
-    # the store is gone; the ring took its place, a few buckets long
-    assert held_on["step_pieces"] > 0 and "step_pieces" not in held_off
-    assert 0 < held_off["link"] < held_on["step_pieces"]
+@pytest.mark.parametrize("store", ["off", "q8"])
+def test_without_clipping_off_and_q8_train_what_the_store_trains_bit_for_bit(store, state,
+                                                                            bf16):  # fmt: skip
+    on, other = _on_and_off(state, bf16, stores=("on", store))
+    _assert_same_training(on, other)
+    held_on, held = on[1], other[1]
+    # the store is gone (q8 without clipping: nothing to correct, no copy); the ring took
+    # its place, a few buckets long
+    assert held_on["step_pieces"] > 0 and "step_pieces" not in held
+    assert 0 < held["link"] < held_on["step_pieces"]
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
-def test_with_clipping_that_never_bites_off_is_the_store_bit_for_bit(bf16):
-    on, off = _on_and_off("compact", bf16, clip=1e9)
+@pytest.mark.parametrize("store", ["off", "q8"])
+def test_with_clipping_that_never_bites_off_and_q8_are_the_store_bit_for_bit(store, bf16):
+    on, other = _on_and_off("compact", bf16, clip=1e9, stores=("on", store))
     assert all(s.grad_norm < 1e9 for s in on[0])
-    _assert_same_training(on, off)
+    _assert_same_training(on, other)
+    if store == "q8":  # the 8-bit copies: 1 byte an element and 4 per 256, in the place of
+        # the store's 2 (the compact state's bf16 link)
+        model, e = _engine("compact", bf16, "q8", clip=1e9)
+        with e:
+            train_engine(e, model, gpt2_batches(3, seed=3))
+            n = sum(w.compact_numel for w in e.zweights)
+            blocks = sum(i8_num_blocks(pc.numel) for w in e.zweights for pc in w.pieces)
+        assert other[1]["step_pieces"] == n + 4 * blocks
+        assert other[1]["step_pieces"] < on[1]["step_pieces"] / 1.9
+
+
+def _host_step_sums(store: str, monkeypatch) -> list[torch.Tensor]:
+    """Each host step's mean window sum as its kernel reads it (after the adds queued
+    before it: ``before``), clipped, over 6 steps of 2-step windows clipped at every step."""
+    got = []
+    real = window_room.run_host_tasks
+
+    def spy(tasks, kernels, lr, hp, nt, job, before):
+        if before is not None:
+            before()
+        got.append(torch.cat([t.grad.reshape(-1).float() * t.grad_scale for t in tasks]))
+        return real(tasks, kernels, lr, hp, nt, job, before)
+
+    monkeypatch.setattr(window_room, "run_host_tasks", spy)
+    model, e = _engine("exact", False, store, clip=0.05, select_interval=100)
+    with e:
+        train_engine(e, model, gpt2_batches(6, seed=3))
+        e.impl.drain()
+        assert e.impl.resolved()["host_clipping"] == {"on": "step", "off": "window",
+                                                      "q8": "step-q8"}[store]  # fmt: skip
+    return got
+
+
+def test_with_clipping_q8_sums_what_per_step_clipping_sums(monkeypatch):
+    """The first two windows (steps 1-2 and 3-4: no host result has reached the device
+    yet, so every run has the same gradients but for the last bits of the norm): q8's window
+    sums are the store's within the copies' rounding times the coefficient's change (0.3%
+    here, the coefficient moving by 40-70% between steps); the store-free rule's are
+    10-35% off."""
+    on = _host_step_sums("on", monkeypatch)
+    q8 = _host_step_sums("q8", monkeypatch)
+    off = _host_step_sums("off", monkeypatch)
+    for k in range(2):
+        rel_q8 = (q8[k] - on[k]).norm() / on[k].norm()
+        rel_off = (off[k] - on[k]).norm() / on[k].norm()
+        assert 0 < rel_q8 < 0.006, (k, rel_q8)
+        assert rel_off > 10 * rel_q8, (k, rel_off, rel_q8)
 
 
 def _close(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
@@ -168,8 +227,33 @@ def test_off_holds_what_the_layout_says():
     assert "step_pieces" not in held and held["link"] > 0
 
 
-def test_a_non_finite_step_is_skipped_and_the_host_stays_finite():
-    model, e = _engine("exact", False, "off")
+def test_q8_holds_what_the_layout_says():
+    """With clipping, the 8-bit copies: the layout's N + 4 ceil(N/256) bytes, less than the
+    store it replaces; the engine's blocks start at each piece's first element, so it holds
+    at most 4 bytes a piece more."""
+    model, e = _engine("exact", False, "q8", clip=1.0)
+    with e:
+        train_engine(e, model, gpt2_batches(3))
+        held = e.accel.host_held()
+        pieces = sum(len(w.pieces) for w in e.zweights)
+    census = census_of(tiny_gpt2(), name="tiny", source="test")
+
+    def items(store):
+        s = layout.Settings(topk_ratio=0.1, overlap_step=True, bf16=False, step_store=store)
+        return {i.what: i for i in layout.layout(census, "zenflow", s) if i.side == "host"}
+
+    q8, on = items("q8"), items("on")
+    copies = next(i for w, i in q8.items() if w.startswith("step store: 8-bit copies"))
+    store = next(i for w, i in on.items() if w.startswith("step store:"))
+    assert not copies.pinned and store.pinned
+    assert copies.bytes <= held["step_pieces"] <= copies.bytes + 4 * pieces
+    assert copies.bytes < store.bytes / 3.5  # fp32 pieces: 4 bytes an element in the store
+    assert any(w.startswith("device->host staging ring") for w in q8)
+
+
+@pytest.mark.parametrize("store", ["off", "q8"])
+def test_a_non_finite_step_is_skipped_and_the_host_stays_finite(store):
+    model, e = _engine("exact", False, store, clip=0.05 if store == "q8" else 0.0)
     bad_step = 6  # mid-window, after the first selection and a re-selection's window
     step = {"t": 0}
     weight = dict(model.named_parameters())["transformer.h.0.mlp.c_fc.weight"]
@@ -216,6 +300,9 @@ def test_the_config_takes_off_with_clipping_and_refuses_host_summed_micro_batche
     with pytest.raises(ConfigError) as err:
         load_config(_raw(gradient_clipping=0, gradient_accumulation_steps=2))
     assert 'zfctl.grad_accumulation "device"' in str(err.value)
+    assert load_config(_raw(zfctl={"step_store": "q8"})).engine.step_store == "q8"
+    with pytest.raises(ConfigError, match="zfctl.step_store = 'q8'"):
+        load_config(_raw(gradient_accumulation_steps=2, zfctl={"step_store": "q8"}))
     ok = load_config(
         _raw(
             gradient_clipping=0,

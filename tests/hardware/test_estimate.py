@@ -795,6 +795,42 @@ def test_a_host_refusal_names_the_step_store_off_with_window_clipping():
         assert "step_store" not in pf.refusal_message(est.estimate(c, moot, none), "zenflow")
 
 
+def test_a_host_refusal_names_the_step_stores_8_bit_copies_first():
+    """Short in both host states with the step store, compact fits with its 8-bit copies
+    (zfctl.step_store "q8": each step still clipped by its own coefficient): the refusal
+    names q8 before off, the verdict chooses compact with q8 and gives its peak; with "q8"
+    already set, only "off" is left to name."""
+    c = resolve_census("llama-1b")
+    s = Settings(bf16=True, overlap_step=True, host_state="compact", clipping=True)
+    big = Budget(1 << 40, 1 << 40, False, "d", "h")
+
+    def peak(**kw):
+        return est.estimate(c, dataclasses.replace(s, **kw), big).engines["zenflow"]
+
+    on, q8, off = (peak(step_store=v).host_peak_bytes for v in ("on", "q8", "off"))
+    assert off < q8 < on
+    items = {i.what: i.bytes for i in peak(step_store="q8").items if i.side == "host"}
+    copies = next(b for w, b in items.items() if w.startswith("step store: 8-bit copies"))
+    n = sum(c.nonselected(s.topk_ratio))
+    assert copies == n + 4 * -(-n // 256)
+    budget = Budget(1 << 40, (on + q8) // 2, False, "d", "--host-mem")
+    r = est.estimate(c, s, budget)
+    msg = pf.refusal_message(r, "zenflow")
+    assert msg.index("--set zfctl.step_store=q8") < msg.index("--set zfctl.step_store=off"), msg
+    verdict = r.host_state_verdict()
+    assert verdict["choice"] is None and verdict["store_off_choice"] == "compact"
+    assert verdict["store_off_setting"] == "q8"
+    assert "--set zfctl.step_store=q8" in verdict["sentence"]
+    assert est.human_bytes(q8) in verdict["sentence"]
+    assert "from an 8-bit copy of its pieces" in verdict["sentence"]
+    # q8 set and still short, off fits: off is what is left
+    r = est.estimate(c, dataclasses.replace(s, step_store="q8"),
+                     Budget(1 << 40, (q8 + off) // 2, False, "d", "--host-mem"))  # fmt: skip
+    msg = pf.refusal_message(r, "zenflow")
+    assert "--set zfctl.step_store=off" in msg and "step_store=q8" not in msg
+    assert r.host_state_verdict()["store_off_setting"] == "off"
+
+
 def test_settings_know_whether_a_step_waits_for_its_clipping():
     cfg = load_config(TEMPLATE)
     assert cfg.gradient_clipping > 0 and est.settings_from_config(cfg).clipping

@@ -445,6 +445,29 @@ def test_a_clipped_run_that_fits_only_without_the_step_store_is_told_and_written
     assert c.zfctl_block() == {}
 
 
+def test_a_clipped_run_takes_the_step_stores_8_bit_copies_before_dropping_the_store():
+    """Clipping on, peaks with the store (exact 1000, compact 600), with its 8-bit copies
+    (850, 480) and without it (700, 400): where neither fits with the store, the first state
+    that fits with the copies (zfctl.step_store "q8": per-step clipping still) is chosen
+    before any without the store; "off" only where no state fits with the copies."""
+    choose = _chooser(host_rows(1000, 600), host_peak_q8_bytes=850,
+                      host_peak_compact_q8_bytes=480, host_peak_window_clip_bytes=700,
+                      host_peak_compact_window_clip_bytes=400)  # fmt: skip
+    c = choose(500)  # compact with the copies (480) before compact without the store (400)
+    assert c.memory["host_state"] == "compact" and c.memory["step_store"] == "q8"
+    assert c.memory["window_clipping"] is False
+    assert c.zfctl_block() == {"host_state": "compact", "step_store": "q8"}
+    why = c.reasons["host_state"]
+    assert why.startswith("compact with the step store's 8-bit copies:") and "480 B" in why
+    assert "clipped by its own coefficient from an 8-bit copy" in why
+    assert '"step_store": "q8"' in why
+    c = choose(450)  # compact fits only without the store
+    assert c.memory["host_state"] == "compact" and c.memory["step_store"] == "off"
+    assert c.memory["window_clipping"] is True
+    c = choose(650)  # compact with the store: nothing changes
+    assert c.memory["step_store"] is None and c.zfctl_block() == {"host_state": "compact"}
+
+
 def test_when_neither_host_state_fits_the_refusal_is_said():
     c = tuning.choose(host_inputs(500))
     assert c.memory["host_state"] is None and c.memory["ok"] is False

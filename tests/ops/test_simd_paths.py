@@ -28,6 +28,7 @@ NATIVE_TESTS = [
     HERE / "test_host_ops.py",
     HERE / "test_q8_codec.py",
     HERE / "test_q8_step.py",
+    HERE / "test_step_i8_ops.py",
 ]
 # x86-64 micro-architecture levels (GCC >= 11): v3 has AVX2+FMA and no AVX-512; the
 # baseline has only SSE2, so neither vector body compiles.

@@ -111,9 +111,9 @@ def validate(raw: Mapping, source: str, world_size: int) -> Config:
 
 def _check_zenflow_options(r: Reader, zenflow, engine: EngineOptions, gas: int) -> None:
     """The zfctl options that depend on the rest: the early ramp needs an integer
-    update_interval; zfctl.step_store "off" adds each piece as it arrives, so no micro-batch
-    sum on the host (its fp32 sum would take the store's place). With clipping, "off" clips
-    each window's host part by the smallest coefficient of its steps (the window's host
+    update_interval; zfctl.step_store "off" or "q8" adds each piece as it arrives, so no
+    micro-batch sum on the host (its fp32 sum would take the store's place). With clipping,
+    "off" clips each window's host part by the smallest coefficient of its steps (the window's host
     step), not each step's pieces by their own."""
     if engine.early.on and engine.early.windows == "ramp" and zenflow.update_interval == "auto":
         r.problem("zfctl.early.windows", "ramp",
@@ -121,10 +121,10 @@ def _check_zenflow_options(r: Reader, zenflow, engine: EngineOptions, gas: int) 
                   'set zero_optimization.zenflow.update_interval to a number of steps, '
                   'zfctl.early.windows to "fixed", or zfctl.early.steps to 0 (the zenflow '
                   'template turns the ramp on)')  # fmt: skip
-    if engine.step_store != "off":
+    if engine.step_store == "on":
         return
     if gas > 1 and engine.grad_accumulation == "host":
-        r.problem("zfctl.step_store", "off",
+        r.problem("zfctl.step_store", engine.step_store,
                   f"with gradient_accumulation_steps {gas} the micro-batches are summed on "
                   "the host in fp32, a store of its own",
                   'set zfctl.grad_accumulation "device", or zfctl.step_store "on"')  # fmt: skip
@@ -220,7 +220,7 @@ _ENGINE_CHOICES = {
     "host_state": ("exact", "compact"),
     "return_image": ("early", "always", "never"),
     "numa_binding": ("auto", "node", "off"),
-    "step_store": ("on", "off"),
+    "step_store": ("on", "off", "q8"),
 }
 
 

@@ -125,6 +125,23 @@ class CoreShare:
                 f"runs on the other {self.adam_threads})")  # fmt: skip
 
 
+class FixedGate:
+    """A gate that is set from the start with a known coefficient (the q8 step store's
+    prediction, ``zenflow.engine.zenflow.step_q8``): its add runs as soon as it arrives."""
+
+    __slots__ = ("coef",)
+    skip = False
+
+    def __init__(self, coef: float) -> None:
+        self.coef = coef
+
+    def wait(self) -> None:
+        pass
+
+    def is_set(self) -> bool:
+        return True
+
+
 def _ready(gate, wait) -> bool:
     return (gate is None or gate.is_set()) and (wait is None or wait.is_set())
 
@@ -136,7 +153,9 @@ class Accumulator:
     ``event``; then, once ``wait`` (the host step reading ``dst``) and ``gate`` (None: no
     coefficient, e.g. a micro-batch into its step's sum) are set and the adds queued before
     it ran, ``dst = coef * src`` (``overwrite``) or ``dst += coef * src`` on ``threads``
-    host threads, and ``release()`` (the staging slot back to its ring).
+    host threads, and ``release()`` (the staging slot back to its ring); with ``keep``
+    (codes, scales), the add also makes ``src``'s 8-bit copy there, in the same pass
+    (``keep_i8``: the q8 step store, ``zenflow.engine.zenflow.step_q8``).
     ``land(event, store, dst, gate, overwrite, key, stat, wait)``: the same add of a piece
     the device copies into ``store`` (its place in its weight's step store) itself, waiting
     there for its gate without holding up the thread (no ring slot, no host copy);
@@ -152,13 +171,14 @@ class Accumulator:
     """
 
     def __init__(self, accumulate, threads: int | CoreShare = 1,
-                 bind: Callable[[], None] | None = None):  # fmt: skip
+                 bind: Callable[[], None] | None = None, keep_i8=None):  # fmt: skip
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         # lands not queued yet (``land``), and the lock that keeps them in order with
         # everything else queued, whichever thread queues it (the worker pokes too)
         self._held: list = []
         self._put_lock = threading.Lock()
         self._accumulate = accumulate
+        self._keep_i8 = keep_i8
         self.cores = threads if isinstance(threads, CoreShare) else CoreShare(threads)
         self.threads = self.cores.threads
         self._bind = bind
@@ -186,10 +206,12 @@ class Accumulator:
             for item in items:
                 self._q.put(item)
 
-    def add(self, event, src, dst, gate, overwrite, release, stat=None, wait=None) -> None:
+    def add(self, event, src, dst, gate, overwrite, release, stat=None, wait=None,
+            keep=None) -> None:  # fmt: skip
         """Queue an add; ``wait``: an event to wait for before ``dst`` is written (the host
-        step still reading the window sum)."""
-        self._put(("add", event, src, dst, gate, overwrite, release, stat, wait))
+        step still reading the window sum); ``keep``: (codes, scales) of ``src``'s 8-bit
+        copy, made by the add."""
+        self._put(("add", event, src, dst, gate, overwrite, release, stat, wait, keep))
 
     def land(self, event, store, dst, gate, overwrite, key, stat=None, wait=None) -> None:
         """Queue the add of a piece the device copies (``event``) straight into ``store``,
@@ -281,13 +303,13 @@ class Accumulator:
                 if kind == "fence":
                     item[1].set()
 
-    def _add(self, event, src, dst, gate, overwrite, release, stat, wait) -> None:
+    def _add(self, event, src, dst, gate, overwrite, release, stat, wait, keep) -> None:
         try:
             if self.error is not None:
                 return
             event.synchronize()
             self._progress(block=True)  # in order: the adds deferred before this one
-            self._apply(src, dst, gate, overwrite, stat, wait)
+            self._apply(src, dst, gate, overwrite, stat, wait, keep)
         finally:
             if release is not None:
                 release()
@@ -328,7 +350,7 @@ class Accumulator:
         finally:
             self._read(key)
 
-    def _apply(self, src, dst, gate, overwrite, stat, wait) -> None:
+    def _apply(self, src, dst, gate, overwrite, stat, wait, keep=None) -> None:
         if wait is not None:
             wait.wait()
         scale = 1.0
@@ -339,7 +361,11 @@ class Accumulator:
             return
         t0 = time.perf_counter()
         threads = self.cores.accumulate_threads
-        sq = self._accumulate(dst, src, scale, overwrite, stat is not None, threads)
+        if keep is not None:  # the add (never an overwrite) and src's 8-bit copy
+            self._keep_i8(dst, src, scale, *keep, threads)
+            sq = 0.0
+        else:
+            sq = self._accumulate(dst, src, scale, overwrite, stat is not None, threads)
         self.busy_s += time.perf_counter() - t0
         self.elements += dst.numel()
         if stat is not None:

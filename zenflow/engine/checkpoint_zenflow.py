@@ -80,6 +80,8 @@ def zenflow_state(engine, share_host: bool) -> dict:
         "window_len": impl.window_len,
         "window_lr_sum": impl.window_lr_sum,
         "window_coef": impl.window_coef,
+        # zfctl.step_store "q8": the coefficient the next step's adds predict
+        "store_pred": impl.q8_store.pred if impl.q8_store is not None else 1.0,
         "window_start": impl.window_start,
         "pending": pending,
         "topk_ratio": impl.topk_ratio,
@@ -276,6 +278,8 @@ def _load_schedule(impl, z: dict) -> None:
     impl.window_lr_sum = float(z.get("window_lr_sum", 0.0))
     # older checkpoints (before clipping without the step store) hold none: 1.0 then
     impl.window_coef = float(z.get("window_coef", 1.0))
+    if impl.q8_store is not None:  # older checkpoints (before the q8 store): 1.0
+        impl.q8_store.pred = float(z.get("store_pred", 1.0))
     p = z["pending"]
     # a finished, not yet applied host step: applied at the next window end (its result
     # is the loaded master, exactly what the worker wrote)

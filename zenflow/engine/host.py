@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 import torch
 
 # the accumulator thread and the step gate live in their own module; importable from here
-from zenflow.engine.accumulator import Accumulator, StepGate
+from zenflow.engine.accumulator import Accumulator, FixedGate, StepGate
 from zenflow.engine.accumulator import reraise as _reraise
 
 __all__ = ["Accumulator", "ColumnSteps", "HostJob", "HostKernels", "HostState", "HostTask",
-           "HostWorker", "StepGate", "resolve_kernel", "run_host_tasks"]  # fmt: skip
+           "HostWorker", "FixedGate", "StepGate", "resolve_kernel", "run_host_tasks"]  # fmt: skip
 
 HostKernel = Callable[..., None]
 
@@ -79,6 +79,8 @@ class HostKernels:
     dequantize: Callable[..., None] | None = None
     merge: Callable[..., None] | None = None  # a hand-over's in-place re-layout
     gather: Callable[..., None] | None = None  # the host's column gathers (index_select)
+    keep_i8: Callable[..., None] | None = None  # the q8 step store's add and 8-bit copy
+    add_i8: Callable[..., None] | None = None  # ... and its correction from the copy
 
 
 def resolve_kernel(host_kernel: str | HostKernel) -> HostKernels:
@@ -95,17 +97,18 @@ def resolve_kernel(host_kernel: str | HostKernel) -> HostKernels:
     from zenflow import ops
 
     ref_q8 = (ops.quantize_q8_reference_, ops.dequantize_q8_reference_)
+    ref_i8 = (ops.accumulate_keep_i8_reference_, ops.add_dequantized_i8_reference_)
     if callable(host_kernel):
         return HostKernels(
             host_kernel, compact_from_full(host_kernel), ops.accumulate_reference_,
             getattr(host_kernel, "__name__", "custom"),
             functools.partial(ops.adamw_q8_step_reference_, adam_step=host_kernel), *ref_q8,
-            ops.compact_merge_reference_, ops.gather_columns_reference_,
+            ops.compact_merge_reference_, ops.gather_columns_reference_, *ref_i8,
         )  # fmt: skip
     reference = HostKernels(
         ops.adamw_step_reference_, ops.adamw_compact_step_reference_,
         ops.accumulate_reference_, "reference", ops.adamw_q8_step_reference_, *ref_q8,
-        ops.compact_merge_reference_, ops.gather_columns_reference_,
+        ops.compact_merge_reference_, ops.gather_columns_reference_, *ref_i8,
     )  # fmt: skip
     if host_kernel == "reference":
         return reference
@@ -114,7 +117,8 @@ def resolve_kernel(host_kernel: str | HostKernel) -> HostKernels:
             return dataclasses.replace(reference, name="reference (native op not available)")
         return HostKernels(ops.adamw_step_, ops.adamw_compact_step_, ops.accumulate_, "native",
                            ops.adamw_q8_step_, ops.quantize_q8_, ops.dequantize_q8_,
-                           ops.compact_merge_, ops.gather_columns_)  # fmt: skip
+                           ops.compact_merge_, ops.gather_columns_, ops.accumulate_keep_i8_,
+                           ops.add_dequantized_i8_)  # fmt: skip
     raise ValueError(
         f"host_kernel={host_kernel!r} is not allowed: use 'native', 'reference' or a callable."
     )

@@ -400,10 +400,8 @@ class ZenFlowEngine:
         coef, coef_t = 1.0, None
         if not skipped:
             coef, coef_t = clip_coefficient(self.clip, grad_norm, self.device)
-        if hasattr(self.impl, "plan") and self.impl.plan is not None:
-            # store-free, nothing reaches the window sum clipped: its host step clips it
-            gate_coef = 1.0 if getattr(self.impl, "store_free", False) else coef
-            self.impl.plan.gate.set(gate_coef, skipped)
+        if hasattr(self.impl, "set_gate"):
+            self.impl.set_gate(coef, skipped)
         if skipped:
             self.skipped_steps += 1
             if hasattr(self.impl, "skip_step"):

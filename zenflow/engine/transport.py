@@ -61,7 +61,8 @@ class Transport:
             self.link_buckets = DeviceBuckets(e.accel, bucket_elems, self.link_dtype, buckets)
         self._ring_slots = max(RING_SLOTS, buckets)
         self._rings: dict[torch.dtype, StagingRing] = {}
-        self.accumulator = Accumulator(kernels.accumulate, e.host_cores, e.accel.bind_thread)
+        self.accumulator = Accumulator(kernels.accumulate, e.host_cores, e.accel.bind_thread,
+                                       kernels.keep_i8)  # fmt: skip
         self._staging: dict = {}
         self._pending: deque = deque()  # (work, bucket index or None, continuation)
         self._bucket_pending: dict[int, int] = {}  # bucket -> serial of its pending item
@@ -134,16 +135,18 @@ class Transport:
         return self.link_buckets, j, cast
 
     def send_piece(self, bucket_i: int, bucket: torch.Tensor, dst, gate, overwrite: bool,
-                   stat=None, wait=None) -> None:  # fmt: skip
+                   stat=None, wait=None, keep=None) -> None:  # fmt: skip
         """Copy a gathered ``bucket`` (in the link's dtype) to a ring slot, then add it into
         ``dst`` (the piece's compact view of a sum) with ``gate`` (after ``wait``) once the
-        adds queued before it ran (micro-batches summed on the host: no gate)."""
+        adds queued before it ran (micro-batches summed on the host: no gate); ``keep``:
+        (codes, scales) the add writes the slot's 8-bit copy into (``Accumulator.add``)."""
         buckets, bucket_i, bucket = self._on_link(bucket_i, bucket)
         ring = self.ring(bucket.dtype)
         i, staged = self.take_slot(ring, bucket.shape)
         ev = self.accel.copy_d2h(staged, bucket)
         buckets.mark(bucket_i, ev)
-        self.accumulator.add(ev, staged, dst, gate, overwrite, lambda: ring.give(i), stat, wait)
+        self.accumulator.add(ev, staged, dst, gate, overwrite, lambda: ring.give(i), stat, wait,
+                             keep)  # fmt: skip
 
     def store_free(self, key) -> None:
         """Wait until no add of the previous step reads ``key``'s step store (a wait here is

@@ -50,6 +50,14 @@ __all__ = [
     "resolve_census", "settings_from_config",
 ]  # fmt: skip
 
+# how the host's part of a clipped run is clipped with each step store that drops the
+# store's whole pieces (the estimate's sentence)
+STORE_CLIPPING = {
+    "q8": "each step's host part clipped by its own coefficient, from an 8-bit copy of its pieces",
+    "off": "each window's host part clipped by the smallest coefficient of its steps, not "
+    "each step's by its own",
+}
+
 ENGINE_TITLES = {
     "device": "plain AdamW on the device",
     "offload": "ZeRO-Offload: optimizer on the host",
@@ -402,31 +410,34 @@ class Estimate:
                 'zfctl.step_store as "off" (the same weights; the backward may wait for the '
                 "host's adds)."
             )
-        store_off = self._clipped_store_off() if choice is None else None
-        if store_off is not None:
-            name, e = store_off
+        store = self._clipped_store_choice() if choice is None else None
+        if store is not None:
+            name, setting, e = store
             sentence += (
-                f' With zfctl.step_store "off" (--set zfctl.step_store=off: each window\'s '
-                "host part clipped by the smallest coefficient of its steps, not each step's "
-                f"by its own) {name} fits: peak {human_bytes(e.host_peak_bytes)}, "
-                f"{_margin(e)}."
+                f' With zfctl.step_store "{setting}" (--set zfctl.step_store={setting}: '
+                f"{STORE_CLIPPING[setting]}) {name} fits: peak "
+                f"{human_bytes(e.host_peak_bytes)}, {_margin(e)}."
             )
-        figures["store_off_choice"] = None if store_off is None else store_off[0]
+        # the state that fits with the step store's 8-bit copies or without the store, and
+        # which of the two ("q8" first: per-step clipping still)
+        figures["store_off_choice"] = None if store is None else store[0]
+        figures["store_off_setting"] = None if store is None else store[1]
         return {**figures, "choice": choice, "sentence": sentence}
 
-    def _clipped_store_off(self) -> tuple[str, EngineEstimate] | None:
-        """A clipped run that fits in neither host state with the step store: the first
-        state that fits without it (a change of how the host's part is clipped, so named,
-        never taken by itself), or None."""
+    def _clipped_store_choice(self) -> tuple[str, str, EngineEstimate] | None:
+        """A clipped run that fits in neither host state with its step store: the first
+        (state, ``zfctl.step_store``) that fits with the store's 8-bit copies ("q8"), else
+        without the store ("off"), each a change of how the host's part is clipped, so
+        named, never taken by itself; or None."""
         s = self.settings
-        if not s.store_window_clip:
-            return None
-        probe = dataclasses.replace(s, step_store="off")
-        for name in HOST_STATES:
-            e = check(self.census, "zenflow", dataclasses.replace(probe, host_state=name),
-                      self.budget)  # fmt: skip
-            if e.fits:
-                return name, e
+        settings = ["q8", "off"] if s.store_window_clip else ["off"] if s.store_q8 else []
+        for setting in settings:
+            probe = dataclasses.replace(s, step_store=setting)
+            for name in HOST_STATES:
+                e = check(self.census, "zenflow", dataclasses.replace(probe, host_state=name),
+                          self.budget)  # fmt: skip
+                if e.fits:
+                    return name, setting, e
         return None
 
     def warnings(self) -> list[str]:

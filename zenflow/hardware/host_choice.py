@@ -43,9 +43,9 @@ def memory_check(
     need = {"exact": side + row.host_peak_bytes, "compact": side + row.host_peak_compact_bytes}
     choice = next((st for st in ("exact", "compact") if need[st] <= available), None)
     reason = _reason(need, available, choice, shared)
-    window = _window_clip_choice(row, side, available) if choice is None else None
-    if window is not None:  # neither fits with the step store; one does without it
-        choice, reason = window[0], _window_clip_reason(need, window, available)
+    window = _store_choice(row, side, available) if choice is None else None
+    if window is not None:  # neither fits with the step store; one does with its copies
+        choice, reason = window[0], _store_reason(need, window, available)  # or without
     store = {"exact": row.host_peak_store_bytes, "compact": row.host_peak_compact_store_bytes}
     store_off = choice is not None and store[choice] and side + store[choice] > available
     if store_off:
@@ -61,9 +61,11 @@ def memory_check(
         "ok": choice is not None,
         "needed": need,
         "step_store_off": bool(store_off),
-        # with clipping: the state fits only with zfctl.step_store "off", each window's host
-        # part clipped by its steps' smallest coefficient (tune-hw writes it)
-        "window_clipping": window is not None,
+        # with clipping: the state fits only with zfctl.step_store "q8" (each step's host
+        # part clipped from an 8-bit copy of its pieces) or "off" (each window's by its
+        # steps' smallest coefficient: window_clipping); tune-hw writes it
+        "step_store": None if window is None else window[2],
+        "window_clipping": window is not None and window[2] == "off",
         "device_side_in_host": side,
         "available": available,
         "reason": reason,
@@ -77,29 +79,43 @@ def memory_check(
     return out
 
 
-def _window_clip_choice(row: TopkMemory, side: int, available: int) -> tuple[str, int] | None:
-    """With clipping, the first host state whose whole-run peak fits without the step store
-    (and what it needs), or None: no such peaks (no clipping, no store to drop) or none
-    fits."""
-    peaks = {"exact": row.host_peak_window_clip_bytes,
-             "compact": row.host_peak_compact_window_clip_bytes}  # fmt: skip
-    for state, peak in peaks.items():
-        if peak and side + peak <= available:
-            return state, side + peak
+def _store_choice(row: TopkMemory, side: int, available: int) -> tuple[str, int, str] | None:
+    """With clipping, the first (host state, what it needs, ``zfctl.step_store``) whose
+    whole-run peak fits with the step store's 8-bit copies ("q8", per-step clipping still),
+    else without the store ("off"); None: no such peaks (no clipping, no store to drop) or
+    none fits."""
+    peaks = {
+        "q8": {"exact": row.host_peak_q8_bytes, "compact": row.host_peak_compact_q8_bytes},
+        "off": {"exact": row.host_peak_window_clip_bytes,
+                "compact": row.host_peak_compact_window_clip_bytes},
+    }  # fmt: skip
+    for setting, states in peaks.items():
+        for state, peak in states.items():
+            if peak and side + peak <= available:
+                return state, side + peak, setting
     return None
 
 
-def _window_clip_reason(need: dict[str, int], window: tuple[str, int], available: int) -> str:
-    state, needs = window
+STORE_CHANGE = {
+    "q8": ("with the step store's 8-bit copies", "each step's host part is clipped by its "
+           "own coefficient from an 8-bit copy of its pieces where the coefficient changed "
+           "(docs/BENCHMARKS.md, \"Per-step clipping from an 8-bit copy\")"),
+    "off": ("without the step store", "each window's host part is clipped by the smallest "
+            "coefficient of its steps instead of each step's by its own (docs/BENCHMARKS.md, "
+            '"Clipping without the step store")'),
+}  # fmt: skip
+
+
+def _store_reason(need: dict[str, int], window: tuple[str, int, str], available: int) -> str:
+    state, needs, setting = window
+    how, change = STORE_CHANGE[setting]
     return (
-        f"{state} without the step store: with it neither state fits (exact needs "
+        f"{state} {how}: with the store neither state fits (exact needs "
         f"{human_bytes(need['exact'])}, compact {human_bytes(need['compact'])} of the "
-        f"{human_bytes(available)} available); without it {state} needs "
+        f"{human_bytes(available)} available); {how} {state} needs "
         f"{human_bytes(needs)}, {human_bytes(available - needs)} to spare. The run clips, "
-        "so that changes the training: each window's host part is clipped by the smallest "
-        "coefficient of its steps instead of each step's by its own (docs/BENCHMARKS.md, "
-        '"Clipping without the step store"). Set "zfctl": {"host_state": '
-        f'"{state}", "step_store": "off"}} in the config (--write does)'
+        f'so that changes the training: {change}. Set "zfctl": {{"host_state": '
+        f'"{state}", "step_store": "{setting}"}} in the config (--write does)'
     )
 
 

@@ -24,7 +24,8 @@ for the step's clipping coefficient (N x 2 in bf16, pinned: the device copies th
 there; micro-batches summed on the host: their fp32 sum instead, and a bounded ring of
 pinned staging slots their pieces land in; ``zfctl.step_store`` "off": neither, only the
 ring; with clipping each window's sum is then clipped once, by its steps' smallest
-coefficient). The link has one pinned read buffer; the
+coefficient; "q8": the ring, and with clipping an 8-bit copy of the step's pieces, N + 4
+N/256, not pinned). The link has one pinned read buffer; the
 master is pinned too (the host->device return reads it). These are the steady
 state, between steps; ``zenflow.hardware.host_peak`` adds what a whole run holds on top.
 
@@ -48,6 +49,7 @@ from zenflow.hardware.census import ArchShape, EstimateError, ParamCensus
 ENGINE_MODES = ("device", "offload", "zenflow", "lora")
 HOST_STATES = ("exact", "compact")  # zfctl.host_state
 Q8_BLOCK = 256  # elements per fp32 scale of the compact state's 8-bit moments (zenflow.ops)
+I8_BLOCK = 256  # elements per fp32 scale of the q8 step store's copies (zenflow.ops)
 RING_MIN_SLOTS = 4  # pinned staging slots of the link: max(4, copy buckets)
 DEVICE_CATEGORIES = ("weights", "grads", "optimizer", "staging", "activations")
 HOST_CATEGORIES = ("master_moments", "accumulators", "staging")
@@ -74,7 +76,7 @@ class Settings:
     host_state: str = "exact"  # zfctl.host_state: "exact" or "compact"
     update_interval: int = 4  # S, steps per host window ("auto" is taken as 4)
     return_image: str = "early"  # zfctl.return_image: "early", "always" or "never"
-    step_store: str = "on"  # zfctl.step_store: "off" adds pieces as they arrive, unclipped
+    step_store: str = "on"  # zfctl.step_store: "off" / "q8" add pieces as they arrive
     clipping: bool = True  # gradient_clipping > 0: a step's pieces wait for its coefficient
     early_steps: int = 0  # zfctl.early.steps (0: no early phase)
     lora_rank: int = 8  # --engine lora: the adapters' rank (zfctl.lora.rank)
@@ -103,8 +105,15 @@ class Settings:
 
     @property
     def store_free(self) -> bool:
-        """ZenFlow adds each piece as it arrives, through the ring (zfctl.step_store "off")."""
-        return self.step_store == "off" and self._store_setting_applies
+        """ZenFlow adds each piece as it arrives, through the ring (zfctl.step_store "off",
+        or "q8")."""
+        return self.step_store in ("off", "q8") and self._store_setting_applies
+
+    @property
+    def store_q8(self) -> bool:
+        """The pieces' 8-bit copies wait for the step's coefficient (zfctl.step_store "q8"
+        with clipping; without it "q8" is "off")."""
+        return self.step_store == "q8" and self.clipping and self._store_setting_applies
 
     @property
     def store_optional(self) -> bool:
@@ -448,6 +457,11 @@ def _zenflow_host_link(b: _Buffers) -> None:
     if s.host_sums:  # the micro-batches' sum, fp32 in both states
         b.host("accumulators", "micro-batch sum of the non-selected columns (fp32)", N * 4,
                "N*4")  # fmt: skip
+    elif s.store_q8:  # each piece's 8-bit copy, until the step's coefficient corrects
+        # the sum from it (zenflow.engine.zenflow.step_q8; not pinned: the host writes it)
+        b.host("accumulators", "step store: 8-bit copies of a step's pieces awaiting its "
+               f"clipping (int8, an fp32 scale per {I8_BLOCK})", N + 4 * -(-N // I8_BLOCK),
+               f"N+4*ceil(N/{I8_BLOCK})")  # fmt: skip
     elif not s.store_free:
         # a piece is added with its step's clipping coefficient, known at the step's end:
         # until then the step's pieces wait in a store of their own, where the device

@@ -6,9 +6,10 @@ step, the host at the whole run's peak (set-up, steps, checkpoints, re-selection
 save, the process's runtime). A refusal (``WillNotFitError``, exit 2) names the shortfall,
 the largest holders and the changes that make the run fit, each one checked by the same
 estimate: ``zfctl.host_state`` compact, another topk_ratio, bf16, a smaller micro-batch, fewer
-``zfctl.copy_buckets``, no step store (``zfctl.step_store`` off: with clipping, each window's
-host part clipped by its steps' smallest coefficient),
-another engine. A lever the run already uses is never advised.
+``zfctl.copy_buckets``, the step store's 8-bit copies (``zfctl.step_store`` q8: with
+clipping, each step's host part clipped from an 8-bit copy of its pieces) or no step store
+(off: each window's host part clipped by its steps' smallest coefficient), another engine.
+A lever the run already uses is never advised.
 
 Must not hold a formula (``zenflow.hardware.layout`` / ``host_peak`` do) nor print anything.
 """
@@ -87,10 +88,11 @@ def _changes(census: ParamCensus, s: Settings, budget: Budget, mode: str) -> lis
         mb = next((m for m in smaller if fits(mode, rep(s, micro_batch=m))), 1)
         out.append(Change(f"--micro-batch {mb}", mode, rep(s, micro_batch=mb),
                           "a smaller --micro-batch"))  # fmt: skip
-    # no step store with clipping changes how the host's part is clipped: a fix to choose
-    # (without clipping ``check`` takes the store off itself: the same arithmetic)
-    if mode == "zenflow" and s.store_window_clip:
-        out.append(_store_change(s))
+    # the step store's 8-bit copies, or none, with clipping: each changes the host part's
+    # clipping arithmetic, a fix to choose (without clipping ``check`` takes the store off
+    # itself: the same arithmetic)
+    if mode == "zenflow":
+        out += _store_changes(s)
     n = copy_bucket_fix(census, mode, s, budget)
     if n is not None:
         out.append(Change(f"--set zfctl.copy_buckets={n}", mode, rep(s, copy_buckets=n),
@@ -101,13 +103,26 @@ def _changes(census: ParamCensus, s: Settings, budget: Budget, mode: str) -> lis
     return out
 
 
-def _store_change(s: Settings) -> Change:
-    """No step store with clipping on: each piece is added as it arrives, unclipped, and each
-    window's host step scales its sum by the smallest clipping coefficient of its steps."""
-    settings = dataclasses.replace(s, step_store="off")
-    return Change("--set zfctl.step_store=off", "zenflow", settings, STORE_OFF_CLIPPED)
+def _store_changes(s: Settings) -> list[Change]:
+    """With clipping and a step store: its 8-bit copies (``zfctl.step_store`` "q8": each
+    step's host part clipped by its own coefficient, from an 8-bit copy of its pieces where
+    the coefficient changed), then none ("off": each window's host step scales its sum by
+    the smallest clipping coefficient of its steps); with "q8" set, "off"."""
+    rep = dataclasses.replace
+    out = []
+    if s.store_window_clip:
+        out.append(Change("--set zfctl.step_store=q8", "zenflow", rep(s, step_store="q8"),
+                          STORE_Q8_CLIPPED))  # fmt: skip
+    if s.store_window_clip or s.store_q8:
+        out.append(Change("--set zfctl.step_store=off", "zenflow", rep(s, step_store="off"),
+                          STORE_OFF_CLIPPED))  # fmt: skip
+    return out
 
 
+STORE_Q8_CLIPPED = (
+    'zfctl.step_store "q8" (each step\'s host part clipped by its own coefficient, from an '
+    "8-bit copy of its pieces)"
+)
 STORE_OFF_CLIPPED = (
     'zfctl.step_store "off" (each window\'s host part clipped by the '
     "smallest coefficient of its steps)"

@@ -77,6 +77,11 @@ class TopkMemory:
     # only where neither state fits with the store); else 0
     host_peak_window_clip_bytes: int = 0
     host_peak_compact_window_clip_bytes: int = 0
+    # with clipping, the two peaks with the step store's 8-bit copies (zfctl.step_store
+    # "q8": each step's host part clipped by its own coefficient from a copy of its pieces,
+    # tried before "off"); else 0
+    host_peak_q8_bytes: int = 0
+    host_peak_compact_q8_bytes: int = 0
 
     @property
     def device_bytes(self) -> int:
@@ -139,9 +144,10 @@ def memory_table(census, settings, grid: tuple[float, ...] = TOPK_GRID) -> tuple
         without = layout_peak(dataclasses.replace(s, step_store="off"))
         return (without, with_store) if without < with_store else (with_store, 0)
 
-    def window_clip_peak(s) -> int:
-        """With clipping, the peak without the step store (0 where there is none to drop)."""
-        return layout_peak(dataclasses.replace(s, step_store="off")) if s.store_window_clip else 0
+    def clipped_peak(s, setting: str) -> int:
+        """With clipping, the peak with the step store ``setting`` ("off": none; "q8": its
+        8-bit copies), 0 where there is no store to drop."""
+        return layout_peak(dataclasses.replace(s, step_store=setting)) if s.store_window_clip else 0
 
     rows = []
     for k in grid:
@@ -154,8 +160,9 @@ def memory_table(census, settings, grid: tuple[float, ...] = TOPK_GRID) -> tuple
         sc = dataclasses.replace(s, host_state="compact")
         (exact, exact_store), (compact, compact_store) = peak(s), peak(sc)
         rows.append(TopkMemory(k, selected, device - selected, host, exact, compact, pinned,
-                               exact_store, compact_store, window_clip_peak(s),
-                               window_clip_peak(sc)))  # fmt: skip
+                               exact_store, compact_store, clipped_peak(s, "off"),
+                               clipped_peak(sc, "off"), clipped_peak(s, "q8"),
+                               clipped_peak(sc, "q8")))  # fmt: skip
     return tuple(rows)
 
 

@@ -107,13 +107,14 @@ class Choices:
 
     def zfctl_block(self) -> dict:
         """The keys this tool sets in a config's zfctl block: the host state that fits (none
-        when the memory was not checked or neither state fits), and zfctl.step_store "off"
-        where, with clipping, the state fits only without the step store."""
+        when the memory was not checked or neither state fits), and zfctl.step_store "q8"
+        or "off" where, with clipping, the state fits only with the store's 8-bit copies or
+        without the store."""
         state = self.memory.get("host_state") if self.memory.get("checked") else None
         if not state:
             return {}
-        store = {"step_store": "off"} if self.memory.get("window_clipping") else {}
-        return {"host_state": state, **store}
+        setting = self.memory.get("step_store")
+        return {"host_state": state, **({"step_store": setting} if setting else {})}
 
 
 def interval_to_hide(host_ms: float, fb_ms: float) -> int:

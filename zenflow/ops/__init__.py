@@ -13,6 +13,9 @@ Public API (other modules and external checks build on these names):
 - ``adamw_q8_step_``, ``quantize_q8_``, ``dequantize_q8_``: the compact host state with
   8-bit block-wise moments (formats in ``zenflow.ops.q8_reference``; ``Q8_BLOCK`` elements
   per scale, ``q8_num_blocks(numel)`` scales per tensor).
+- ``accumulate_keep_i8_``, ``add_dequantized_i8_``: the q8 step store's add with its 8-bit
+  linear copy of the piece, and the correction from that copy (``I8_BLOCK`` elements per
+  scale, ``i8_num_blocks(numel)`` scales; ``dequantized_i8_reference`` decodes a copy).
 - ``gather_columns_(out, src, index, dim, num_threads=0)``: ``out = src.index_select(dim,
   index)`` for contiguous CPU tensors, on the threads (the host's column gathers).
 - ``*_reference_``: each op in plain PyTorch, same signature; ``ZENFLOW_OPS=reference``
@@ -49,18 +52,28 @@ from zenflow.ops.q8_reference import (
     quantize_q8_reference_,
 )
 from zenflow.ops.reference import (
+    I8_BLOCK,
+    accumulate_keep_i8_reference_,
     accumulate_reference_,
     adamw_compact_step_reference_,
     adamw_step_reference_,
+    add_dequantized_i8_reference_,
     compact_merge_reference_,
+    dequantized_i8_reference,
     gather_columns_reference_,
+    i8_num_blocks,
 )
 
 __all__ = [
+    "I8_BLOCK",
     "NativeBuildError",
     "Q8_BLOCK",
     "accumulate_",
+    "accumulate_keep_i8_",
+    "accumulate_keep_i8_reference_",
     "accumulate_reference_",
+    "add_dequantized_i8_",
+    "add_dequantized_i8_reference_",
     "adamw_compact_step_",
     "adamw_compact_step_reference_",
     "adamw_q8_step_",
@@ -73,6 +86,8 @@ __all__ = [
     "gather_columns_reference_",
     "dequantize_q8_",
     "dequantize_q8_reference_",
+    "dequantized_i8_reference",
+    "i8_num_blocks",
     "load_native",
     "native_status",
     "q8_num_blocks",
@@ -234,6 +249,41 @@ def accumulate_(
             dst, src, float(scale), bool(overwrite), bool(sumsq), int(num_threads)
         )
     )
+
+
+def accumulate_keep_i8_(
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    scale: float,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    num_threads: int = 0,
+) -> None:
+    """``dst += scale * src`` (``accumulate_``'s add) and, in the same pass, ``src``'s 8-bit
+    copy: ``codes`` (int8 ``[N]``), ``scales`` (fp32 ``[ceil(N/256)]``; per block absmax /
+    127, the codes ``x * 127 / absmax`` rounded to even). ``dst`` fp32 or bf16, ``src`` fp32
+    or bf16, contiguous. Bit for bit ``accumulate_keep_i8_reference_``; the result does not
+    depend on ``num_threads``. Releases the GIL while it runs."""
+    if ops_mode() == "reference":
+        accumulate_keep_i8_reference_(dst, src, scale, codes, scales)
+        return
+    load_native()
+    torch.ops.zenflow.accumulate_keep_i8_.default(dst, src, float(scale), codes, scales,
+                                                  int(num_threads))  # fmt: skip
+
+
+def add_dequantized_i8_(
+    dst: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, scale: float,
+    num_threads: int = 0,
+) -> None:  # fmt: skip
+    """``dst += scale * decoded copy`` (the copy ``accumulate_keep_i8_`` made; the product
+    rounded to fp32 first). Bit for bit ``add_dequantized_i8_reference_``."""
+    if ops_mode() == "reference":
+        add_dequantized_i8_reference_(dst, codes, scales, scale)
+        return
+    load_native()
+    torch.ops.zenflow.add_dequantized_i8_.default(dst, codes, scales, float(scale),
+                                                  int(num_threads))  # fmt: skip
 
 
 def adamw_q8_step_(

@@ -184,6 +184,61 @@ def accumulate_reference_(
     return float(dst.double().square().sum()) if sumsq else 0.0
 
 
+I8_BLOCK = 256  # elements per scale of a step store's 8-bit copy (zfctl.step_store "q8")
+
+
+def i8_num_blocks(numel: int) -> int:
+    """Scales of an 8-bit copy of ``numel`` elements: ``ceil(numel / I8_BLOCK)``."""
+    return -(-numel // I8_BLOCK)
+
+
+def _blocks(flat: torch.Tensor) -> torch.Tensor:
+    """The flat fp32 ``flat`` zero-padded to whole blocks, as ``[blocks, I8_BLOCK]``."""
+    padded = torch.zeros(i8_num_blocks(flat.numel()) * I8_BLOCK, dtype=torch.float32)
+    padded[: flat.numel()] = flat
+    return padded.view(-1, I8_BLOCK)
+
+
+def accumulate_keep_i8_reference_(
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    scale: float,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    num_threads: int = 0,
+) -> None:
+    """The native ``accumulate_keep_i8_`` in plain PyTorch: ``accumulate_reference_``'s add
+    (not an overwrite), and ``src``'s 8-bit copy: per block of 256, ``s = absmax / 127``
+    (fp32, 0 for an all-zero block), ``code = round_half_even(x * (127 / absmax))`` clamped
+    to -127..127 (int8). Bit for bit the native op."""
+    flat = src.reshape(-1).float()
+    x = _blocks(flat)
+    absmax = x.abs().amax(dim=1)
+    nonzero = absmax > 0
+    inv = torch.where(nonzero, torch.full_like(absmax, 127.0).div(absmax), 0.0)
+    q = torch.round(x * inv[:, None]).clamp_(-127.0, 127.0)
+    codes.copy_(q.reshape(-1)[: flat.numel()].to(torch.int8))
+    scales.copy_(absmax.div(torch.tensor(127.0, dtype=torch.float32)))
+    accumulate_reference_(dst, src, scale, False)
+
+
+def dequantized_i8_reference(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """An 8-bit copy decoded: fp32 ``code * s`` of its block, flat."""
+    n = codes.numel()
+    per = scales.repeat_interleave(I8_BLOCK)[:n]
+    return codes.reshape(-1).float() * per
+
+
+def add_dequantized_i8_reference_(
+    dst: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, scale: float,
+    num_threads: int = 0,
+) -> None:  # fmt: skip
+    """The native ``add_dequantized_i8_`` in plain PyTorch: ``dst += fp32(scale * fp32(code *
+    s))`` (a bf16 ``dst`` as ``accumulate_reference_``). Bit for bit the native op."""
+    del num_threads
+    accumulate_reference_(dst, dequantized_i8_reference(codes, scales), scale, False)
+
+
 def compact_merge_reference_(
     data: torch.Tensor,
     drop: torch.Tensor,

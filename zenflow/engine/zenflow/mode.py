@@ -29,6 +29,7 @@ from zenflow.engine.zenflow.host_layout import full_state
 from zenflow.engine.zenflow.image_return import ImageReturn
 from zenflow.engine.zenflow.route import GradRoute
 from zenflow.engine.zenflow.state import StepPlan, ZfWeight
+from zenflow.engine.zenflow.step_q8 import Q8StepStore
 from zenflow.engine.zenflow.warmup import Warmup
 from zenflow.engine.zenflow.window import AUTO_INTERVAL_MAX, Window
 
@@ -100,14 +101,11 @@ class ZenFlowMode:
             self.slots = 2
         gas = engine.gas
         self.host_gas = gas > 1 and engine.grad_accumulation == "host" and not self.zero_copy
-        # zfctl.step_store "off": each piece is added into the window sum as it arrives,
-        # unclipped, through the ring (the window's host step clips: Window.add_step)
-        self.store_free = engine.step_store == "off" and not self.host_gas \
-            and not self.zero_copy  # fmt: skip
+        self.adds_on_arrival, self.store_free, self.store_q8 = self._store_paths(engine)
         # One rank, pieces held for the coefficient (the step store): the step's norm is each
         # whole gradient's, taken in its hook; else each piece takes its own (the averaged
-        # pieces' with data parallelism, the store-free path's per-piece non-finite check)
-        self.whole_norms = not (self.host_gas or self.store_free or engine.dp.enabled)
+        # pieces' with data parallelism, the per-piece non-finite check of adds on arrival)
+        self.whole_norms = not (self.host_gas or self.adds_on_arrival or engine.dp.enabled)
         # The first selection in each weight's gradient hook (no whole gradient on the host):
         # streamed, no micro-batches summed on the host, no warm-up, one rank (several: the
         # averaged gradient's scores need the averaged gradient, which lands on its owner)
@@ -128,6 +126,7 @@ class ZenFlowMode:
         self.kernels = engine.kernels()
         self.device_step = DeviceStep(self)
         self.transport = self._make_transport()
+        self.q8_store = Q8StepStore(self) if self.store_q8 and self.transport else None
         self.plan: StepPlan | None = None
         # the rooms, each after the ones it uses
         self.handover = Handover(self)
@@ -135,6 +134,15 @@ class ZenFlowMode:
         self.grad_route = GradRoute(self, self.image_return, self.handover)
         self.window = Window(self, self.image_return)
         self.warmup = Warmup(self, self.grad_route, self.handover, self.window)
+
+    def _store_paths(self, engine) -> tuple[bool, bool, bool]:
+        """(pieces added as they arrive, through the ring; zfctl.step_store "off": unclipped,
+        the window's host step clips, ``Window.add_step``; "q8": scaled by a prediction and
+        corrected from an 8-bit copy, ``step_q8``). Neither with micro-batches summed on
+        the host (their fp32 sum) nor on the CPU path (no pieces)."""
+        store = engine.step_store
+        arrives = store in ("off", "q8") and not self.host_gas and not self.zero_copy
+        return arrives, arrives and store == "off", arrives and store == "q8"
 
     def _make_weights(self, zspecs: list, masters: dict[str, torch.Tensor]) -> list[ZfWeight]:
         """Every ZenFlow weight's state; data parallel: the host state on its owner only."""
@@ -204,14 +212,22 @@ class ZenFlowMode:
             "auto_ratio": self.auto_ratio,
             "window_lr": self.e.window_lr,
             "host_state": self.host_state,
-            # "off": each piece added as it arrives; "on": a step's pieces wait in the store
-            # for the step's coefficient (None: no pieces, the CPU device)
-            "step_store": None if self.zero_copy else "off" if self.store_free else "on",
+            # "off" / "q8": each piece added as it arrives (q8: corrected from an 8-bit
+            # copy); "on": a step's pieces wait in the store for the step's coefficient
+            # (None: no pieces, the CPU device)
+            "step_store": None if self.zero_copy else self.e.step_store,
             # how the non-selected columns are clipped (None: no clipping): "step", each
-            # step's by its own coefficient; "window", each window's sum by its steps'
-            # smallest (the store-free path)
+            # step's by its own coefficient; "step-q8", the same within the 8-bit copy's
+            # rounding of the coefficient's change; "window", each window's sum by its
+            # steps' smallest (the store-free path)
             "host_clipping": (
-                None if not self.e.clip else "window" if self.store_free else "step"
+                None
+                if not self.e.clip
+                else "window"
+                if self.store_free
+                else "step-q8"
+                if self.store_q8
+                else "step"
             ),  # fmt: skip
             "grad_path": path,
             "bucket_elems": None if self.zero_copy else self.bucket_elems,
@@ -251,6 +267,8 @@ class ZenFlowMode:
             self.plan.apply = window.inflight
         self.image_return.applied_early = set()
         self.grad_route.start_step()
+        if self.q8_store is not None:
+            self.q8_store.start_step()
         for w in self.zweights:
             w.start_step()
 
@@ -314,6 +332,16 @@ class ZenFlowMode:
             self.window.end(t, hp, sync=reselect or not self.early.overlap(t))
             if reselect:
                 self.handover.select(t, scores)
+
+    def set_gate(self, coef: float, skipped: bool) -> None:
+        """The step's clipping coefficient and skip decision are known: the gate its held
+        adds wait on (store-free: 1.0, nothing reached the sum clipped; the window's host
+        step clips it), and the q8 store's corrections."""
+        if self.plan is None:
+            return
+        self.plan.gate.set(1.0 if self.store_free else coef, skipped)
+        if self.q8_store is not None:
+            self.q8_store.gate_set(coef, skipped)
 
     def skip_step(self) -> None:
         """The step is skipped (non-finite): its pieces are dropped by the gate; slots this

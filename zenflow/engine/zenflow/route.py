@@ -14,7 +14,8 @@ its selected columns are gathered into the device buffer and its non-selected co
 the host in pieces (``zenflow.engine.copies``: gathered into a device bucket, copied on the
 copy engine, added into the fp32 window sum by the accumulator thread, scaled there by the
 step's clipping coefficient once it is known; with ``zfctl.step_store`` "off", added
-as it arrives, unclipped: the window's host step clips the sum); the gradient is then
+as it arrives, unclipped: the window's host step clips the sum; "q8", added as it arrives
+scaled by a prediction and corrected from an 8-bit copy: ``step_q8``); the gradient is then
 freed. The step's norm and non-finite check come from the whole gradient's norm, taken
 in the hook (from the pieces' norms with data parallelism or without the step store), its
 auto-interval masses from the pieces as they pass (device scalars, read once per step with
@@ -75,7 +76,7 @@ class GradRoute:
     def _route_split(self, w: ZfWeight, g: torch.Tensor, n: int, last: bool) -> None:
         """Selected columns into the device buffer, the rest in pieces to the host."""
         tr, plan, dp = self.m.transport, self.m.plan, self.e.dp
-        host_gas, store_free = self.m.host_gas, self.m.store_free
+        host_gas, on_arrival = self.m.host_gas, self.m.adds_on_arrival
         self._gather_selected(w, g, n, last)
         stats_on_device = not host_gas
         whole_norm = self.m.whole_norms  # one launch for the weight, not one a piece
@@ -85,7 +86,7 @@ class GradRoute:
         # per column first, as the whole gradient's scores would be)
         scoring = plan.score or self.m.update_interval is None
         overwrite_acc = w.owned and w.fresh[plan.slot]
-        if w.owned and not host_gas and not store_free:  # the previous step's adds done
+        if w.owned and not host_gas and not on_arrival:  # the previous step's adds done
             tr.store_free(w.position)  # with w's step store
         dsts, stores = self._places(w)
         # what every piece of ``w`` does with its bucket, decided once for the weight
@@ -132,11 +133,14 @@ class GradRoute:
                 stat = ("sq", w.spec.name)
                 w.stat_done = True
             tr.send_piece(i, bucket, dst, None, n == 0, stat)
-        elif self.m.store_free:  # added as it arrives: no clipping coefficient to wait
-            # for; a piece that is not finite is zeroed (its step is skipped on the device)
+        elif self.m.adds_on_arrival:  # added as it arrives: no clipping coefficient to
+            # wait for; a piece that is not finite is zeroed (its step is skipped on the device)
             bucket.masked_fill_(~torch.isfinite(norm.square()), 0)
-            tr.send_piece(i, bucket, dst, None, overwrite_acc,
-                          wait=w.free if overwrite_acc else None)  # fmt: skip
+            wait = w.free if overwrite_acc else None
+            if self.m.q8_store is not None:  # scaled by a prediction, kept in 8 bits
+                self.m.q8_store.send(w, pc, i, bucket, dst, overwrite_acc, wait)
+            else:
+                tr.send_piece(i, bucket, dst, None, overwrite_acc, wait=wait)
         else:
             tr.land_piece(i, bucket, store, dst, plan.gate, overwrite_acc, w.position,
                           wait=w.free if overwrite_acc else None)  # fmt: skip
@@ -163,7 +167,7 @@ class GradRoute:
             return [None] * len(w.pieces), [None] * len(w.pieces)
         m = self.m
         dsts = w.views(w.step_buf if m.host_gas else w.acc[m.plan.slot])
-        return dsts, (dsts if m.host_gas or m.store_free else w.views(w.store))
+        return dsts, (dsts if m.host_gas or m.adds_on_arrival else w.views(w.store))
 
     def _score_piece(self, w: ZfWeight, pc, bucket: torch.Tensor) -> None:
         """Column scores (squared L2 per column) of a non-selected piece, on the device, in

@@ -22,7 +22,8 @@ n = n_cols - k non-selected ones:
 | host   | the step store: one step's pieces in the link's dtype (pinned where the backend   |
 |        | pins: the device copies them there), their adds waiting for the step's gate       |
 |        | (none with ``zfctl.step_store`` "off": each piece is added as it arrives, and the |
-|        | window's host step clips the sum by its steps' smallest coefficient)             |
+|        | window's host step clips the sum by its steps' smallest coefficient; "q8": an    |
+|        | 8-bit copy of each piece, not pinned, that corrects the sum: ``step_q8``)         |
 
 Before the first selection the host holds warm-up's full-shape state, or only the masters
 taken at set-up (``init_master``; none for an fp32 weight on a separate device: the device
@@ -193,7 +194,7 @@ class ZfWeight:
         self.acc = [accel.host_empty((n,), mode.sum_dtype, False, "window_sums")]
         if mode.host_gas:
             self.step_buf = accel.host_empty((n,), torch.float32, False, "window_sums")
-        elif not mode.store_free:
+        elif not mode.adds_on_arrival:
             # pinned: the pieces land here from the device, and their adds wait here for
             # the step's gate (accumulator.land)
             self.store = accel.host_empty((n,), mode.link_dtype, mode.e.pin_link,

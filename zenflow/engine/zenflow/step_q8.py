@@ -1,0 +1,113 @@
+"""``zfctl.step_store`` "q8": per-step clipping of the host's pieces without holding a step's
+pieces whole, from an 8-bit copy of each.
+
+With clipping, a step's non-selected pieces reach the host before the step's coefficient
+``c`` exists (the global norm needs the whole backward). The store ("on") holds them whole
+until it does (2 bytes per non-selected parameter in bf16, 4 in fp32); "off" adds them
+unclipped and clips each window by its smallest coefficient. Here each piece is added into
+the window sum as it arrives, scaled by a prediction ``p`` (the previous step's
+coefficient), and in the same pass kept in 8 bits (``zenflow.ops.accumulate_keep_i8_``:
+linear codes, one fp32 scale per 256 elements). Once ``c`` is known the sum gets
+``(c - p)`` times the decoded copy (``add_dequantized_i8_``), on the accumulator thread, in
+order with the adds. The first write of a window (overwrite) needs no copy: the piece goes
+in unscaled and the sum is multiplied by ``c`` (one rounding, the store's arithmetic).
+
+So the window sum is per-step clipping's: exactly where ``c == p`` (clipping that never
+bites: both 1) and in a window's first step, and elsewhere within ``|c - p|`` times the
+copy's rounding (at most half a code, absmax / 254 of the piece's block). A skipped step
+(not finite) subtracts ``p`` times the copy: ``p`` times the rounding stays in the sum, as
+its non-finite pieces were zeroed before they crossed.
+
+Without clipping it is "off": nothing to correct, no copy. Held with clipping: 1 byte per
+non-selected parameter plus 4 per 256, not pinned, not the store's 2 or 4.
+Host work: the copy is written by the add's own pass (1 byte an element more), and where
+``c != p`` one more pass over the sum (read and write) and the copy.
+
+Owns the 8-bit copies, the prediction (checkpointed: ``pred``) and the corrections; must
+not touch the window's host step or the device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zenflow.engine.host import FixedGate
+from zenflow.ops import i8_num_blocks
+
+
+class Q8StepStore:
+    """The q8 step store of one engine's ZenFlow weights (see the module docstring).
+    ``mode``: the ZenFlowMode (its weights, kernels, transport and the step's plan)."""
+
+    def __init__(self, mode):
+        self.m = mode
+        self.pred = 1.0  # the previous step's coefficient: what this step's adds predict
+        self.touched: dict = {}  # weight position -> (weight, slot, fresh) routed this step
+        self.corrected = 0  # pieces corrected (tests, figures)
+
+    def start_step(self) -> None:
+        self.touched = {}
+
+    def copies(self, w) -> dict:
+        """Each piece's (codes, scales) in ``w``'s 8-bit store, by the piece's offset (made
+        once per piece plan: every piece's blocks start at its first element)."""
+        plan = getattr(w, "q8_plan", None)
+        if plan is not None and plan[0] is w.pieces:
+            return plan[1]
+        accel = self.m.e.accel
+        blocks = [i8_num_blocks(pc.numel) for pc in w.pieces]
+        codes = accel.host_empty((w.compact_numel,), torch.int8, False, "step_pieces")
+        scales = accel.host_empty((sum(blocks),), torch.float32, False, "step_pieces")
+        views, b = {}, 0
+        for pc, nb in zip(w.pieces, blocks, strict=True):
+            views[pc.offset] = (codes[pc.offset : pc.offset + pc.numel], scales[b : b + nb])
+            b += nb
+        w.q8_plan = (w.pieces, views)
+        return views
+
+    def send(self, w, pc, i: int, bucket: torch.Tensor, dst, fresh: bool, wait) -> None:
+        """Piece ``pc`` of ``w`` (gathered in bucket ``i``) to the host: added into ``dst``
+        unscaled where it starts the window (``fresh``), else scaled by the prediction and
+        kept in 8 bits by the same add."""
+        tr = self.m.transport
+        if not self.m.e.clip:  # no coefficient: each piece added as it is, as with "off"
+            tr.send_piece(i, bucket, dst, None, fresh, wait=wait)
+            return
+        self.touched.setdefault(w.position, (w, self.m.plan.slot, fresh))
+        if fresh:
+            tr.send_piece(i, bucket, dst, None, True, wait=wait)
+        else:
+            keep = self.copies(w)[pc.offset]
+            tr.send_piece(i, bucket, dst, FixedGate(self.pred), False, wait=wait, keep=keep)
+
+    def gate_set(self, coef: float, skipped: bool) -> None:
+        """The step's coefficient is known: queue its corrections (in order after its
+        adds; what they touch is taken now, on the training thread), and predict the next
+        step's coefficient from it (a skipped step keeps the prediction)."""
+        fresh, copies = [], []
+        delta = (0.0 if skipped else coef) - self.pred
+        for w, slot, first in self.touched.values():
+            if first:  # the window's first write: nothing before it in the sum
+                if not skipped and coef != 1.0:  # (skipped: the slot stays fresh)
+                    fresh.append(w.acc[slot])
+            elif delta != 0.0:
+                held, views = self.copies(w), w.views(w.acc[slot])
+                copies += [(dst.view(-1), *held[pc.offset])
+                           for pc, dst in zip(w.pieces, views, strict=True)]  # fmt: skip
+        self.touched = {}
+        if fresh or copies:
+            acc = self.m.transport.accumulator
+            acc.call(lambda: self._correct(fresh, copies, coef, delta, acc))
+        if not skipped:
+            self.pred = coef
+
+    def _correct(self, fresh: list, copies: list, coef: float, delta: float, acc) -> None:
+        """On the accumulator: the fresh sums times ``coef``, the others plus ``delta``
+        times their pieces' copies."""
+        threads = acc.cores.accumulate_threads
+        for acc_sum in fresh:
+            acc_sum.mul_(coef)
+        add = self.m.kernels.add_i8
+        for dst, codes, scales in copies:
+            add(dst, codes, scales, delta, threads)
+            self.corrected += 1
