@@ -255,6 +255,7 @@ double accumulate_(const at::Tensor& dst, const at::Tensor& src, double scale, b
 constexpr const char* kKeepOp = "zenflow::accumulate_keep_i8_";
 constexpr const char* kAddI8Op = "zenflow::add_dequantized_i8_";
 constexpr int64_t kI8Block = 256;  // elements per scale of an 8-bit copy
+constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23
 static_assert(kBlockElems % kI8Block == 0, "threads take whole 8-bit blocks");
 
 void check_i8_copy(const char* op, const at::Tensor& codes, const at::Tensor& scales,
@@ -287,16 +288,31 @@ __attribute__((optimize("fp-contract=off"))) void keep_i8_blocks(
     const int64_t end = begin + kBlockElems < numel ? begin + kBlockElems : numel;
     for (int64_t q0 = begin; q0 < end; q0 += kI8Block) {
       const int64_t q1 = q0 + kI8Block < end ? q0 + kI8Block : end;
-      float absmax = 0.0f;
-      for (int64_t i = q0; i < q1; ++i) absmax = std::max(absmax, std::fabs(load_float(src, i)));
+      // absmax on the bits: for non-negative floats the integer order is the float order,
+      // and an integer max reduction vectorises (a float one would not, without fast-math)
+      uint32_t top = 0;
+      for (int64_t i = q0; i < q1; ++i) {
+        const float x = load_float(src, i);
+        uint32_t bits;
+        std::memcpy(&bits, &x, sizeof(bits));
+        bits &= 0x7FFFFFFFu;
+        top = bits > top ? bits : top;
+      }
+      float absmax;
+      std::memcpy(&absmax, &top, sizeof(absmax));
       const float inv = absmax > 0.0f ? 127.0f / absmax : 0.0f;
       scales[q0 / kI8Block] = absmax / 127.0f;
       for (int64_t i = q0; i < q1; ++i) {
         const float x = load_float(src, i);
         const float prod = scale * x;
         store_float(dst, i, load_float(dst, i) + prod);
-        const float q = std::nearbyint(x * inv);
-        codes[i] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, q)));
+        // |x * inv| <= 127 (+ rounding): adding and taking away 1.5 * 2^23 rounds it to
+        // the nearest integer, ties to even (the sum's ulp is 1), as std::nearbyint does
+        const float q = (x * inv + kRoundMagic) - kRoundMagic;
+        int32_t code = static_cast<int32_t>(q);
+        code = code > 127 ? 127 : code;
+        code = code < -127 ? -127 : code;
+        codes[i] = static_cast<int8_t>(code);
       }
     }
   }

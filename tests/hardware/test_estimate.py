@@ -831,6 +831,28 @@ def test_a_host_refusal_names_the_step_stores_8_bit_copies_first():
     assert r.host_state_verdict()["store_off_setting"] == "off"
 
 
+def test_the_q8_copies_are_not_there_at_the_first_selection():
+    """The q8 store's copies are made by a window's second step: the first selection's
+    phase holds what it holds without the store ("off"), the steps and a re-selection hold
+    the copies too."""
+    from zenflow.hardware.host_peak import host_phases
+    from zenflow.hardware.layout import layout
+
+    c = resolve_census("llama-1b")
+    s = Settings(bf16=True, overlap_step=True, host_state="compact", clipping=True)
+
+    def phases(store):
+        st = dataclasses.replace(s, step_store=store)
+        return {p.name: p.bytes for p in host_phases(c, "zenflow", st, layout(c, "zenflow", st))}
+
+    q8, off = phases("q8"), phases("off")
+    copies = next(i.bytes for i in layout(c, "zenflow", dataclasses.replace(s, step_store="q8"))
+                  if i.what.startswith("step store: 8-bit copies"))  # fmt: skip
+    assert q8["first selection"] == off["first selection"]
+    assert q8["steps"] == off["steps"] + copies
+    assert q8["re-selection"] == off["re-selection"] + copies
+
+
 def test_settings_know_whether_a_step_waits_for_its_clipping():
     cfg = load_config(TEMPLATE)
     assert cfg.gradient_clipping > 0 and est.settings_from_config(cfg).clipping

@@ -45,7 +45,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zenflow.hardware.census import ParamCensus
-from zenflow.hardware.layout import Item, Settings
+from zenflow.hardware.layout import Q8_COPIES, Item, Settings
 
 # The runtime: the whole-run peak RSS of `zfctl finetune` of a 1.6M-parameter GPT-2 (2
 # layers, width 32: its own bytes are ~30 MB) on SST-2 (67k rows, tokenized), --device sim,
@@ -126,6 +126,8 @@ def _zenflow_phases(census: ParamCensus, s: Settings, items: list[Item], steady:
     Pz, k = census.zenflow_params, s.topk_ratio
     link = sum(i.bytes for i in items if i.side == "host" and i.category == "staging")
     state = steady - link  # the compact state, its sums and counts
+    # the q8 step store's copies are made by a window's second step, after the selection
+    later = sum(i.bytes for i in items if i.side == "host" and i.what.startswith(Q8_COPIES))
     per_weight = [r * c for r, c in census.zenflow_weights]
     big = max(per_weight, default=0)
     whole = s.host_sums or s.warmup or not s.stream_grads
@@ -134,8 +136,9 @@ def _zenflow_phases(census: ParamCensus, s: Settings, items: list[Item], steady:
     n_big = max(census.nonselected(k), default=0)
     # compact: a weight's moments are filled in fp32 temporaries, then quantised
     temps = 8 * n_big if s.compact else 0
-    first = link + landing + max(state, before * Pz) + before * big + temps
-    terms = (f"link + max(compact state, {before}*Pz) + one weight's {before}*numel"
+    first = link + landing + max(state - later, before * Pz) + before * big + temps
+    held = "compact state" + (" without the q8 copies" if later else "")
+    terms = (f"link + max({held}, {before}*Pz) + one weight's {before}*numel"
              + (" + its fp32 moments (8*N)" if temps else "")
              + (" + whole-gradient landing" if landing else ""))  # fmt: skip
     out = [Phase("first selection", first, terms)]

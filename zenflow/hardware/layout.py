@@ -50,6 +50,8 @@ ENGINE_MODES = ("device", "offload", "zenflow", "lora")
 HOST_STATES = ("exact", "compact")  # zfctl.host_state
 Q8_BLOCK = 256  # elements per fp32 scale of the compact state's 8-bit moments (zenflow.ops)
 I8_BLOCK = 256  # elements per fp32 scale of the q8 step store's copies (zenflow.ops)
+# the q8 step store's item (made at a window's second step: not there at the first selection)
+Q8_COPIES = "step store: 8-bit copies"
 RING_MIN_SLOTS = 4  # pinned staging slots of the link: max(4, copy buckets)
 DEVICE_CATEGORIES = ("weights", "grads", "optimizer", "staging", "activations")
 HOST_CATEGORIES = ("master_moments", "accumulators", "staging")
@@ -459,7 +461,7 @@ def _zenflow_host_link(b: _Buffers) -> None:
                "N*4")  # fmt: skip
     elif s.store_q8:  # each piece's 8-bit copy, until the step's coefficient corrects
         # the sum from it (zenflow.engine.zenflow.step_q8; not pinned: the host writes it)
-        b.host("accumulators", "step store: 8-bit copies of a step's pieces awaiting its "
+        b.host("accumulators", f"{Q8_COPIES} of a step's pieces awaiting its "
                f"clipping (int8, an fp32 scale per {I8_BLOCK})", N + 4 * -(-N // I8_BLOCK),
                f"N+4*ceil(N/{I8_BLOCK})")  # fmt: skip
     elif not s.store_free:
