@@ -29,10 +29,10 @@ ZF = {"topk_ratio": 0.1, "update_interval": 2, "overlap_step": True,
       "select_strategy": "step", "select_interval": 4}  # fmt: skip
 
 
-def _engine(state: str, bf16: bool, warm_up: int = 0, **extra):
+def _engine(state: str, bf16: bool, warm_up: int = 0, clip: float = 0.0, **extra):
     model = tiny_gpt2()
-    cfg = make_config({**ZF, "full_warm_up_rounds": warm_up}, bf16={"enabled": bf16},
-                      zfctl={"host_state": state, **extra})  # fmt: skip
+    cfg = make_config({**ZF, "full_warm_up_rounds": warm_up}, clip=clip,
+                      bf16={"enabled": bf16}, zfctl={"host_state": state, **extra})  # fmt: skip
     return model, ZenFlowEngine(model, cfg, accelerator="sim", sim_strict=True,
                                 host_kernel="reference")  # fmt: skip
 
@@ -110,13 +110,14 @@ def test_a_checkpoint_copies_no_host_state(state):
         assert shared >= 5 * len(e.zweights)
 
 
-@pytest.mark.parametrize("state", ["exact", "compact"])
-def test_the_host_state_is_released_before_the_final_save(state):
+@pytest.mark.parametrize("state,store", [("exact", "on"), ("compact", "on"), ("exact", "q8")])
+def test_the_host_state_is_released_before_the_final_save(state, store):
     """At the end of a run (flushed, checkpointed) ``release_host_state`` drops the host
-    state, the window sums and the step store: the final model save's host copies never
-    sit beside them (issue 27: the final save was the compact state's host peak). The
-    weights are the flushed ones, and the engine refuses a checkpoint afterwards."""
-    model, e = _engine(state, bf16=False)
+    state, the window sums and the step store (q8: its 8-bit copies): the final model
+    save's host copies never sit beside them (issue 27: the final save was the compact
+    state's host peak). The weights are the flushed ones, and the engine refuses a
+    checkpoint afterwards."""
+    model, e = _engine(state, bf16=False, clip=1.0, step_store=store)
     train_engine(e, model, gpt2_batches(5))
     e.flush()
     flushed = {n: p.detach().clone() for n, p in model.named_parameters()}

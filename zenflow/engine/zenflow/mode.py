@@ -220,15 +220,7 @@ class ZenFlowMode:
             # step's by its own coefficient; "step-q8", the same within the 8-bit copy's
             # rounding of the coefficient's change; "window", each window's sum by its
             # steps' smallest (the store-free path)
-            "host_clipping": (
-                None
-                if not self.e.clip
-                else "window"
-                if self.store_free
-                else "step-q8"
-                if self.store_q8
-                else "step"
-            ),  # fmt: skip
+            "host_clipping": self._host_clipping(),
             "grad_path": path,
             "bucket_elems": None if self.zero_copy else self.bucket_elems,
             "zenflow_weights": len(self.zweights),
@@ -236,6 +228,11 @@ class ZenFlowMode:
             "selected_elements": sel,
             "always_important_params": len(self.e.dense),
         }
+
+    def _host_clipping(self) -> str | None:
+        if not self.e.clip:
+            return None
+        return "window" if self.store_free else "step-q8" if self.store_q8 else "step"
 
     # ------------------------------------------------------------------ routing
     def routes(self, spec) -> bool:
@@ -366,10 +363,11 @@ class ZenFlowMode:
 
     # ------------------------------------------------------------------ lifecycle
     def release_host(self) -> None:
-        """Drop every weight's host state, window sums, step store and set-up master, and
-        the return's images (the engine is closed: nothing reads them again)."""
+        """Drop every weight's host state, window sums, step store (or its 8-bit copies) and
+        set-up master, and the return's images (the engine is closed: nothing reads them
+        again)."""
         for w in self.zweights:
-            for name in ("host", "store", "step_buf", "init_master"):
+            for name in ("host", "store", "step_buf", "init_master", "q8_plan"):
                 if hasattr(w, name):
                     setattr(w, name, None)
             w.acc = []
