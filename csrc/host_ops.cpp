@@ -275,76 +275,98 @@ void check_i8_copy(const char* op, const at::Tensor& codes, const at::Tensor& sc
               " elements, expected one per 256-element block: ", blocks);
 }
 
-// The add and the copy of accumulate_keep_i8_, one 256-block at a time (src read once,
-// then from the core's L1).
-template <typename DstT, typename SrcT>
-__attribute__((optimize("fp-contract=off"))) void keep_i8_blocks(
-    DstT* dst, const SrcT* src, int64_t numel, float scale, int8_t* codes, float* scales,
-    int team) {
+// Calls body(q0, q1) for every 256-block [q0, q1) of [0, numel), on the team, in groups of
+// kBlockElems elements (whole 256-blocks each, handed out dynamically).
+template <typename Body>
+void for_each_i8_block(int64_t numel, int team, const Body& body) {
   const int64_t num_blocks = (numel + kBlockElems - 1) / kBlockElems;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(team) if (num_blocks > 1)
   for (int64_t block = 0; block < num_blocks; ++block) {
     const int64_t begin = block * kBlockElems;
     const int64_t end = begin + kBlockElems < numel ? begin + kBlockElems : numel;
     for (int64_t q0 = begin; q0 < end; q0 += kI8Block) {
-      const int64_t q1 = q0 + kI8Block < end ? q0 + kI8Block : end;
-      // absmax on the bits: for non-negative floats the integer order is the float order,
-      // and an integer max reduction vectorises (a float one would not, without fast-math)
-      uint32_t top = 0;
-      for (int64_t i = q0; i < q1; ++i) {
-        const float x = load_float(src, i);
-        uint32_t bits;
-        std::memcpy(&bits, &x, sizeof(bits));
-        bits &= 0x7FFFFFFFu;
-        top = bits > top ? bits : top;
-      }
-      float absmax;
-      std::memcpy(&absmax, &top, sizeof(absmax));
-      const float inv = absmax > 0.0f ? 127.0f / absmax : 0.0f;
-      scales[q0 / kI8Block] = absmax / 127.0f;
-      for (int64_t i = q0; i < q1; ++i) {
-        const float x = load_float(src, i);
-        const float prod = scale * x;
-        store_float(dst, i, load_float(dst, i) + prod);
-        // |x * inv| <= 127 (+ rounding): adding and taking away 1.5 * 2^23 rounds it to
-        // the nearest integer, ties to even (the sum's ulp is 1), as std::nearbyint does
-        const float q = (x * inv + kRoundMagic) - kRoundMagic;
-        int32_t code = static_cast<int32_t>(q);
-        code = code > 127 ? 127 : code;
-        code = code < -127 ? -127 : code;
-        codes[i] = static_cast<int8_t>(code);
-      }
+      body(q0, q0 + kI8Block < end ? q0 + kI8Block : end);
     }
   }
 }
 
-template <typename DstT>
-__attribute__((optimize("fp-contract=off"))) void add_i8_blocks(
-    DstT* dst, const int8_t* codes, const float* scales, int64_t numel, float scale, int team) {
-  const int64_t num_blocks = (numel + kBlockElems - 1) / kBlockElems;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(team) if (num_blocks > 1)
-  for (int64_t block = 0; block < num_blocks; ++block) {
-    const int64_t begin = block * kBlockElems;
-    const int64_t end = begin + kBlockElems < numel ? begin + kBlockElems : numel;
-    for (int64_t q0 = begin; q0 < end; q0 += kI8Block) {
-      const int64_t q1 = q0 + kI8Block < end ? q0 + kI8Block : end;
-      const float s = scales[q0 / kI8Block];
-      for (int64_t i = q0; i < q1; ++i) {
-        const float value = static_cast<float>(codes[i]) * s;
-        const float prod = scale * value;
-        store_float(dst, i, load_float(dst, i) + prod);
-      }
+// One 256-block of accumulate_keep_i8_: the add and the copy (src read once, then from the
+// core's L1). fp-contract=off: dst + scale * src is never one FMA (see accumulate_).
+template <typename DstT, typename SrcT>
+struct KeepI8Block {
+  DstT* dst;
+  const SrcT* src;
+  float scale;
+  int8_t* codes;
+  float* scales;
+
+  __attribute__((optimize("fp-contract=off"))) void operator()(int64_t q0, int64_t q1) const {
+    // the members in locals: a store through int8_t* may alias anything, and would make
+    // the compiler reload them after every code (no vector loop)
+    DstT* const dst = this->dst;
+    const SrcT* const src = this->src;
+    const float scale = this->scale;
+    int8_t* const codes = this->codes;
+    // absmax on the bits: for non-negative floats the integer order is the float order,
+    // and an integer max reduction vectorises (a float one would not, without fast-math)
+    uint32_t top = 0;
+    for (int64_t i = q0; i < q1; ++i) {
+      const float x = load_float(src, i);
+      uint32_t bits;
+      std::memcpy(&bits, &x, sizeof(bits));
+      bits &= 0x7FFFFFFFu;
+      top = bits > top ? bits : top;
+    }
+    float absmax;
+    std::memcpy(&absmax, &top, sizeof(absmax));
+    const float inv = absmax > 0.0f ? 127.0f / absmax : 0.0f;
+    this->scales[q0 / kI8Block] = absmax / 127.0f;
+    for (int64_t i = q0; i < q1; ++i) {
+      const float x = load_float(src, i);
+      const float prod = scale * x;
+      store_float(dst, i, load_float(dst, i) + prod);
+      // |x * inv| <= 127 (+ rounding): adding and taking away 1.5 * 2^23 rounds it to the
+      // nearest integer, ties to even (the sum's ulp is 1), as std::nearbyint does
+      const float q = (x * inv + kRoundMagic) - kRoundMagic;
+      int32_t code = static_cast<int32_t>(q);
+      code = code > 127 ? 127 : code;
+      code = code < -127 ? -127 : code;
+      codes[i] = static_cast<int8_t>(code);
     }
   }
-}
+};
+
+// One 256-block of add_dequantized_i8_ (fp-contract=off, as above).
+template <typename DstT>
+struct AddI8Block {
+  DstT* dst;
+  const int8_t* codes;
+  const float* scales;
+  float scale;
+
+  __attribute__((optimize("fp-contract=off"))) void operator()(int64_t q0, int64_t q1) const {
+    DstT* const dst = this->dst;  // in locals, as in KeepI8Block
+    const int8_t* const codes = this->codes;
+    const float scale = this->scale;
+    const float s = this->scales[q0 / kI8Block];
+    for (int64_t i = q0; i < q1; ++i) {
+      const float value = static_cast<float>(codes[i]) * s;
+      const float prod = scale * value;
+      store_float(dst, i, load_float(dst, i) + prod);
+    }
+  }
+};
 
 template <typename DstT>
 void keep_i8_into(DstT* dst, const at::Tensor& src, int64_t numel, float scale, int8_t* codes,
                   float* scales, int team) {
   if (src.scalar_type() == at::kFloat) {
-    keep_i8_blocks(dst, src.data_ptr<float>(), numel, scale, codes, scales, team);
+    for_each_i8_block(numel, team,
+                      KeepI8Block<DstT, float>{dst, src.data_ptr<float>(), scale, codes, scales});
   } else {
-    keep_i8_blocks(dst, src.data_ptr<c10::BFloat16>(), numel, scale, codes, scales, team);
+    const c10::BFloat16* x = src.data_ptr<c10::BFloat16>();
+    for_each_i8_block(numel, team,
+                      KeepI8Block<DstT, c10::BFloat16>{dst, x, scale, codes, scales});
   }
 }
 
@@ -382,9 +404,10 @@ void add_dequantized_i8_(const at::Tensor& dst, const at::Tensor& codes,
   const int8_t* c = codes.data_ptr<int8_t>();
   const float* sc = scales.data_ptr<float>();
   if (dst.scalar_type() == at::kFloat) {
-    add_i8_blocks(dst.data_ptr<float>(), c, sc, numel, s, team);
+    for_each_i8_block(numel, team, AddI8Block<float>{dst.data_ptr<float>(), c, sc, s});
   } else {
-    add_i8_blocks(dst.data_ptr<c10::BFloat16>(), c, sc, numel, s, team);
+    for_each_i8_block(numel, team,
+                      AddI8Block<c10::BFloat16>{dst.data_ptr<c10::BFloat16>(), c, sc, s});
   }
 }
 
