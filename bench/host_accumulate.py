@@ -17,9 +17,11 @@ per step. Contenders, interleaved round-robin so that drifting load hits all ali
   the staging ring into the store (``store.copy_(src)``, torch, the same threads), then
   ``accumulate_`` from the store (each piece read twice more and written once more);
 - ``q8 keep``: ``zfctl.step_store`` "q8"'s add, ``accumulate_keep_i8_`` (the same add and,
-  in its pass, the piece's 8-bit copy: 1 byte an element more), and ``q8 correct``: its
-  correction from the copy, ``add_dequantized_i8_`` (read the copy, read and write the sum:
-  9 bytes an element), which runs where the clipping coefficient changed.
+  in its pass, the piece's 8-bit copy: 1 byte an element more), ``q8 keep+fold``: the same
+  with the previous step's correction folded in from the copy it replaces (``prev_delta``:
+  the copy read too), and ``q8 correct``: the correction as a pass of its own,
+  ``add_dequantized_i8_`` (read the copy, read and write the sum: 9 bytes an element), what
+  a window's last step takes.
 
 Bytes per element: read src (2 bf16 / 4 fp32), read and write dst (8): 10 or 12 (via
 store: 14 or 20). The table gives elements/s, GB/s at those bytes, and each thread count's
@@ -104,6 +106,10 @@ def main(argv=None) -> int:
     def q8_keep(t):
         return lambda: ops.accumulate_keep_i8_(dst, src, 0.5, codes, scales, num_threads=t)
 
+    def q8_keep_fold(t):
+        return lambda: ops.accumulate_keep_i8_(dst, src, 0.5, codes, scales, num_threads=t,
+                                               prev_delta=-0.1)  # fmt: skip
+
     def q8_correct(t):
         return lambda: ops.add_dequantized_i8_(dst, codes, scales, -0.1, num_threads=t)
 
@@ -122,6 +128,8 @@ def main(argv=None) -> int:
     for t in threads:
         contenders[f"q8 keep, {t} thread{'s' * (t > 1)}"] = (q8_keep(t), t, n)
     for t in threads:
+        contenders[f"q8 keep+fold, {t} thread{'s' * (t > 1)}"] = (q8_keep_fold(t), t, n)
+    for t in threads:
         contenders[f"q8 correct, {t} thread{'s' * (t > 1)}"] = (q8_correct(t), t, n)
     times = {name: [] for name in contenders}
     for fn, _, _ in contenders.values():
@@ -137,10 +145,11 @@ def main(argv=None) -> int:
     for name, (_, t, numel) in contenders.items():
         s = statistics.median(times[name])
         moved = {"via store": bytes_per + 2 * per, "q8 keep": bytes_per + 1 + 4 / 256,
+                 "q8 keep+fold": bytes_per + 2 + 8 / 256,
                  "q8 correct": 9 + 4 / 256}.get(name.split(",")[0], bytes_per)  # fmt: skip
         out[name] = {"threads": t, "numel": numel, "ms": s * 1e3, "elements_per_s": numel / s,
                      "bytes_per_element": moved, "gb_per_s": numel * moved / s / 1e9}  # fmt: skip
-    for kind in ("native", "torch add_", "via store", "q8 keep", "q8 correct"):
+    for kind in ("native", "torch add_", "via store", "q8 keep", "q8 keep+fold", "q8 correct"):
         one = out.get(f"{kind}, 1 thread")
         for name, r in out.items():
             if one and name.startswith(kind):

@@ -167,7 +167,7 @@ TORCH_LIBRARY(zenflow, m) {
       "int num_threads) -> float");
   m.def(
       "accumulate_keep_i8_(Tensor(a!) dst, Tensor src, float scale, Tensor(b!) codes, "
-      "Tensor(c!) scales, int num_threads) -> ()");
+      "Tensor(c!) scales, int num_threads, float prev_mul=1.0, float prev_delta=0.0) -> ()");
   m.def(
       "add_dequantized_i8_(Tensor(a!) dst, Tensor codes, Tensor scales, float scale, "
       "int num_threads) -> ()");

@@ -42,7 +42,12 @@
 // the result is bit-identical to adamw_step_ on those elements, for any thread count.
 
 //
-// accumulate_keep_i8_(dst, src, scale, codes, scales): accumulate_'s add (dst = dst +
+// accumulate_keep_i8_(dst, src, scale, codes, scales, prev_mul, prev_delta): first, where
+// asked, the previous step's correction of the same sum, block by block from the copy about
+// to be replaced: dst = dst * prev_mul (prev_mul != 1), or dst = dst + fp32(prev_delta *
+// fp32(code * s)) (prev_delta != 0), each stored as add_dequantized_i8_ stores (so the
+// sum is bit for bit what the correction as its own pass, then the add, gives); then
+// accumulate_'s add (dst = dst +
 // fp32(scale * src), never an overwrite, a bf16 dst rounded as there) and, in the same pass
 // over src, src's 8-bit copy (zfctl.step_store "q8": a piece kept until its step's clipping
 // coefficient corrects the sum). Per block of kI8Block = 256 elements of src (the last may
@@ -299,6 +304,8 @@ struct KeepI8Block {
   float scale;
   int8_t* codes;
   float* scales;
+  float prev_mul;    // != 1: the sum times it first (a window's first step's clipping)
+  float prev_delta;  // != 0: the sum plus it times the copy held first (the last step's)
 
   __attribute__((optimize("fp-contract=off"))) void operator()(int64_t q0, int64_t q1) const {
     // the members in locals: a store through int8_t* may alias anything, and would make
@@ -307,6 +314,19 @@ struct KeepI8Block {
     const SrcT* const src = this->src;
     const float scale = this->scale;
     int8_t* const codes = this->codes;
+    // the previous step's correction, from the copy this block is about to replace: the
+    // same operations, stored the same way, as add_dequantized_i8_ / a multiply before
+    if (prev_delta != 0.0f) {
+      const float delta = prev_delta;
+      const float held = this->scales[q0 / kI8Block];
+      for (int64_t i = q0; i < q1; ++i) {
+        const float prod = delta * (static_cast<float>(codes[i]) * held);
+        store_float(dst, i, load_float(dst, i) + prod);
+      }
+    } else if (prev_mul != 1.0f) {
+      const float mul = prev_mul;
+      for (int64_t i = q0; i < q1; ++i) store_float(dst, i, load_float(dst, i) * mul);
+    }
     // absmax on the bits: for non-negative floats the integer order is the float order,
     // and an integer max reduction vectorises (a float one would not, without fast-math)
     uint32_t top = 0;
@@ -359,20 +379,21 @@ struct AddI8Block {
 
 template <typename DstT>
 void keep_i8_into(DstT* dst, const at::Tensor& src, int64_t numel, float scale, int8_t* codes,
-                  float* scales, int team) {
+                  float* scales, float prev_mul, float prev_delta, int team) {
   if (src.scalar_type() == at::kFloat) {
-    for_each_i8_block(numel, team,
-                      KeepI8Block<DstT, float>{dst, src.data_ptr<float>(), scale, codes, scales});
+    const float* x = src.data_ptr<float>();
+    for_each_i8_block(numel, team, KeepI8Block<DstT, float>{dst, x, scale, codes, scales,
+                                                            prev_mul, prev_delta});
   } else {
     const c10::BFloat16* x = src.data_ptr<c10::BFloat16>();
-    for_each_i8_block(numel, team,
-                      KeepI8Block<DstT, c10::BFloat16>{dst, x, scale, codes, scales});
+    for_each_i8_block(numel, team, KeepI8Block<DstT, c10::BFloat16>{dst, x, scale, codes, scales,
+                                                                    prev_mul, prev_delta});
   }
 }
 
 void accumulate_keep_i8_(const at::Tensor& dst, const at::Tensor& src, double scale,
                          const at::Tensor& codes, const at::Tensor& scales,
-                         int64_t num_threads) {
+                         int64_t num_threads, double prev_mul, double prev_delta) {
   const int64_t numel = dst.numel();
   check_tensor(dst, kKeepOp, "dst", true, numel);
   check_tensor(src, kKeepOp, "src", true, numel);
@@ -384,10 +405,11 @@ void accumulate_keep_i8_(const at::Tensor& dst, const at::Tensor& src, double sc
   const float s = static_cast<float>(scale);
   int8_t* c = codes.data_ptr<int8_t>();
   float* sc = scales.data_ptr<float>();
+  const float pm = static_cast<float>(prev_mul), pd = static_cast<float>(prev_delta);
   if (dst.scalar_type() == at::kFloat) {
-    keep_i8_into(dst.data_ptr<float>(), src, numel, s, c, sc, team);
+    keep_i8_into(dst.data_ptr<float>(), src, numel, s, c, sc, pm, pd, team);
   } else {
-    keep_i8_into(dst.data_ptr<c10::BFloat16>(), src, numel, s, c, sc, team);
+    keep_i8_into(dst.data_ptr<c10::BFloat16>(), src, numel, s, c, sc, pm, pd, team);
   }
 }
 

@@ -71,11 +71,14 @@ def _run(kernels, w: _Weight, steps: list) -> tuple[torch.Tensor, Q8StepStore]:
     store = Q8StepStore(mode)
     try:
         for pieces, coef, skipped, fresh in steps:
+            if fresh:  # a window's end: its host step reads the sum, corrected
+                store.flush()
             store.start_step()
             views = w.views(w.acc[0])
             for pc, g, dst in zip(w.pieces, pieces, views, strict=True):
                 store.send(w, pc, 0, g, dst, fresh, None)
             store.gate_set(coef, skipped)
+        store.flush()  # what a window's end does before its host step reads the sum
         acc.drain()
     finally:
         acc.close()
@@ -141,10 +144,12 @@ def test_the_q8_store_computes_the_stated_arithmetic(kernel, link, sum_dtype, sh
     got, store = _run(kernels, w, steps)
     assert torch.equal(got, _expected(_Weight(shape, n_nonsel, bucket, sum_dtype), steps,
                                       sum_dtype))  # fmt: skip
-    # corrected: the steps whose coefficient changed (0.25 after 0.5, 0.4 after 0.25, 1.0
-    # after 0.3) and the skipped one (minus its prediction); not the step that kept 0.25, not
-    # the first writes
-    assert store.corrected == 4 * len(w.pieces)
+    # corrections: the first writes times their coefficient (0.5, 0.3), the steps whose
+    # coefficient changed (0.25 after 0.5, 0.4 after 0.25, 1.0 after 0.3) and the skipped
+    # one (minus its prediction); none for the step that kept 0.25. Each goes into the next
+    # step's adds, but for the two a window's end flushes as passes (0.4's, before the
+    # window of 0.3 starts, and 1.0's at the end)
+    assert store.corrected == 6 and store.passes == 2
     assert store.pred == 1.0
 
 

@@ -81,6 +81,31 @@ def test_add_dequantized_matches_the_reference(native, numel, dst_dtype):
     assert _same(want, (start.float() + prod).to(dst_dtype))
 
 
+@pytest.mark.parametrize("numel", [300, 65536 + 300])
+@pytest.mark.parametrize("dst_dtype", DTYPES, ids=["dst32", "dst16"])
+@pytest.mark.parametrize("prev", [(1.0, -0.31), (0.43, 0.0)], ids=["delta", "mul"])
+def test_keep_folds_the_previous_correction_bit_for_bit(native, numel, dst_dtype, prev):
+    """``prev_delta``: the previous step's correction from the copy held, then the add and
+    the new copy; ``prev_mul``: the sum times it first. Bit for bit the correction as its own
+    pass (``add_dequantized_i8_`` / a multiply) and then the add, native and reference."""
+    mul, delta = prev
+    old = _piece(numel, 7, torch.float32)
+    c0, s0 = _copy(numel)
+    accumulate_keep_i8_reference_(torch.zeros(numel), old, 1.0, c0, s0)
+    src = _piece(numel, 8, torch.bfloat16)
+    start = torch.randn(numel, generator=torch.Generator().manual_seed(3)).to(dst_dtype)
+    want, (cw, sw) = start.clone(), (c0.clone(), s0.clone())
+    if delta:
+        add_dequantized_i8_(want, cw, sw, delta)
+    else:
+        want.copy_(want.float() * torch.tensor(mul, dtype=torch.float32))
+    accumulate_keep_i8_(want, src, 0.37, cw, sw)
+    for op in (accumulate_keep_i8_, accumulate_keep_i8_reference_):
+        got, c, s = start.clone(), c0.clone(), s0.clone()
+        op(got, src, 0.37, c, s, 2, mul, delta)
+        assert _same(got, want) and torch.equal(c, cw) and torch.equal(s, sw), op.__name__
+
+
 def test_the_copy_is_within_half_a_code_of_its_block():
     x = _piece(4096 + 77, 3, torch.float32)
     c, s = _copy(x.numel())

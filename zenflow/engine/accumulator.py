@@ -154,8 +154,9 @@ class Accumulator:
     coefficient, e.g. a micro-batch into its step's sum) are set and the adds queued before
     it ran, ``dst = coef * src`` (``overwrite``) or ``dst += coef * src`` on ``threads``
     host threads, and ``release()`` (the staging slot back to its ring); with ``keep``
-    (codes, scales), the add also makes ``src``'s 8-bit copy there, in the same pass
-    (``keep_i8``: the q8 step store, ``zenflow.engine.zenflow.step_q8``).
+    (codes, scales, prev_mul, prev_delta), the add first applies the previous step's
+    correction from the copy held there and makes ``src``'s 8-bit copy in its place, in the
+    same pass (``keep_i8``: the q8 step store, ``zenflow.engine.zenflow.step_q8``).
     ``land(event, store, dst, gate, overwrite, key, stat, wait)``: the same add of a piece
     the device copies into ``store`` (its place in its weight's step store) itself, waiting
     there for its gate without holding up the thread (no ring slot, no host copy);
@@ -209,8 +210,8 @@ class Accumulator:
     def add(self, event, src, dst, gate, overwrite, release, stat=None, wait=None,
             keep=None) -> None:  # fmt: skip
         """Queue an add; ``wait``: an event to wait for before ``dst`` is written (the host
-        step still reading the window sum); ``keep``: (codes, scales) of ``src``'s 8-bit
-        copy, made by the add."""
+        step still reading the window sum); ``keep``: (codes, scales, prev_mul,
+        prev_delta) of ``src``'s 8-bit copy, made by the add (see the class)."""
         self._put(("add", event, src, dst, gate, overwrite, release, stat, wait, keep))
 
     def land(self, event, store, dst, gate, overwrite, key, stat=None, wait=None) -> None:
@@ -361,8 +362,9 @@ class Accumulator:
             return
         t0 = time.perf_counter()
         threads = self.cores.accumulate_threads
-        if keep is not None:  # the add (never an overwrite) and src's 8-bit copy
-            self._keep_i8(dst, src, scale, *keep, threads)
+        if keep is not None:  # the add (never an overwrite) and src's 8-bit copy, after
+            codes, scales, prev_mul, prev_delta = keep  # the previous step's correction
+            self._keep_i8(dst, src, scale, codes, scales, threads, prev_mul, prev_delta)
             sq = 0.0
         else:
             sq = self._accumulate(dst, src, scale, overwrite, stat is not None, threads)

@@ -139,7 +139,7 @@ class Transport:
         """Copy a gathered ``bucket`` (in the link's dtype) to a ring slot, then add it into
         ``dst`` (the piece's compact view of a sum) with ``gate`` (after ``wait``) once the
         adds queued before it ran (micro-batches summed on the host: no gate); ``keep``:
-        (codes, scales) the add writes the slot's 8-bit copy into (``Accumulator.add``)."""
+        the slot's 8-bit copy and the correction before it (``Accumulator.add``)."""
         buckets, bucket_i, bucket = self._on_link(bucket_i, bucket)
         ring = self.ring(bucket.dtype)
         i, staged = self.take_slot(ring, bucket.shape)

@@ -258,18 +258,24 @@ def accumulate_keep_i8_(
     codes: torch.Tensor,
     scales: torch.Tensor,
     num_threads: int = 0,
+    prev_mul: float = 1.0,
+    prev_delta: float = 0.0,
 ) -> None:
     """``dst += scale * src`` (``accumulate_``'s add) and, in the same pass, ``src``'s 8-bit
     copy: ``codes`` (int8 ``[N]``), ``scales`` (fp32 ``[ceil(N/256)]``; per block absmax /
-    127, the codes ``x * 127 / absmax`` rounded to even). ``dst`` fp32 or bf16, ``src`` fp32
-    or bf16, contiguous. Bit for bit ``accumulate_keep_i8_reference_``; the result does not
-    depend on ``num_threads``. Releases the GIL while it runs."""
+    127, the codes ``x * 127 / absmax`` rounded to even). Before the add, the previous
+    step's correction of ``dst`` where asked: ``dst *= prev_mul`` (``!= 1``), or ``dst +=
+    prev_delta * `` the copy ``codes``/``scales`` held before this call (``!= 0``), bit for
+    bit that correction as its own pass. ``dst`` fp32 or bf16, ``src`` fp32 or bf16,
+    contiguous. Bit for bit ``accumulate_keep_i8_reference_``; the result does not depend on
+    ``num_threads``. Releases the GIL while it runs."""
     if ops_mode() == "reference":
-        accumulate_keep_i8_reference_(dst, src, scale, codes, scales)
+        accumulate_keep_i8_reference_(dst, src, scale, codes, scales, 0, prev_mul, prev_delta)
         return
     load_native()
     torch.ops.zenflow.accumulate_keep_i8_.default(dst, src, float(scale), codes, scales,
-                                                  int(num_threads))  # fmt: skip
+                                                  int(num_threads), float(prev_mul),
+                                                  float(prev_delta))  # fmt: skip
 
 
 def add_dequantized_i8_(

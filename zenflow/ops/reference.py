@@ -206,11 +206,19 @@ def accumulate_keep_i8_reference_(
     codes: torch.Tensor,
     scales: torch.Tensor,
     num_threads: int = 0,
+    prev_mul: float = 1.0,
+    prev_delta: float = 0.0,
 ) -> None:
-    """The native ``accumulate_keep_i8_`` in plain PyTorch: ``accumulate_reference_``'s add
-    (not an overwrite), and ``src``'s 8-bit copy: per block of 256, ``s = absmax / 127``
-    (fp32, 0 for an all-zero block), ``code = round_half_even(x * (127 / absmax))`` clamped
-    to -127..127 (int8). Bit for bit the native op."""
+    """The native ``accumulate_keep_i8_`` in plain PyTorch: the previous step's correction
+    where asked (``add_dequantized_i8_reference_`` from the copy held, or ``dst * prev_mul``
+    in fp32, stored in ``dst``'s dtype), then ``accumulate_reference_``'s add (not an
+    overwrite), and ``src``'s 8-bit copy: per block of 256, ``s = absmax / 127`` (fp32, 0
+    for an all-zero block), ``code = round_half_even(x * (127 / absmax))`` clamped to
+    -127..127 (int8). Bit for bit the native op."""
+    if prev_delta != 0.0:
+        add_dequantized_i8_reference_(dst, codes, scales, prev_delta)
+    elif prev_mul != 1.0:
+        dst.copy_(dst.float() * torch.tensor(prev_mul, dtype=torch.float32))
     flat = src.reshape(-1).float()
     x = _blocks(flat)
     absmax = x.abs().amax(dim=1)

@@ -324,6 +324,7 @@ class ZenFlowMode:
         # store-free: the pieces crossed unclipped; the window's host step clips them
         self.window.add_step(hp.lr, coef if self.store_free else 1.0)
         if self.window.ends_now(self.early.interval(t)):
+            self._flush_corrections()  # the host step reads the window sum
             reselect = self.handover.due(t)
             scores = self.handover.scores() if reselect else None
             self.window.end(t, hp, sync=reselect or not self.early.overlap(t))
@@ -356,10 +357,18 @@ class ZenFlowMode:
         self.window.check_worker()
 
     def flush(self, t: int, hp) -> None:
+        self._flush_corrections()
         self.window.flush(t, hp)
 
     def drain(self) -> None:
+        self._flush_corrections()  # a checkpoint saves the window sums
         self.window.drain()
+
+    def _flush_corrections(self) -> None:
+        """The q8 store's corrections still waiting for a weight's next add, queued as
+        passes of their own: the window sums are about to be read."""
+        if self.q8_store is not None:
+            self.q8_store.flush()
 
     # ------------------------------------------------------------------ lifecycle
     def release_host(self) -> None:

@@ -8,9 +8,12 @@ unclipped and clips each window by its smallest coefficient. Here each piece is 
 the window sum as it arrives, scaled by a prediction ``p`` (the previous step's
 coefficient), and in the same pass kept in 8 bits (``zenflow.ops.accumulate_keep_i8_``:
 linear codes, one fp32 scale per 256 elements). Once ``c`` is known the sum gets
-``(c - p)`` times the decoded copy (``add_dequantized_i8_``), on the accumulator thread, in
-order with the adds. The first write of a window (overwrite) needs no copy: the piece goes
-in unscaled and the sum is multiplied by ``c`` (one rounding, the store's arithmetic).
+``(c - p)`` times the decoded copy, on the accumulator thread, in order with the adds: in
+the weight's next add, block by block from the copy that add replaces, or, for a window's
+last step (its sum is about to be read), as a pass of its own (``add_dequantized_i8_``);
+the same sum bit for bit. The first write of a window (overwrite) needs no copy: the piece
+goes in unscaled and the sum is multiplied by ``c`` (one rounding, the store's arithmetic),
+likewise in the next add or a pass.
 
 So the window sum is per-step clipping's: exactly where ``c == p`` (clipping that never
 bites: both 1) and in a window's first step, and elsewhere within ``|c - p|`` times the
@@ -20,8 +23,9 @@ its non-finite pieces were zeroed before they crossed.
 
 Without clipping it is "off": nothing to correct, no copy. Held with clipping: 1 byte per
 non-selected parameter plus 4 per 256, not pinned, not the store's 2 or 4.
-Host work: the copy is written by the add's own pass (1 byte an element more), and where
-``c != p`` one more pass over the sum (read and write) and the copy.
+Host work: the copy is written by the add's own pass (1 byte an element more), the
+correction read from the copy there (1 more), and at a window's end one more pass over the
+sum (read and write) and the copy.
 
 Owns the 8-bit copies, the prediction (checkpointed: ``pred``) and the corrections; must
 not touch the window's host step or the device.
@@ -37,16 +41,27 @@ from zenflow.ops import i8_num_blocks
 
 class Q8StepStore:
     """The q8 step store of one engine's ZenFlow weights (see the module docstring).
-    ``mode``: the ZenFlowMode (its weights, kernels, transport and the step's plan)."""
+    ``mode``: the ZenFlowMode (its weights, kernels, transport and the step's plan).
+
+    A step's corrections wait as ``pending`` (per weight: the sum's multiplier, or the
+    coefficient's change times the copy) and go into the weight's next add, block by block
+    from the copy that add replaces (``accumulate_keep_i8_``'s ``prev_mul`` /
+    ``prev_delta``): no pass of their own over the sum. ``flush`` queues the ones still
+    pending as passes of their own: before anything reads a window sum (a window's end, a
+    flush, a checkpoint's drain). Either way the sum is the same, bit for bit."""
 
     def __init__(self, mode):
         self.m = mode
         self.pred = 1.0  # the previous step's coefficient: what this step's adds predict
         self.touched: dict = {}  # weight position -> (weight, slot, fresh) routed this step
-        self.corrected = 0  # pieces corrected (tests, figures)
+        self.pending: dict = {}  # weight position -> (weight, slot, mul, delta) to apply
+        self.applying: dict = {}  # the pending ones this step's adds take in
+        self.corrected = 0  # corrections applied, in adds or passes (tests, figures)
+        self.passes = 0  # of those, the passes of their own
 
     def start_step(self) -> None:
         self.touched = {}
+        self.applying, self.pending = self.pending, {}
 
     def copies(self, w) -> dict:
         """Each piece's (codes, scales) in ``w``'s 8-bit store, by the piece's offset (made
@@ -68,46 +83,67 @@ class Q8StepStore:
     def send(self, w, pc, i: int, bucket: torch.Tensor, dst, fresh: bool, wait) -> None:
         """Piece ``pc`` of ``w`` (gathered in bucket ``i``) to the host: added into ``dst``
         unscaled where it starts the window (``fresh``), else scaled by the prediction and
-        kept in 8 bits by the same add."""
+        kept in 8 bits by the same add, which first applies ``w``'s pending correction."""
         tr = self.m.transport
         if not self.m.e.clip:  # no coefficient: each piece added as it is, as with "off"
             tr.send_piece(i, bucket, dst, None, fresh, wait=wait)
             return
         self.touched.setdefault(w.position, (w, self.m.plan.slot, fresh))
-        if fresh:
+        if fresh:  # (a window's end flushed its corrections: its sum was read)
             tr.send_piece(i, bucket, dst, None, True, wait=wait)
-        else:
-            keep = self.copies(w)[pc.offset]
-            tr.send_piece(i, bucket, dst, FixedGate(self.pred), False, wait=wait, keep=keep)
+            return
+        entry = self.applying.get(w.position)
+        mul, delta = (1.0, 0.0) if entry is None else entry[2:]
+        if entry is not None and pc is w.pieces[-1]:
+            self.corrected += 1
+        keep = (*self.copies(w)[pc.offset], mul, delta)
+        tr.send_piece(i, bucket, dst, FixedGate(self.pred), False, wait=wait, keep=keep)
 
     def gate_set(self, coef: float, skipped: bool) -> None:
-        """The step's coefficient is known: queue its corrections (in order after its
-        adds; what they touch is taken now, on the training thread), and predict the next
-        step's coefficient from it (a skipped step keeps the prediction)."""
-        fresh, copies = [], []
+        """The step's coefficient is known: each routed weight's correction waits for its
+        next add (``pending``); the next step's coefficient is predicted from this one (a
+        skipped step keeps the prediction)."""
+        for pos, entry in self.applying.items():  # not routed this step: still pending
+            if pos not in self.touched:
+                self.pending[pos] = entry
+        self.applying = {}
         delta = (0.0 if skipped else coef) - self.pred
         for w, slot, first in self.touched.values():
             if first:  # the window's first write: nothing before it in the sum
                 if not skipped and coef != 1.0:  # (skipped: the slot stays fresh)
-                    fresh.append(w.acc[slot])
+                    self.pending[w.position] = (w, slot, coef, 0.0)
             elif delta != 0.0:
-                held, views = self.copies(w), w.views(w.acc[slot])
-                copies += [(dst.view(-1), *held[pc.offset])
-                           for pc, dst in zip(w.pieces, views, strict=True)]  # fmt: skip
+                self.pending[w.position] = (w, slot, 1.0, delta)
         self.touched = {}
-        if fresh or copies:
-            acc = self.m.transport.accumulator
-            acc.call(lambda: self._correct(fresh, copies, coef, delta, acc))
         if not skipped:
             self.pred = coef
 
-    def _correct(self, fresh: list, copies: list, coef: float, delta: float, acc) -> None:
-        """On the accumulator: the fresh sums times ``coef``, the others plus ``delta``
-        times their pieces' copies."""
+    def flush(self) -> None:
+        """Queue the pending corrections as passes of their own (in order after the adds):
+        before a window's sum is read."""
+        entries = list(self.pending.values()) + list(self.applying.values())
+        self.pending, self.applying = {}, {}
+        work = []
+        for w, slot, mul, delta in entries:
+            if delta != 0.0:
+                held, views = self.copies(w), w.views(w.acc[slot])
+                work += [(dst.view(-1), *held[pc.offset], 1.0, delta)
+                         for pc, dst in zip(w.pieces, views, strict=True)]  # fmt: skip
+            else:
+                work.append((w.acc[slot], None, None, mul, 0.0))
+        if work:
+            acc = self.m.transport.accumulator
+            acc.call(lambda: self._correct(work, acc))
+            self.corrected += len(entries)
+            self.passes += len(entries)
+
+    def _correct(self, work: list, acc) -> None:
+        """On the accumulator: each sum times its multiplier, or plus its change times its
+        pieces' copies."""
         threads = acc.cores.accumulate_threads
-        for acc_sum in fresh:
-            acc_sum.mul_(coef)
         add = self.m.kernels.add_i8
-        for dst, codes, scales in copies:
-            add(dst, codes, scales, delta, threads)
-            self.corrected += 1
+        for dst, codes, scales, mul, delta in work:
+            if delta != 0.0:
+                add(dst, codes, scales, delta, threads)
+            else:
+                dst.mul_(mul)
