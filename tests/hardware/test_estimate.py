@@ -758,10 +758,11 @@ def test_a_host_refusal_names_the_compact_state_and_how_to_set_it():
 
 
 def test_a_host_refusal_names_the_step_store_off_with_window_clipping():
-    """The whole run's host peak is short in both host states with the step store, and fits
-    without it (llama-1b, compact): the refusal names zfctl.step_store off, which with the
-    template's clipping clips each window's host part by its steps' smallest coefficient
-    (a change of arithmetic, so offered, never taken by itself).
+    """The whole run's host peak is short in both host states with the step store and with
+    its 8-bit copies, and fits without it (llama-1b, compact): the refusal names
+    zfctl.step_store off, which with the template's clipping clips each window's host part
+    by its steps' smallest coefficient (a change of arithmetic, so offered, never taken by
+    itself).
     Not offered where it changes nothing (micro-batches summed on the host, the CPU
     device) nor where it is already off; with clipping already off the check itself runs
     without the store (the next test)."""
@@ -771,8 +772,10 @@ def test_a_host_refusal_names_the_step_store_off_with_window_clipping():
     on = est.estimate(c, s, big).engines["zenflow"].host_peak_bytes
     off_s = dataclasses.replace(s, step_store="off")
     off = est.estimate(c, off_s, big).engines["zenflow"].host_peak_bytes
-    assert off < on
-    budget = Budget(1 << 40, (on + off) // 2, False, "d", "--host-mem")
+    q8_s = dataclasses.replace(s, step_store="q8")
+    q8 = est.estimate(c, q8_s, big).engines["zenflow"].host_peak_bytes
+    assert off < q8 < on
+    budget = Budget(1 << 40, (q8 + off) // 2, False, "d", "--host-mem")
     r = est.estimate(c, s, budget)
     assert set(r.engines["zenflow"].short) == {"host"}
     msg = pf.refusal_message(r, "zenflow")
@@ -780,6 +783,7 @@ def test_a_host_refusal_names_the_step_store_off_with_window_clipping():
     # the estimate's verdict says the same: neither state fits, compact does without it
     verdict = r.host_state_verdict()
     assert verdict["choice"] is None and verdict["store_off_choice"] == "compact"
+    assert verdict["store_off_setting"] == "off"
     assert "--set zfctl.step_store=off" in verdict["sentence"], verdict["sentence"]
     assert est.human_bytes(off) in verdict["sentence"]
     # with clipping already off there is nothing to refuse: the check takes the store off
