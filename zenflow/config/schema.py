@@ -232,11 +232,12 @@ ENGINE_FIELD_DOCS: dict[str, str] = {
     "previous step's clipping coefficient, and kept in 8 bits (1 byte per non-selected "
     "parameter and 4 per 256) until the step's own coefficient corrects the sum from that "
     "copy: per-step clipping, exact where the coefficient did not change (and in each "
-    "window's first step), else within the change times the copy's rounding (at most 1/16 "
-    "of a value, relative). Costs the host a quantisation per piece and a pass over the sum "
-    'where the coefficient changed (measured: docs/BENCHMARKS.md, "Per-step clipping from an '
-    '8-bit copy"). Without clipping and with no non-finite step the three settings give '
-    "the same weights, bit for bit.",
+    "window's first step), else within the change times the copy's rounding (at most half "
+    "a code: 1/254 of the largest value of its 256). Costs the host the copy in each add, "
+    "the previous step's correction read from it there, and a pass over the sum at each "
+    'window\'s end (measured: docs/BENCHMARKS.md, "Per-step clipping from an 8-bit copy"). '
+    "Without clipping and with no non-finite step the three settings give the same "
+    "weights, bit for bit.",
     "return_image": "How a host step's result (the non-selected columns' fp32 master) goes "
     "back to a bf16 model's device: as the fp32 master columns themselves, cast to bf16 on "
     "the device (no host copy of them), or as a bf16 image the host step writes in the same "
