@@ -213,7 +213,7 @@ def test_off_holds_what_the_layout_says():
     s_on = layout.Settings(topk_ratio=0.1, host_state="compact", overlap_step=True)
     s_off = layout.Settings(topk_ratio=0.1, host_state="compact", overlap_step=True,
                             step_store="off")  # fmt: skip
-    assert s_off.store_free and not s_on.store_free
+    assert s_off.adds_on_arrival and not s_on.adds_on_arrival
 
     def items(s):
         census = census_of(tiny_gpt2(), name="tiny", source="test")

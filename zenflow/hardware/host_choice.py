@@ -43,9 +43,9 @@ def memory_check(
     need = {"exact": side + row.host_peak_bytes, "compact": side + row.host_peak_compact_bytes}
     choice = next((st for st in ("exact", "compact") if need[st] <= available), None)
     reason = _reason(need, available, choice, shared)
-    window = _store_choice(row, side, available) if choice is None else None
-    if window is not None:  # neither fits with the step store; one does with its copies
-        choice, reason = window[0], _store_reason(need, window, available)  # or without
+    fit = _store_choice(row, side, available) if choice is None else None
+    if fit is not None:  # neither fits with the step store; one does with its copies
+        choice, reason = fit[0], _store_reason(need, fit, available)  # or without it
     store = {"exact": row.host_peak_store_bytes, "compact": row.host_peak_compact_store_bytes}
     store_off = choice is not None and store[choice] and side + store[choice] > available
     if store_off:
@@ -64,8 +64,8 @@ def memory_check(
         # with clipping: the state fits only with zfctl.step_store "q8" (each step's host
         # part clipped from an 8-bit copy of its pieces) or "off" (each window's by its
         # steps' smallest coefficient: window_clipping); tune-hw writes it
-        "step_store": None if window is None else window[2],
-        "window_clipping": window is not None and window[2] == "off",
+        "step_store": None if fit is None else fit[2],
+        "window_clipping": fit is not None and fit[2] == "off",
         "device_side_in_host": side,
         "available": available,
         "reason": reason,
@@ -106,8 +106,8 @@ STORE_CHANGE = {
 }  # fmt: skip
 
 
-def _store_reason(need: dict[str, int], window: tuple[str, int, str], available: int) -> str:
-    state, needs, setting = window
+def _store_reason(need: dict[str, int], fit: tuple[str, int, str], available: int) -> str:
+    state, needs, setting = fit
     how, change = STORE_CHANGE[setting]
     return (
         f"{state} {how}: with the store neither state fits (exact needs "

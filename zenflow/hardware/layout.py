@@ -45,11 +45,11 @@ from typing import Any
 from zenflow.engine.accelerator.base import READ_BUFFER_BYTES
 from zenflow.engine.copies import bucket_count
 from zenflow.hardware.census import ArchShape, EstimateError, ParamCensus
+from zenflow.ops import I8_BLOCK  # elements per fp32 scale of the q8 step store's copies
 
 ENGINE_MODES = ("device", "offload", "zenflow", "lora")
 HOST_STATES = ("exact", "compact")  # zfctl.host_state
 Q8_BLOCK = 256  # elements per fp32 scale of the compact state's 8-bit moments (zenflow.ops)
-I8_BLOCK = 256  # elements per fp32 scale of the q8 step store's copies (zenflow.ops)
 # the q8 step store's item (made at a window's second step: not there at the first selection)
 Q8_COPIES = "step store: 8-bit copies"
 RING_MIN_SLOTS = 4  # pinned staging slots of the link: max(4, copy buckets)
@@ -106,9 +106,9 @@ class Settings:
         return not self.host_sums and not self.cpu_device
 
     @property
-    def store_free(self) -> bool:
+    def adds_on_arrival(self) -> bool:
         """ZenFlow adds each piece as it arrives, through the ring (zfctl.step_store "off",
-        or "q8")."""
+        or "q8"): no store of whole pieces."""
         return self.step_store in ("off", "q8") and self._store_setting_applies
 
     @property
@@ -464,7 +464,7 @@ def _zenflow_host_link(b: _Buffers) -> None:
         b.host("accumulators", f"{Q8_COPIES} of a step's pieces awaiting its "
                f"clipping (int8, an fp32 scale per {I8_BLOCK})", N + 4 * -(-N // I8_BLOCK),
                f"N+4*ceil(N/{I8_BLOCK})")  # fmt: skip
-    elif not s.store_free:
+    elif not s.adds_on_arrival:
         # a piece is added with its step's clipping coefficient, known at the step's end:
         # until then the step's pieces wait in a store of their own, where the device
         # copies them (pinned, the link's dtype; zenflow.engine.accumulator.land)
@@ -473,7 +473,7 @@ def _zenflow_host_link(b: _Buffers) -> None:
     # pinned: with micro-batches summed on the host or without a step store, a ring of
     # bucket-sized staging slots the pieces land in (given back by the accumulator); and
     # one reused read buffer for checkpoints and hand-overs
-    if s.host_sums or s.store_free:
+    if s.host_sums or s.adds_on_arrival:
         slots = max(RING_MIN_SLOTS, b.copy_buckets)
         b.host("staging", f"device->host staging ring ({slots} slots of B, {ldn})",
                slots * B * lb, f"{slots}*B*{lb}", True)  # fmt: skip

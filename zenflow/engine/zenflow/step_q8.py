@@ -85,12 +85,11 @@ class Q8StepStore:
         unscaled where it starts the window (``fresh``), else scaled by the prediction and
         kept in 8 bits by the same add, which first applies ``w``'s pending correction."""
         tr = self.m.transport
-        if not self.m.e.clip:  # no coefficient: each piece added as it is, as with "off"
+        clip = bool(self.m.e.clip)  # without clipping: no coefficient, as with "off"
+        if clip:
+            self.touched.setdefault(w.position, (w, self.m.plan.slot, fresh))
+        if fresh or not clip:  # (fresh: a window's end flushed its corrections, then read it)
             tr.send_piece(i, bucket, dst, None, fresh, wait=wait)
-            return
-        self.touched.setdefault(w.position, (w, self.m.plan.slot, fresh))
-        if fresh:  # (a window's end flushed its corrections: its sum was read)
-            tr.send_piece(i, bucket, dst, None, True, wait=wait)
             return
         entry = self.applying.get(w.position)
         mul, delta = (1.0, 0.0) if entry is None else entry[2:]
