@@ -23,6 +23,13 @@ box: they are counted from the model and said so. Per step:
 The arm ``staged (before)`` is the path before pieces landed in their step store: a copy
 from the staging ring into the store (2 + 2 bytes, torch) before each add.
 
+The arms ``q8`` are ``zfctl.step_store`` "q8" with clipping that bites at every step (its
+upper bound, ``predict.q8_store_bytes``): the window's first write as above; its second add
+keeps the piece's 8-bit copy and takes in the first's multiplier
+(``accumulate_keep_i8_``'s ``prev_mul``); each later add keeps its copy and takes in the
+step before's correction from that step's copy (``prev_delta``); the last step's
+correction is a pass of its own (``add_dequantized_i8_``) before the Adam.
+
 The break-even tokens per step (compute = host time) for this host follow for a model
 (``--model``, at ``--topk-ratio``, h100-sxm at 45%), from the measured time per element.
 
@@ -70,9 +77,21 @@ class Window:
             blocks = ops.q8_num_blocks(n)
             self.codes = [torch.zeros(n, dtype=torch.uint8) for _ in range(2)]
             self.scales = [torch.zeros(blocks) for _ in range(2)]
+        # "q8": the pieces' 8-bit copy (int8 codes, an fp32 scale per I8_BLOCK)
+        self.copy = (torch.zeros(n, dtype=torch.int8), torch.zeros(ops.i8_num_blocks(n)))
 
     def add(self, first: bool) -> None:
         ops.accumulate_(self.sum, self.store, 0.5, overwrite=first, num_threads=self.threads)
+
+    def keep_add(self, mul: float = 1.0, delta: float = 0.0) -> None:
+        """A q8 add: the piece kept in 8 bits by its own pass, which first takes in the step
+        before's multiplier (``mul``) or correction (``delta`` times that step's copy)."""
+        kw = dict(num_threads=self.threads, prev_mul=mul, prev_delta=delta)
+        ops.accumulate_keep_i8_(self.sum, self.store, 0.5, *self.copy, **kw)
+
+    def correct(self) -> None:
+        """A q8 window's last correction, a pass of its own."""
+        ops.add_dequantized_i8_(self.sum, *self.copy, 0.01, num_threads=self.threads)
 
     def staged_add(self) -> None:
         """A later add of the path before the store: the ring slot copied in first."""
@@ -104,6 +123,10 @@ def measure(n: int, threads: int, repeats: int) -> dict:
         timed[f"{st} first add"] = lambda w=w: w.add(True)
         timed[f"{st} add"] = lambda w=w: w.add(False)
         timed[f"{st} adam"] = w.adam
+        # (a multiplier near 1, so that repeats leave the sums' scale as it was)
+        timed[f"{st} q8 keep mul"] = lambda w=w: w.keep_add(mul=0.999)
+        timed[f"{st} q8 keep delta"] = lambda w=w: w.keep_add(delta=0.01)
+        timed[f"{st} q8 correct"] = w.correct
     timed["exact staged add"] = windows["exact"].staged_add
     times = {k: [] for k in timed}
     for fn in timed.values():
@@ -116,8 +139,16 @@ def measure(n: int, threads: int, repeats: int) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def per_step(sec: dict, state: str, S: int, n: int, staged: bool = False) -> float:
-    """CPU seconds per element per step of ``state``'s window of ``S`` steps."""
+def per_step(sec: dict, state: str, S: int, n: int, staged: bool = False,
+             q8: bool = False) -> float:  # fmt: skip
+    """CPU seconds per element per step of ``state``'s window of ``S`` steps (``q8``: with
+    zfctl.step_store "q8"'s copies and corrections, clipping biting at every step)."""
+    if q8:
+        first, adam = sec[f"{state} first add"], sec[f"{state} adam"]
+        if S == 1:  # the first write's multiplier as a pass: a correction's sum bytes
+            return (first + sec[f"{state} q8 correct"] + adam) / n
+        adds = sec[f"{state} q8 keep mul"] + (S - 2) * sec[f"{state} q8 keep delta"]
+        return (first + adds + sec[f"{state} q8 correct"] + adam) / S / n
     add = sec["exact staged add"] if staged else sec[f"{state} add"]
     first = sec[f"{state} first add"] + (add - sec["exact add"] if staged else 0.0)
     return (first + (S - 1) * add + sec[f"{state} adam"]) / S / n
@@ -132,11 +163,12 @@ def dma_bytes(s: Settings) -> float:
 def rows(sec: dict, S: int, n: int) -> list[dict]:
     copy_bps = 8 * n / sec["copy"]
     out = []
-    arms = [("exact", "exact", False), ("compact", "compact", False),
-            ("exact, staged (before)", "exact", True)]  # fmt: skip
-    for name, st, staged in arms:
-        s = Settings(bf16=True, host_state=st, update_interval=S)
-        cpu_s = per_step(sec, st, S, n, staged)
+    arms = [("exact", "exact", False, "on"), ("compact", "compact", False, "on"),
+            ("exact, staged (before)", "exact", True, "on"), ("exact, q8", "exact", False, "q8"),
+            ("compact, q8", "compact", False, "q8")]  # fmt: skip
+    for name, st, staged, store in arms:
+        s = Settings(bf16=True, host_state=st, update_interval=S, step_store=store)
+        cpu_s = per_step(sec, st, S, n, staged, q8=store == "q8")
         model = predict.zenflow_host_bytes(s) + (2 * s.link_bytes if staged else 0)
         eff = cpu_s * copy_bps + dma_bytes(s)
         out.append({"arm": name, "state": st, "cpu_ns_per_element_step": cpu_s * 1e9,
@@ -153,12 +185,13 @@ def break_even(model: str, topk: float, S: int, cpu_s: dict, copy_bps: float) ->
     census = resolve_census(model, head="causal-lm")
     box = predict.box_of("h100-sxm")
     out = {}
-    for st, t in cpu_s.items():
+    for arm, t in cpu_s.items():  # arm: the state, or "<state>, q8"
+        st, _, store = arm.partition(", ")
         s = Settings(bf16=True, host_state=st, update_interval=S, topk_ratio=topk,
-                     gradient_checkpointing=True)  # fmt: skip
+                     gradient_checkpointing=True, step_store=store or "on")  # fmt: skip
         seconds = t + dma_bytes(s) / copy_bps  # per element per step
         host_bw = predict.zenflow_host_bytes(s) / seconds  # the model's bytes in that time
-        out[st] = predict.break_even_tokens(census, s, box, host_bw)
+        out[arm] = predict.break_even_tokens(census, s, box, host_bw)
     return out
 
 
@@ -177,6 +210,7 @@ def main(argv=None) -> int:
     copy_bps = 8 * n / sec["copy"]
     table = rows(sec, S, n)
     cpu = {st: per_step(sec, st, S, n) for st in STATES}
+    cpu.update({f"{st}, q8": per_step(sec, st, S, n, q8=True) for st in STATES})
     even = break_even(args.model, args.topk_ratio, S, cpu, copy_bps)
     meta = {"numel": n, "update_interval": S, "threads": args.threads, "repeats": args.repeats,
             "copy_gb_per_s": copy_bps / 1e9, "cores": os.cpu_count(), "torch": torch.__version__,

@@ -189,7 +189,11 @@ def estimate(
     census = est.resolve_census(model, head=head, num_labels=num_labels)
     data = est.estimate(census, settings, est.detect_budget(dev, hst), head=head).to_json()
     bw = predict.DEFAULT_HOST_BW if host_bw is None else host_bw * 1e9
-    data["step_time"] = predict.predict(census, settings, box, bw)
+    # each ZenFlow row that fits: its host work with the step store its memory check took
+    # ("q8"); a row that does not fit runs nothing, and is predicted as configured
+    stores = {e["host_state"]: e["step_store"] for e in data["engines"].values()
+              if e.get("host_state") and e.get("step_store") and e["fits"]}  # fmt: skip
+    data["step_time"] = predict.predict(census, settings, box, bw, stores)
     data["step_time"]["host_bw_source"] = "--host-bw" if host_bw is not None else "default"
     if json_output:
         typer.echo(jsonout.dumps(data, indent=2))

@@ -332,10 +332,10 @@ def finetune(
     # run is a new run (resume_or_new) and is checked like one.
     if not force and resume_or_new(spec)[0].resume is None:
         fitted = _preflight(flags, spec, cfg, task)
-        spec = dataclasses.replace(spec, **fitted)  # what the run fits with (same weights)
+        spec = dataclasses.replace(spec, **fitted)  # what the run fits with (FITTED_NOTES)
         if rank == 0 and not json_output:
-            for key in fitted:
-                out.print(FITTED_NOTES[key])
+            for key, value in fitted.items():
+                out.print(FITTED_NOTES[key, value])
     renderer = choose_renderer(rank, json_output, no_dashboard, out, cfg.steps_per_print)
     if reference is not None and rank == 0:  # checked with --json too, shown where drawn
         ref_name, ref_evals = _reference_evals(reference, runs_root)
@@ -418,19 +418,28 @@ def _run_spec(flags: SimpleNamespace, cfg, task: str | None, data_dir, device_me
     )  # fmt: skip
 
 
-# Said when the preflight fits a run by a setting that changes none of its arithmetic.
+# Said when the preflight fits a run by a setting the config left to it, by (field, value):
+# none changes the run's arithmetic except "q8", per-step clipping from 8-bit copies.
 FITTED_NOTES = {
-    "return_image": (
+    ("return_image", "never"): (
         '[yellow]note:[/] zfctl.return_image runs as "never": the early '
         "phase's bf16 images of the host results do not fit this host's memory "
         "(`zfctl estimate` shows them), so its return sends the fp32 masters "
         "(slower early steps, the same weights)"
     ),
-    "step_store": (
+    ("step_store", "off"): (
         '[yellow]note:[/] zfctl.step_store runs as "off": the step store (a step\'s '
         "gradient pieces kept until its clipping coefficient is known) does not fit this "
         "host's memory and this run does not clip, so each piece is added as it arrives (the "
         "same weights; the backward waits for the host's adds when they are slower)"
+    ),
+    ("step_store", "q8"): (
+        '[yellow]note:[/] zfctl.step_store runs as "q8": the step store (a step\'s '
+        "gradient pieces kept until its clipping coefficient is known) does not fit this "
+        "host's memory, so each piece is added as it arrives, scaled by the previous step's "
+        "coefficient, and corrected from an 8-bit copy once its own is known (per-step "
+        "clipping within the copy's rounding; more host work, and the backward waits for the "
+        "host's adds when they are slower). --set zfctl.step_store=on refuses instead"
     ),
 }
 
@@ -442,8 +451,8 @@ def _preflight(flags: SimpleNamespace, spec, cfg, task: str | None) -> dict[str,
     or anything model-sized is allocated (the model's config only, on the meta device):
     exit 2 when it cannot fit, naming the fixes (--force skips it). Returns the settings
     the run fits with where they are not the config's, as RunSpec fields (``return_image``
-    "never": the early phase's images do not fit; ``step_store`` "off": the step store of a
-    run without clipping does not fit; ``zenflow.hardware.estimate.fallbacks``)."""
+    "never": the early phase's images do not fit; ``step_store`` "off" or "q8": the step
+    store does not fit, without clipping or with it; ``zenflow.hardware.estimate.fallbacks``)."""
     from zenflow.engine.accelerator import default_kind
     from zenflow.hardware.preflight import preflight
     from zenflow.train.data import get_task

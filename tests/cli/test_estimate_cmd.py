@@ -105,6 +105,21 @@ def test_host_state_and_the_step_time_flags(cli):
         assert eng["bound"] in ("device compute", "link", "host")
 
 
+def test_the_step_time_counts_the_step_store_the_memory_check_took(cli):
+    """Issue 27's command on a 64 GB desktop's 60 GiB: the default step store ("auto")
+    takes its 8-bit copies there, and the predicted step's host work counts them."""
+    args = ["llama-7b", "--device-mem", "24GiB", "--gradient-checkpointing", "--micro-batch",
+            "4", "--seq-len", "512", "--topk-ratio", "0.05"]  # fmt: skip
+    tight = estimate_json(cli, *args, "--host-mem", "60GiB")
+    room = estimate_json(cli, *args, "--host-mem", "1TiB")
+    assert tight["engines"]["zenflow (compact)"]["step_store"] == "q8"
+    assert room["engines"]["zenflow (compact)"]["step_store"] == "auto"
+    hb, hb0 = (d["step_time"]["host_bytes_per_element"] for d in (tight, room))
+    assert hb["compact"] > hb0["compact"] and hb0["exact"] == 19.0
+    row, row0 = (d["step_time"]["engines"]["zenflow (compact)"] for d in (tight, room))
+    assert row["terms_s"]["host"] > row0["terms_s"]["host"]
+
+
 def test_config_supplies_the_settings(cli, tmp_path):
     cfg = tmp_path / "ds.json"
     r = cli("init", "--output", cfg, "--topk-ratio", "0.05")
@@ -224,8 +239,9 @@ def test_finetune_refuses_a_run_whose_whole_run_host_peak_does_not_fit(
     """Issue 27: the host is checked at the whole run's peak (here --host-mem, tiny), before
     the model loads (no run folder made), exit 2, and the message names the levers it tried:
     the compact host state, the offload engine, no step store. Just under the whole-run
-    peak the fixes that fit are named, and the store's, taken as given, runs. (Which fix
-    fits where, by hand: tests/hardware/test_estimate.py.)"""
+    peak with the store set "on" the fixes that fit are named; with the template's "auto"
+    the run takes the store's 8-bit copies and goes, as it does with the store off. (Which
+    fix fits where, by hand: tests/hardware/test_estimate.py.)"""
     root = tmp_path / "runs"
     r = cli("finetune", tiny_gpt2_dir, "--task", "sst2", "--data-dir", glue_dir,
             "--runs-root", root, "--device", "sim", "--device-mem", "1GiB",
@@ -246,16 +262,21 @@ def test_finetune_refuses_a_run_whose_whole_run_host_peak_does_not_fit(
     zf, off = est.engines["zenflow"], est.engines["offload"]
     host = zf.host_peak_bytes - 1
     assert zf.host_bytes + zf.runtime_bytes < host and off.host_peak_bytes <= host
-    r = cli("finetune", tiny_gpt2_dir, "--task", "sst2", "--data-dir", glue_dir,
-            "--runs-root", root, "--device", "sim", "--device-mem", "1GiB",
-            "--host-mem", str(host), *SHORT)  # fmt: skip
+
+    def run(*extra: str):
+        return cli("finetune", tiny_gpt2_dir, "--task", "sst2", "--data-dir", glue_dir,
+                   "--runs-root", root, "--device", "sim", "--device-mem", "1GiB",
+                   "--host-mem", str(host), *SHORT, *extra)  # fmt: skip
+
+    r = run("--set", "zfctl.step_store=on")
     store_off = "--set zfctl.step_store=off"
-    assert_user_error(r, "will not fit", "short by 1 B", "Fix:", "--engine offload", store_off)
+    assert_user_error(r, "will not fit", "short by 1 B", "Fix:", "--engine offload", store_off,
+                      "--set zfctl.step_store=q8")  # fmt: skip
     assert not root.exists()
-    # the advice taken as given: the same host, no store, and the run goes
-    r = cli("finetune", tiny_gpt2_dir, "--task", "sst2", "--data-dir", glue_dir,
-            "--runs-root", root, "--device", "sim", "--device-mem", "1GiB",
-            "--host-mem", str(host), *SHORT, *store_off.split())  # fmt: skip
+    # the template's "auto": the store's 8-bit copies, said; the advice taken: no store
+    r = run()
+    assert r.exit_code == 0 and 'zfctl.step_store runs as "q8"' in " ".join(r.output.split())
+    r = run(*store_off.split())
     assert r.exit_code == 0, r.output
 
 
@@ -326,7 +347,8 @@ def test_finetune_without_clipping_runs_without_the_step_store_where_it_does_not
     """gradient_clipping 0 on sim: a host with room for the run but not for the step store
     is not refused. The run takes zfctl.step_store "off", says so, records it in its
     config and in what the engine ran, and a resume keeps it; with room it keeps the store;
-    with clipping on the same host refuses, naming the store with clipping off."""
+    with clipping and the store set "on" the same host refuses, naming its 8-bit copies and
+    the store off."""
     from zenflow.config import load_config
     from zenflow.hardware.preflight import preflight
     from zfctl.init_cmd import template_path
@@ -345,7 +367,7 @@ def test_finetune_without_clipping_runs_without_the_step_store_where_it_does_not
     assert with_store > without
 
     def run(host: int, *extra: str):
-        root = tmp_path / f"runs-{host}-{len(extra)}"
+        root = tmp_path / f"runs-{host}-{'_'.join(extra)}"
         r = cli("finetune", tiny_gpt2_dir, "--task", "sst2", "--data-dir", glue_dir,
                 "--runs-root", root, "--device", "sim", "--device-mem", "1GiB",
                 "--host-mem", str(host), "--no-dashboard", *extra, *SHORT)  # fmt: skip
@@ -365,9 +387,62 @@ def test_finetune_without_clipping_runs_without_the_step_store_where_it_does_not
     assert r.exit_code == 0 and "runs as" not in r.output, r.output
     resolved = json.loads((runs.latest_run(root) / "config.json").read_text())["engine_resolved"]
     assert resolved["step_store"] == "on"
-    r, root = run(without)  # the template's clipping: refused, the fix named
-    assert_user_error(r, "will not fit", "--set zfctl.step_store=off")
+    # the template's clipping with the store set "on" by hand: refused, the fixes named
+    # (with "auto" the run takes the store's 8-bit copies: the next test)
+    r, root = run(without, "--set", "zfctl.step_store=on")
+    assert_user_error(r, "will not fit", "--set zfctl.step_store=q8", "--set zfctl.step_store=off")
     assert not root.exists()
+
+
+def test_finetune_takes_the_step_stores_8_bit_copies_where_the_store_does_not_fit(
+    cli, tmp_path, tiny_gpt2_dir, glue_dir
+):
+    """The template's clipping and its zfctl.step_store "auto" on sim: a host with room for
+    the run with the store's 8-bit copies but not with the store is not refused. The run
+    takes "q8", says so, records it in its config and in what the engine ran (per-step
+    clipping from the copies: host_clipping "step-q8"), and a resume keeps it. The same
+    host with the store set "on" by hand refuses, naming q8; with room "auto" is the
+    store."""
+    from zenflow.config import load_config
+    from zenflow.hardware.preflight import preflight
+    from zfctl.init_cmd import template_path
+
+    def peak(store: str):
+        c = load_config(template_path("zenflow"), overrides={"zfctl.step_store": store})
+        est = preflight(str(tiny_gpt2_dir), mode="zenflow", config=c, seq_len=16,
+                        micro_batch=4, device_mem="1GiB", host_mem="1TiB",
+                        device_kind="sim")  # fmt: skip
+        return est.engines["zenflow"].host_peak_bytes
+
+    with_store, copies = peak("on"), peak("q8")
+    assert with_store > copies
+
+    def run(host: int, *extra: str):
+        root = tmp_path / f"runs-{host}-{len(extra)}"
+        r = cli("finetune", tiny_gpt2_dir, "--task", "sst2", "--data-dir", glue_dir,
+                "--runs-root", root, "--device", "sim", "--device-mem", "1GiB",
+                "--host-mem", str(host), "--no-dashboard", *extra, *SHORT)  # fmt: skip
+        return r, root
+
+    r, root = run(copies)
+    assert r.exit_code == 0, r.output
+    out, run_dir = " ".join(r.output.split()), runs.latest_run(root)
+    assert 'zfctl.step_store runs as "q8"' in out
+    config = json.loads((run_dir / "config.json").read_text())
+    assert_fitted(config, "step_store", "q8")
+    assert config["engine_resolved"]["host_clipping"] == "step-q8"
+    r = cli("finetune", tiny_gpt2_dir, "--resume", run_dir, "--max-steps", "3",
+            "--device", "sim", "--no-dashboard")  # fmt: skip
+    assert r.exit_code == 0, r.output
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["engine_resolved"]["step_store"] == "q8" and "runs as" not in r.output
+    r, root = run(copies, "--set", "zfctl.step_store=on")  # yours: refused, q8 named
+    assert_user_error(r, "will not fit", "--set zfctl.step_store=q8")
+    assert not root.exists()
+    r, root = run(with_store)
+    assert r.exit_code == 0 and "runs as" not in r.output, r.output
+    resolved = json.loads((runs.latest_run(root) / "config.json").read_text())["engine_resolved"]
+    assert resolved["step_store"] == "on" and resolved["host_clipping"] == "step"
 
 
 def test_a_causal_lm_preflight_counts_the_lm_heads_logits(cli, tmp_path, tiny_gpt2_dir):

@@ -232,7 +232,7 @@ def test_config_layout_reads_what_changes_the_memory():
     doc = {"gradient_accumulation_steps": 4, "zfctl": {"grad_accumulation": "device",
                                                        "copy_buckets": 8}}  # fmt: skip
     assert config_layout(doc) == {"gradient_accumulation_steps": 4, "grad_accumulation": "device",
-                                  "stream_grads": True, "copy_buckets": 8, "step_store": "on",
+                                  "stream_grads": True, "copy_buckets": 8, "step_store": "auto",
                                   "clipping": True}  # fmt: skip
     no_clip = {"gradient_clipping": 0, "zfctl": {"step_store": "off"}}
     assert config_layout(no_clip)["step_store"] == "off" and not config_layout(no_clip)["clipping"]

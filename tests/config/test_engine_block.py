@@ -32,7 +32,7 @@ def test_values_read_and_written_back():
         "early": {"steps": 0, "windows": "ramp", "overlap": True},
         "return_image": "early",
         "numa_binding": "auto",
-        "step_store": "on",
+        "step_store": "auto",
     }
 
 

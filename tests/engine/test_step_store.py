@@ -315,6 +315,27 @@ def test_the_config_takes_off_with_clipping_and_refuses_host_summed_micro_batche
         load_config(_raw(gradient_clipping=0, zfctl={"step_store": "maybe"}))
 
 
+def test_the_default_step_store_is_auto_and_runs_the_store():
+    """zfctl.step_store "auto" (the default): taken with micro-batches summed on the host
+    (nothing to change there); the engine runs it as the store ("on") unless the memory
+    check changed it before the run (zfctl finetune: tests/cli/test_estimate_cmd.py): the
+    same weights as "on", bit for bit, with clipping that bites."""
+    assert load_config(_raw(zfctl={})).engine.step_store == "auto"
+    assert load_config(_raw(zfctl={}, gradient_accumulation_steps=2)).engine.step_store == "auto"
+    finals = {}
+    for store in ("auto", "on"):
+        model, e = _engine("exact", False, store, clip=0.05)
+        with e:
+            train_engine(e, model, gpt2_batches(6, seed=3))
+            e.impl.drain()
+            assert e.step_store == "on" and e.impl.q8_store is None
+            assert e.impl.resolved()["step_store"] == "on"
+            assert e.impl.resolved()["host_clipping"] == "step"
+        finals[store] = [p.detach().clone() for p in model.parameters()]
+    for a, b in zip(finals["auto"], finals["on"], strict=True):
+        assert torch.equal(a, b)
+
+
 def test_a_checkpoint_mid_window_keeps_the_windows_smallest_coefficient():
     """Saved one step into a window (steps 5-6), the coefficient of step 5 is part of the
     state: a resumed run that lost it would scale the window by step 6's alone (the whole

@@ -245,7 +245,8 @@ def test_early_images_that_do_not_fit_are_checked_as_never():
     the host, ZenFlow is checked (and zfctl finetune runs) as "never"; where they fit they
     stay; the row says which, and the host-state verdict says why."""
     c = resolve_census("gpt2")  # large enough that the images make the whole run's peak
-    s = Settings(bf16=True, overlap_step=True, early_steps=100)
+    # (the store "on": "auto" would take the 8-bit copies below the images' fallback)
+    s = Settings(bf16=True, overlap_step=True, early_steps=100, step_store="on")
     big = Budget(DEV, 2**40, False, "d", "h")
     on = est.check(c, "zenflow", s, big)
     off = est.check(c, "zenflow", dataclasses.replace(s, return_image="never"), big)
@@ -275,7 +276,7 @@ def test_a_step_store_that_does_not_fit_a_run_without_clipping_is_checked_as_off
     (the same weights); with clipping on, or the store set off by hand, never; with the
     early images too, the images go first and the store only where that is not enough."""
     c = resolve_census("gpt2")
-    s = Settings(bf16=True, overlap_step=True, clipping=False)
+    s = Settings(bf16=True, overlap_step=True, clipping=False, step_store="on")
     big = Budget(DEV, 2**40, False, "d", "h")
     on = est.check(c, "zenflow", s, big)
     off = est.check(c, "zenflow", dataclasses.replace(s, step_store="off"), big)
@@ -527,7 +528,7 @@ def test_fits_on_a_separate_device_the_host_at_its_whole_run_peak():
     """The device is checked at a step's peak, the host at the whole run's (here the
     first selection, STEADY + 4 x 8192, + the runtime), not at the steady state."""
     c = mlp_census()
-    s = Settings(bf16=True, overlap_step=True)
+    s = Settings(bf16=True, overlap_step=True, step_store="on")  # ("auto": the next test)
     dev, peak = 68320, STEADY + 4 * 8192 + RUNTIME_BYTES  # zenflow, by hand
     exact = est.estimate(c, s, Budget(dev, peak, False, "d", "h")).engines["zenflow"]
     # pinned: what the link reads and writes: the fp32 master, the step store, the read buffer
@@ -544,7 +545,7 @@ def test_fits_on_a_separate_device_the_host_at_its_whole_run_peak():
 
 def test_when_the_device_is_the_cpu_both_sides_share_the_ram():
     c = mlp_census()
-    s = Settings(bf16=True, overlap_step=True)
+    s = Settings(bf16=True, overlap_step=True, step_store="on")
     total = 68320 + STEADY + 4 * 8192 + RUNTIME_BYTES  # the first selection's peak
     fits = est.estimate(c, s, Budget(total, total, True, "cpu", "h")).engines["zenflow"]
     assert fits.fits and fits.pinned_bytes == 0  # nothing to pin for without a device
@@ -588,9 +589,11 @@ def test_json_shape():
     assert "fits with zfctl.host_state exact" in verdict["sentence"]
 
 
-def _seven_b(host_gib: int):
+def _seven_b(host_gib: int, step_store: str = "on"):
+    """Issue 27's command; the step store "on" (the issue's figures) unless said."""
     c = resolve_census("llama-7b")
-    s = Settings(topk_ratio=0.05, micro_batch=4, seq_len=512, gradient_checkpointing=True)
+    s = Settings(topk_ratio=0.05, micro_batch=4, seq_len=512, gradient_checkpointing=True,
+                 step_store=step_store)  # fmt: skip
     r = est.estimate(c, s, Budget(24 * GIB, host_gib * GIB, False, "--device-mem", "--host-mem"))
     return c, r, r.engines["zenflow"], r.engines["zenflow (compact)"]
 
@@ -743,7 +746,7 @@ def test_a_host_refusal_names_the_compact_state_and_how_to_set_it():
     weight's moments going through fp32 at a re-selection cost the compact state more than
     it saves."""
     c = resolve_census("llama-1b")
-    s = Settings(bf16=True, overlap_step=True)
+    s = Settings(bf16=True, overlap_step=True, step_store="on")  # ("auto" would take q8)
     est_all = est.estimate(c, s, Budget(1 << 40, 1 << 40, False, "d", "h"))
     exact, compact = est_all.engines["zenflow"], est_all.engines["zenflow (compact)"]
     host = (exact.host_peak_bytes + compact.host_peak_bytes) // 2
@@ -803,9 +806,11 @@ def test_a_host_refusal_names_the_step_stores_8_bit_copies_first():
     """Short in both host states with the step store, compact fits with its 8-bit copies
     (zfctl.step_store "q8": each step still clipped by its own coefficient): the refusal
     names q8 before off, the verdict chooses compact with q8 and gives its peak; with "q8"
-    already set, only "off" is left to name."""
+    already set, only "off" is left to name. (The store set "on": "auto" takes the copies
+    itself, the next test.)"""
     c = resolve_census("llama-1b")
-    s = Settings(bf16=True, overlap_step=True, host_state="compact", clipping=True)
+    s = Settings(bf16=True, overlap_step=True, host_state="compact", clipping=True,
+                 step_store="on")  # fmt: skip
     big = Budget(1 << 40, 1 << 40, False, "d", "h")
 
     def peak(**kw):
@@ -833,6 +838,68 @@ def test_a_host_refusal_names_the_step_stores_8_bit_copies_first():
     msg = pf.refusal_message(r, "zenflow")
     assert "--set zfctl.step_store=off" in msg and "step_store=q8" not in msg
     assert r.host_state_verdict()["store_off_setting"] == "off"
+
+
+def test_the_default_step_store_takes_its_8_bit_copies_where_the_store_does_not_fit():
+    """zfctl.step_store "auto" (the default) with clipping: the store where the whole run
+    fits with it; where it does not and its 8-bit copies do, the check takes "q8" (and
+    zfctl finetune runs it, saying so: the verdict's sentence); where neither fits, the
+    refusal names "off" and not "q8", which was tried. With micro-batches summed on the
+    host there is no store to change."""
+    c = resolve_census("llama-1b")
+    s = Settings(bf16=True, overlap_step=True, host_state="compact", clipping=True)
+    assert s.step_store == "auto" and s.store_auto_q8
+    big = Budget(1 << 40, 1 << 40, False, "d", "h")
+
+    def peak(store):
+        return est.check(c, "zenflow", dataclasses.replace(s, step_store=store), big)
+
+    on, q8, off = (peak(v).host_peak_bytes for v in ("on", "q8", "off"))
+    assert off < q8 < on
+    kept = est.check(c, "zenflow", s, Budget(1 << 40, on, False, "d", "h"))
+    assert kept.fits and kept.step_store == "auto" and kept.host_peak_bytes == on
+    budget = Budget(1 << 40, (on + q8) // 2, False, "d", "--host-mem")
+    got = est.check(c, "zenflow", s, budget)
+    assert got.fits and got.step_store == "q8" and got.host_peak_bytes == q8
+    assert got.to_json()["step_store"] == "q8"
+    r = est.estimate(c, s, budget)
+    v = r.host_state_verdict()
+    assert v["choice"] == "compact" and v["store_off_setting"] is None  # taken, not offered
+    assert 'runs zfctl.step_store as "q8"' in v["sentence"], v["sentence"]
+    assert "--set zfctl.step_store=on refuses instead" in v["sentence"]
+    # an explicit "on" is refused there, naming q8
+    on_s = dataclasses.replace(s, step_store="on")
+    assert not est.check(c, "zenflow", on_s, budget).fits
+    assert "--set zfctl.step_store=q8" in pf.refusal_message(est.estimate(c, on_s, budget),
+                                                            "zenflow")  # fmt: skip
+    # neither the store nor its copies fit: short by the copies' shortfall, "off" named
+    tight = Budget(1 << 40, (q8 + off) // 2, False, "d", "--host-mem")
+    short = est.check(c, "zenflow", s, tight)
+    assert short.step_store == "q8" and short.short == {"host": q8 - (q8 + off) // 2}
+    msg = pf.refusal_message(est.estimate(c, s, tight), "zenflow")
+    assert "--set zfctl.step_store=off" in msg and "step_store=q8" not in msg, msg
+    assert est.estimate(c, s, tight).host_state_verdict()["store_off_setting"] == "off"
+    # micro-batches summed on the host: their fp32 sum, no store, nothing to take
+    gas = dataclasses.replace(s, gradient_accumulation_steps=2)
+    assert not gas.store_auto_q8
+    assert est.check(c, "zenflow", gas, Budget(1 << 40, 1, False, "d", "h")).step_store == "auto"
+
+
+def test_issue_27s_seven_billion_run_on_a_64_gb_desktop_by_default():
+    """Issue 27's command with the default step store ("auto") on a 64 GB desktop's usable
+    60 GiB: compact with the store does not fit (60.7 GiB), so the check takes its 8-bit
+    copies, and the estimate says zenflow fits, in the compact state, with "q8", by how
+    much; on 64 GiB the store fits and is kept. Exact does not fit either way."""
+    for host, store in ((60, "q8"), (64, "auto")):
+        _, r, exact, compact = _seven_b(host, "auto")
+        assert compact.fits and compact.step_store == store, host
+        assert not exact.fits and exact.short["host"] > 30 * GIB
+        v = r.host_state_verdict()
+        assert v["choice"] == "compact"
+        assert ('runs zfctl.step_store as "q8"' in v["sentence"]) == (store == "q8")
+        assert est.human_bytes(compact.spare["host"]) in v["sentence"]
+    _, _, _, q8 = _seven_b(60, "auto")
+    assert 54 * GIB < q8.host_peak_bytes < 56 * GIB  # BENCHMARKS: 54.9 GiB
 
 
 def test_the_q8_copies_are_not_there_at_the_first_selection():

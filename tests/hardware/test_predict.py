@@ -52,6 +52,30 @@ def test_host_bytes_per_non_selected_element():
     assert pr.offload_host_bytes(Settings(bf16=False)) == 4 + 4 + 24 + 4 == 36
 
 
+def test_host_bytes_of_the_q8_step_store():
+    """zfctl.step_store "q8" with clipping, biting at every step: each add after a window's
+    first writes its piece's 8-bit copy (a code and 4 / 256 of a scale) and reads the one
+    before it for the folded correction; the last step's correction is a pass over the copy
+    and the sum. Without clipping it is "off": the store's bytes, nothing more."""
+    copy = 1 + 4 / 256
+    q8 = Settings(bf16=True, step_store="q8")
+    assert pr.q8_store_bytes(q8) == (3 * copy + 2 * copy + copy + 8) / 4
+    assert pr.zenflow_host_bytes(q8) == 19 + (6 * copy + 8) / 4
+    assert pr.zenflow_host_bytes(Settings(bf16=True, step_store="q8", clipping=False)) == 19
+    assert pr.zenflow_host_bytes(Settings(bf16=True, step_store="off")) == 19
+    # compact: the bf16 sum's read and write in the last pass; S = 1: the multiplier's pass
+    compact = Settings(bf16=True, step_store="q8", host_state="compact")
+    assert pr.q8_store_bytes(compact) == (6 * copy + 4) / 4
+    assert pr.q8_store_bytes(Settings(step_store="q8", update_interval=1)) == 8
+    assert pr.q8_store_bytes(Settings(step_store="q8", update_interval=8)) == (14 * copy + 8) / 8
+    # micro-batches summed on the host: their fp32 sum, no copies (as for "on")
+    gas = Settings(bf16=True, step_store="q8", gradient_accumulation_steps=2)
+    assert pr.q8_store_bytes(gas) == 0
+    assert pr.zenflow_host_bytes(gas) == pr.zenflow_host_bytes(
+        Settings(bf16=True, gradient_accumulation_steps=2)
+    )
+
+
 def test_each_engine_by_hand():
     """Forward is a quarter of compute when backward recomputes it; gradients leave during
     backward; each copy pays the link's latency (B = 192: W1's 7296 non-selected elements
@@ -124,6 +148,25 @@ def test_predict_rows_and_break_even_for_every_gpu():
     # a faster GPU needs more tokens to hide the same host work
     h100 = out["break_even_by_gpu"]["h100-sxm"]["exact"]
     assert h100 > out["break_even_tokens"]["exact"]
+
+
+def test_predict_takes_each_states_step_store_as_the_memory_check_took_it():
+    """``stores``: where the estimate's check took the step store's 8-bit copies ("q8") for
+    a host state, that state's row, host bytes and break-even count the copies; the other
+    state keeps the run's setting."""
+    c = mlp_census()
+    s = Settings(micro_batch=4, seq_len=128)
+    box = pr.box_of("h100-sxm")
+    plain = pr.predict(c, s, box, host_bw=50e9)
+    got = pr.predict(c, s, box, host_bw=50e9, stores={"compact": "q8"})
+    q8 = dataclasses.replace(s, host_state="compact", step_store="q8")
+    assert got["host_bytes_per_element"]["compact"] == pr.zenflow_host_bytes(q8)
+    assert got["host_bytes_per_element"]["compact"] > plain["host_bytes_per_element"]["compact"]
+    assert got["host_bytes_per_element"]["exact"] == plain["host_bytes_per_element"]["exact"]
+    host = got["engines"]["zenflow (compact)"]["terms_s"]["host"]
+    assert host > plain["engines"]["zenflow (compact)"]["terms_s"]["host"]
+    assert got["engines"]["zenflow"] == plain["engines"]["zenflow"]
+    assert got["break_even_tokens"]["compact"] > plain["break_even_tokens"]["compact"]
 
 
 def test_gpu_profiles():

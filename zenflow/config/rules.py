@@ -121,7 +121,7 @@ def _check_zenflow_options(r: Reader, zenflow, engine: EngineOptions, gas: int) 
                   'set zero_optimization.zenflow.update_interval to a number of steps, '
                   'zfctl.early.windows to "fixed", or zfctl.early.steps to 0 (the zenflow '
                   'template turns the ramp on)')  # fmt: skip
-    if engine.step_store == "on":
+    if engine.step_store in ("on", "auto"):  # ("auto": the store unless it does not fit)
         return
     if gas > 1 and engine.grad_accumulation == "host":
         r.problem("zfctl.step_store", engine.step_store,
@@ -220,7 +220,7 @@ _ENGINE_CHOICES = {
     "host_state": ("exact", "compact"),
     "return_image": ("early", "always", "never"),
     "numa_binding": ("auto", "node", "off"),
-    "step_store": ("on", "off", "q8"),
+    "step_store": ("auto", "on", "off", "q8"),
 }
 
 

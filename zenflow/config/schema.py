@@ -211,8 +211,12 @@ ENGINE_FIELD_DOCS: dict[str, str] = {
     "without a setting; the zenflow template turns it on with steps 200 (measured: "
     'docs/BENCHMARKS.md, "The early schedule"). It changes when the host updates the '
     "non-selected columns; with topk_ratio 1.0 it is AdamW either way.",
-    "step_store": 'Where a step\'s non-selected gradient pieces wait on the host: "on" '
-    "(default): in a store of their own (pinned, the link's dtype: 2 bytes per non-selected "
+    "step_store": 'Where a step\'s non-selected gradient pieces wait on the host: "auto" '
+    '(default): "on" where the whole run fits this host\'s memory with the store; where it '
+    'does not, `zfctl finetune`\'s memory check runs it as "q8" if the run clips (as '
+    '"off" if it does not, the same weights), says so and records it in the run\'s config '
+    '(without the check, --force, "on"). "on": in a store of their own (pinned, the '
+    "link's dtype: 2 bytes per non-selected "
     "parameter in bf16, 4 in fp32), where the device copies them, until the step's clipping "
     "coefficient is known at the end of backward; the host adds them into the window sum "
     'from there, while the next step\'s forward runs. "off": no store; each piece crosses '
@@ -329,8 +333,8 @@ class EngineOptions:
     """A bf16 image of each host result for the return: "early", "always" or "never"."""
     numa_binding: str = "auto"
     """The threads on the device's NUMA node: "auto" (several ranks), "node" or "off"."""
-    step_store: str = "on"
-    """A step's pieces wait for its clipping coefficient in a host store: "on" or "off"."""
+    step_store: str = "auto"
+    """Where a step's pieces wait for its clipping coefficient: "auto", "on", "off", "q8"."""
 
 
 @dataclass(frozen=True)

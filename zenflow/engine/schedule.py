@@ -186,7 +186,9 @@ class ZenFlowEngine:
         self.early = getattr(options, "early", None) or EarlyOptions()
         self.return_image = getattr(options, "return_image", "early")
         self.numa_binding = getattr(options, "numa_binding", "auto")
-        self.step_store = getattr(options, "step_store", "on")
+        # "auto" is the store unless the memory check changed it before the run (RunSpec)
+        store = getattr(options, "step_store", "auto")
+        self.step_store = "on" if store == "auto" else store
         self.gas = max(1, int(getattr(config, "gradient_accumulation_steps", 1) or 1))
 
     def _start_counters(self, config) -> None:

@@ -58,6 +58,15 @@ STORE_CLIPPING = {
     "each step's by its own",
 }
 
+# Said where the estimate fits a ZenFlow run by its zfctl.step_store "auto" (``fallbacks``)
+STORE_FITTED = {
+    "off": "The step store does not fit beside it: without clipping zfctl finetune runs "
+    'zfctl.step_store as "off" (the same weights; the backward may wait for the host\'s adds).',
+    "q8": "The step store does not fit beside it: zfctl finetune runs zfctl.step_store as "
+    f'"q8" ({STORE_CLIPPING["q8"]}; within the copies\' rounding of per-step clipping, more '
+    "host work; --set zfctl.step_store=on refuses instead).",
+}
+
 ENGINE_TITLES = {
     "device": "plain AdamW on the device",
     "offload": "ZeRO-Offload: optimizer on the host",
@@ -169,8 +178,8 @@ class EngineEstimate:
     # ZenFlow's zfctl.return_image as checked ("never" where the early phase's images do not
     # fit: ``check``); None for the other engines
     return_image: str | None = None
-    # ZenFlow's zfctl.step_store as checked ("off" where a run without clipping fits only
-    # without the store: ``check``); None for the other engines
+    # ZenFlow's zfctl.step_store as checked ("auto" where a run fits only without the store:
+    # "off" without clipping, "q8" with it; ``check``); None for the other engines
     step_store: str | None = None
 
     @property
@@ -268,11 +277,10 @@ def check(
     """``mode``'s layout and whole-run host phases, checked against the budget: the device at
     the peak of a step, the host at the whole run's peak (with one memory, both together).
 
-    A ZenFlow run that does not fit is checked again with what changes none of its
-    arithmetic (``fallbacks``), the first that fits taken (else the one short by least):
-    ``zfctl.return_image`` "early" as "never", and without clipping ``zfctl.step_store``
-    "on" as "off" (``return_image`` and ``step_store`` of the result): ``zfctl finetune``
-    runs it so."""
+    A ZenFlow run that does not fit is checked again with ``fallbacks``, the first that fits
+    taken (else the one short by least): ``zfctl.return_image`` "early" as "never", and
+    ``zfctl.step_store`` "auto" as "off" without clipping, as "q8" with it
+    (``return_image`` and ``step_store`` of the result): ``zfctl finetune`` runs it so."""
     e = _check(census, mode, s, budget, runtime)
     if mode != "zenflow" or e.fits:
         return e
@@ -285,16 +293,21 @@ def check(
 
 
 def fallbacks(s: Settings) -> list[Settings]:
-    """ZenFlow's settings that run the same weights in less host memory, mildest first: no
-    early-phase return images (slower early steps), no step store where nothing waits for a
-    clipping coefficient (the backward may wait for the host's adds), both."""
+    """ZenFlow's settings that run in less host memory, mildest first: no early-phase return
+    images (slower early steps, the same weights); no step store where nothing waits for a
+    clipping coefficient ("on" or "auto": the same weights, the backward may wait for the
+    host's adds); with clipping and ``zfctl.step_store`` "auto", the store's 8-bit copies
+    ("q8": per-step clipping within the copies' rounding, more host work); each with the
+    images too. An explicit "on" with clipping is never changed: the estimate and the
+    preflight name "q8" as a fix instead."""
     rep = dataclasses.replace
     images = s.return_images(early=True)
     out = [rep(s, return_image="never")] if images else []
-    if s.store_optional:
-        out.append(rep(s, step_store="off"))
+    store = "off" if s.store_optional else "q8" if s.store_auto_q8 else None
+    if store is not None:
+        out.append(rep(s, step_store=store))
         if images:
-            out.append(rep(s, return_image="never", step_store="off"))
+            out.append(rep(s, return_image="never", step_store=store))
     return out
 
 
@@ -404,12 +417,9 @@ class Estimate:
                 " The early phase's bf16 return images do not fit beside it: zfctl finetune "
                 'runs zfctl.return_image as "never" (the same weights, slower early steps).'
             )
-        if choice is not None and states[choice].step_store != self.settings.step_store:
-            sentence += (
-                " The step store does not fit beside it: without clipping zfctl finetune runs "
-                'zfctl.step_store as "off" (the same weights; the backward may wait for the '
-                "host's adds)."
-            )
+        ran = states[choice].step_store if choice is not None else None
+        if ran is not None and ran != self.settings.step_store:
+            sentence += " " + STORE_FITTED[ran]
         store = self._clipped_store_choice() if choice is None else None
         if store is not None:
             name, setting, e = store
@@ -429,8 +439,9 @@ class Estimate:
         (state, ``zfctl.step_store``) that fits with the store's 8-bit copies ("q8"), else
         without the store ("off"), each a change of how the host's part is clipped, so
         named, never taken by itself; or None."""
-        s = self.settings
-        settings = ["q8", "off"] if s.store_window_clip else ["off"] if s.store_q8 else []
+        s = self.settings  # ("auto" has tried "q8" already: ``fallbacks``)
+        settings = (["q8", "off"] if s.store_window_clip and not s.store_auto_q8
+                    else ["off"] if s.store_window_clip or s.store_q8 else [])  # fmt: skip
         for setting in settings:
             probe = dataclasses.replace(s, step_store=setting)
             for name in HOST_STATES:

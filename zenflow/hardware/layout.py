@@ -78,7 +78,9 @@ class Settings:
     host_state: str = "exact"  # zfctl.host_state: "exact" or "compact"
     update_interval: int = 4  # S, steps per host window ("auto" is taken as 4)
     return_image: str = "early"  # zfctl.return_image: "early", "always" or "never"
-    step_store: str = "on"  # zfctl.step_store: "off" / "q8" add pieces as they arrive
+    # zfctl.step_store: "off" / "q8" add pieces as they arrive; "auto" is "on" (the store)
+    # unless the estimate's fallbacks change it (``zenflow.hardware.estimate.fallbacks``)
+    step_store: str = "auto"
     clipping: bool = True  # gradient_clipping > 0: a step's pieces wait for its coefficient
     early_steps: int = 0  # zfctl.early.steps (0: no early phase)
     lora_rank: int = 8  # --engine lora: the adapters' rank (zfctl.lora.rank)
@@ -121,14 +123,25 @@ class Settings:
     def store_optional(self) -> bool:
         """The step store is on where nothing waits for a clipping coefficient: the run
         computes the same weights without it (``zenflow.hardware.estimate.fallbacks``)."""
-        return self.step_store == "on" and not self.clipping and self._store_setting_applies
+        return self.store_kept and not self.clipping and self._store_setting_applies
 
     @property
     def store_window_clip(self) -> bool:
         """The step store is on and the run clips: without the store each window's host
         part would be clipped by its steps' smallest coefficient, a change of arithmetic the
         user chooses (preflight's fix, the estimate's sentence, tune-hw's choice)."""
-        return self.step_store == "on" and self.clipping and self._store_setting_applies
+        return self.store_kept and self.clipping and self._store_setting_applies
+
+    @property
+    def store_auto_q8(self) -> bool:
+        """zfctl.step_store "auto" with clipping: the store where it fits, else its 8-bit
+        copies (``zenflow.hardware.estimate.fallbacks``)."""
+        return self.step_store == "auto" and self.store_window_clip
+
+    @property
+    def store_kept(self) -> bool:
+        """zfctl.step_store keeps the store: "on", or "auto" (the store where it fits)."""
+        return self.step_store in ("on", "auto")
 
     @property
     def dtype_bytes(self) -> int:
@@ -177,7 +190,7 @@ def settings_from_config(config=None, **overrides: Any) -> Settings:
         values["host_state"] = getattr(config.engine, "host_state", "exact")
         values["lora_rank"] = int(config.engine.lora.rank)
         values["return_image"] = getattr(config.engine, "return_image", "early")
-        values["step_store"] = getattr(config.engine, "step_store", "on")
+        values["step_store"] = getattr(config.engine, "step_store", "auto")
         values["clipping"] = float(config.gradient_clipping or 0) > 0
         values["early_steps"] = int(config.engine.early.steps)
         if config.zenflow is not None:

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 from zenflow.hardware.census import EstimateError, ParamCensus
 from zenflow.hardware.layout import Settings
+from zenflow.ops import I8_BLOCK
 
 DEFAULT_GPU = "h100-sxm"
 DEFAULT_MFU = 0.45  # a realistic share of the bf16 peak for a 1-13B transformer's fwd+bwd
@@ -72,6 +73,29 @@ HOST_BYTES = {
     "fold": {"exact": 4, "compact": 4},
 }
 
+# zfctl.step_store "q8" with clipping: a piece's 8-bit copy, its int8 code and its share of
+# the block's fp32 scale, written by the add that keeps it and read by the correction
+Q8_COPY_BYTES = 1 + 4 / I8_BLOCK
+
+
+def q8_store_bytes(s: Settings) -> float:
+    """Per step, what zfctl.step_store "q8" adds to the host's bytes per non-selected
+    element (``zenflow.engine.zenflow.step_q8``), with clipping that bites at every step
+    (the coefficient differs from its prediction): an upper bound, since where it does not
+    bite nothing is corrected and only the copies are written.
+
+    A window of S steps: its first write keeps no copy (its multiplier goes into the next
+    add, which reads and writes the sum anyway); each later add writes its piece's copy
+    (S - 1) and reads the copy before it for the correction it folds in (S - 2); the last
+    step's correction is a pass of its own before the host step reads the sum: the copy
+    and the sum's read and write. At S = 1 that pass is the multiplier's, over the sum."""
+    if not s.store_q8:
+        return 0.0
+    S, rmw = max(1, s.update_interval), HOST_BYTES["sum_rmw"][s.host_state]
+    if S == 1:
+        return rmw
+    return ((2 * S - 2) * Q8_COPY_BYTES + rmw) / S
+
 
 def window_sum_bytes(state: str, update_interval: int) -> float:
     """Per step, the window sum's bytes: read + write, but only a write at the window's
@@ -89,7 +113,8 @@ def zenflow_host_bytes(s: Settings) -> float:
         first = HOST_BYTES["micro_rmw"][st] / 2  # the step's first micro-batch: a write
         steps = micro * (2 * lb + HOST_BYTES["micro_rmw"][st]) - first
         return steps + HOST_BYTES["fold"][st] + acc + window
-    return 2 * lb + acc + window  # store: DMA write, accumulator read
+    # store (or the ring where pieces are added as they arrive): DMA write, accumulator read
+    return 2 * lb + acc + window + q8_store_bytes(s)
 
 
 def offload_host_bytes(s: Settings) -> float:
@@ -239,22 +264,28 @@ def break_even_tokens(census: ParamCensus, s: Settings, box: Box, host_bw: float
     return int(host * box.flops / (6 * census.params * f) * max(1, s.world_size))
 
 
-def predict(census: ParamCensus, s: Settings, box: Box, host_bw: float) -> dict:
+def predict(census: ParamCensus, s: Settings, box: Box, host_bw: float,
+            stores: dict[str, str] | None = None) -> dict:  # fmt: skip
     """Every engine's predicted step (rows as the estimate names them: "zenflow" in the run's
     host state, the other state beside it), and ZenFlow's break-even tokens per step for
-    this host with ``box`` and with every named GPU: the plain dict the CLI shows."""
+    this host with ``box`` and with every named GPU: the plain dict the CLI shows.
+    ``stores``: each host state's ``zfctl.step_store`` as the memory check took it (the
+    estimate's ``fallbacks``: "q8" where only the 8-bit copies fit), else ``s``'s."""
     from dataclasses import replace
 
+    def state(st: str) -> Settings:
+        return replace(s, host_state=st, step_store=(stores or {}).get(st, s.step_store))
+
     other = "compact" if s.host_state == "exact" else "exact"
-    rows = {"device": ("device", s), "offload": ("offload", s), "zenflow": ("zenflow", s),
-            f"zenflow ({other})": ("zenflow", replace(s, host_state=other))}  # fmt: skip
+    rows = {"device": ("device", s), "offload": ("offload", s),
+            "zenflow": ("zenflow", state(s.host_state)),
+            f"zenflow ({other})": ("zenflow", state(other))}  # fmt: skip
     engines = {row: predict_engine(census, mode, st, box, host_bw, row).to_json()
                for row, (mode, st) in rows.items()}  # fmt: skip
     states = ("exact", "compact")
 
     def even(b: Box) -> dict[str, int]:
-        return {st: break_even_tokens(census, replace(s, host_state=st), b, host_bw)
-                for st in states}  # fmt: skip
+        return {st: break_even_tokens(census, state(st), b, host_bw) for st in states}
 
     return {
         "tokens_per_step": tokens_per_step(s),
@@ -265,9 +296,7 @@ def predict(census: ParamCensus, s: Settings, box: Box, host_bw: float) -> dict:
         "link_gbs": box.link_bytes / 1e9,
         "host_bw_gbs": host_bw / 1e9,
         "update_interval": s.update_interval,
-        "host_bytes_per_element": {
-            st: zenflow_host_bytes(replace(s, host_state=st)) for st in states
-        },  # fmt: skip
+        "host_bytes_per_element": {st: zenflow_host_bytes(state(st)) for st in states},
         "engines": engines,
         "break_even_tokens": even(box),
         "break_even_by_gpu": {name: even(box_of(name, box.mfu)) for name in box_names()},

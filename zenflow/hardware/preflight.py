@@ -107,10 +107,11 @@ def _store_changes(s: Settings) -> list[Change]:
     """With clipping and a step store: its 8-bit copies (``zfctl.step_store`` "q8": each
     step's host part clipped by its own coefficient, from an 8-bit copy of its pieces where
     the coefficient changed), then none ("off": each window's host step scales its sum by
-    the smallest clipping coefficient of its steps); with "q8" set, "off"."""
+    the smallest clipping coefficient of its steps); with "q8" set, or "auto" (which took
+    the copies already where they fit: ``zenflow.hardware.estimate.fallbacks``), "off"."""
     rep = dataclasses.replace
     out = []
-    if s.store_window_clip:
+    if s.store_window_clip and not s.store_auto_q8:
         out.append(Change("--set zfctl.step_store=q8", "zenflow", rep(s, step_store="q8"),
                           STORE_Q8_CLIPPED))  # fmt: skip
     if s.store_window_clip or s.store_q8:

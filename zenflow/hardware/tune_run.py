@@ -361,9 +361,12 @@ class _TuneRun:
         from zenflow.hardware import predict
 
         c = self.choices
+        block = c.zfctl_block()  # the host state and any step store it chose
         s = dataclasses.replace(self.layout_settings, topk_ratio=c.topk_ratio,
                                 update_interval=c.update_interval, overlap_step=c.overlap_step,
-                                host_state=c.zfctl_block().get("host_state", "exact"))  # fmt: skip
+                                host_state=block.get("host_state", "exact"),
+                                step_store=block.get("step_store",
+                                                     self.layout_settings.step_store))  # fmt: skip
         box = predict.box_of(self.settings.gpu, self.settings.mfu)
         self.step_time = predict.predict(self.census, s, box, self.mem.copy_gbs * 1e9)
         self.step_time["host_bw_source"] = "measured"

@@ -75,8 +75,9 @@ class RunSpec:
     # zfctl.return_image as the preflight fitted it ("never": the early phase's images do
     # not fit the host), over the config's; None: the config's. A resumed run keeps it.
     return_image: str | None = None
-    # zfctl.step_store as the preflight fitted it ("off": a run without clipping whose step
-    # store does not fit the host), over the config's; None: the config's. Kept on resume.
+    # zfctl.step_store as the preflight fitted it from "auto" ("off": a run without clipping
+    # whose step store does not fit the host; "q8": one with clipping), over the config's;
+    # None: the config's. Kept on resume.
     step_store: str | None = None
 
 
