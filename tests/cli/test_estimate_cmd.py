@@ -341,6 +341,28 @@ def test_finetune_runs_without_the_early_images_where_they_do_not_fit(
     assert "runs as" not in out and config["engine_resolved"]["return_image"] == "early"
 
 
+def _template_peak(model_dir, **overrides) -> int:
+    """The template's whole-run host peak on sim for ``model_dir`` with ``overrides``
+    (micro-batch 4 x 16 tokens, a 1 GiB device, host room to spare)."""
+    from zenflow.config import load_config
+    from zenflow.hardware.preflight import preflight
+    from zfctl.init_cmd import template_path
+
+    c = load_config(template_path("zenflow"), overrides=overrides)
+    est = preflight(str(model_dir), mode="zenflow", config=c, seq_len=16, micro_batch=4,
+                    device_mem="1GiB", host_mem="1TiB", device_kind="sim")  # fmt: skip
+    return est.engines["zenflow"].host_peak_bytes
+
+
+def _finetune_on_host(cli, tmp_path, model_dir, glue_dir, host: int, *extra: str):
+    """A short run on sim with ``--host-mem host`` in a runs root of its own."""
+    root = tmp_path / f"runs-{host}-{'_'.join(extra)}"
+    r = cli("finetune", model_dir, "--task", "sst2", "--data-dir", glue_dir,
+            "--runs-root", root, "--device", "sim", "--device-mem", "1GiB",
+            "--host-mem", str(host), "--no-dashboard", *extra, *SHORT)  # fmt: skip
+    return r, root
+
+
 def test_finetune_without_clipping_runs_without_the_step_store_where_it_does_not_fit(
     cli, tmp_path, tiny_gpt2_dir, glue_dir
 ):
@@ -349,29 +371,15 @@ def test_finetune_without_clipping_runs_without_the_step_store_where_it_does_not
     config and in what the engine ran, and a resume keeps it; with room it keeps the store;
     with clipping and the store set "on" the same host refuses, naming its 8-bit copies and
     the store off."""
-    from zenflow.config import load_config
-    from zenflow.hardware.preflight import preflight
-    from zfctl.init_cmd import template_path
-
     no_clip = ["--set", "gradient_clipping=0"]
-
-    def peak(store: str):
-        c = load_config(template_path("zenflow"),
-                        overrides={"gradient_clipping": 0, "zfctl.step_store": store})  # fmt: skip
-        est = preflight(str(tiny_gpt2_dir), mode="zenflow", config=c, seq_len=16,
-                        micro_batch=4, device_mem="1GiB", host_mem="1TiB",
-                        device_kind="sim")  # fmt: skip
-        return est.engines["zenflow"].host_peak_bytes
-
-    with_store, without = peak("on"), peak("off")
+    with_store, without = (
+        _template_peak(tiny_gpt2_dir, gradient_clipping=0, **{"zfctl.step_store": v})
+        for v in ("on", "off")
+    )
     assert with_store > without
 
     def run(host: int, *extra: str):
-        root = tmp_path / f"runs-{host}-{'_'.join(extra)}"
-        r = cli("finetune", tiny_gpt2_dir, "--task", "sst2", "--data-dir", glue_dir,
-                "--runs-root", root, "--device", "sim", "--device-mem", "1GiB",
-                "--host-mem", str(host), "--no-dashboard", *extra, *SHORT)  # fmt: skip
-        return r, root
+        return _finetune_on_host(cli, tmp_path, tiny_gpt2_dir, glue_dir, host, *extra)
 
     r, root = run(without, *no_clip)
     assert r.exit_code == 0, r.output
@@ -403,26 +411,12 @@ def test_finetune_takes_the_step_stores_8_bit_copies_where_the_store_does_not_fi
     clipping from the copies: host_clipping "step-q8"), and a resume keeps it. The same
     host with the store set "on" by hand refuses, naming q8; with room "auto" is the
     store."""
-    from zenflow.config import load_config
-    from zenflow.hardware.preflight import preflight
-    from zfctl.init_cmd import template_path
-
-    def peak(store: str):
-        c = load_config(template_path("zenflow"), overrides={"zfctl.step_store": store})
-        est = preflight(str(tiny_gpt2_dir), mode="zenflow", config=c, seq_len=16,
-                        micro_batch=4, device_mem="1GiB", host_mem="1TiB",
-                        device_kind="sim")  # fmt: skip
-        return est.engines["zenflow"].host_peak_bytes
-
-    with_store, copies = peak("on"), peak("q8")
+    with_store, copies = (_template_peak(tiny_gpt2_dir, **{"zfctl.step_store": v})
+                          for v in ("on", "q8"))  # fmt: skip
     assert with_store > copies
 
     def run(host: int, *extra: str):
-        root = tmp_path / f"runs-{host}-{len(extra)}"
-        r = cli("finetune", tiny_gpt2_dir, "--task", "sst2", "--data-dir", glue_dir,
-                "--runs-root", root, "--device", "sim", "--device-mem", "1GiB",
-                "--host-mem", str(host), "--no-dashboard", *extra, *SHORT)  # fmt: skip
-        return r, root
+        return _finetune_on_host(cli, tmp_path, tiny_gpt2_dir, glue_dir, host, *extra)
 
     r, root = run(copies)
     assert r.exit_code == 0, r.output

@@ -10,6 +10,7 @@ import signal
 
 import pytest
 import torch
+from trainhelp import CONFIG
 from trainhelp import assert_same_params as _assert_same_params
 from trainhelp import final_model as _final_model
 from trainhelp import losses as _losses
@@ -180,6 +181,30 @@ def test_lr_and_micro_batch_override_the_config():
     assert eff.train_micro_batch_size_per_gpu == 3 and eff.gradient_accumulation_steps == 2
     assert eff.source == cfg.source
     assert _effective_config(RunSpec(model="m", task="sst2", config=cfg)) is cfg
+
+
+def test_every_rank_runs_what_rank_0s_memory_check_fitted(monkeypatch):
+    """Each rank of --nproc checks this host's free memory at its own moment, so at the edge
+    they may fit the run differently (one with the step store, one with its 8-bit copies):
+    on joining the group every rank takes rank 0's fitted settings, which rank 0 wrote
+    into the run's config."""
+    from zenflow.train import trainer as tr
+    from zenflow.train.parallel import Parallel
+
+    sent = []
+
+    def rank_0s(obj, par):  # a two-rank group whose rank 0 kept the store and the images
+        sent.append(obj)
+        return (None, None)
+
+    monkeypatch.setattr(tr, "init_parallel", lambda kind: Parallel(rank=1, world=2))
+    monkeypatch.setattr(tr, "broadcast_object", rank_0s)
+    spec = RunSpec(model="m", task="sst2", config=load_config(CONFIG), device="sim",
+                   step_store="q8", return_image="never")  # fmt: skip
+    run = tr._Run(spec, lambda event: None)
+    run.start_parallel()
+    assert sent == [("never", "q8")]  # this rank's own, replaced by rank 0's
+    assert (run.spec.step_store, run.spec.return_image, run.spec.nproc) == (None, None, 2)
 
 
 def test_ctrl_c_from_event_checkpoints_and_resumes(

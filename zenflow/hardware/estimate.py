@@ -58,7 +58,7 @@ STORE_CLIPPING = {
     "each step's by its own",
 }
 
-# Said where the estimate fits a ZenFlow run by its zfctl.step_store "auto" (``fallbacks``)
+# Said where the estimate fits a ZenFlow run by another zfctl.step_store (``fallbacks``)
 STORE_FITTED = {
     "off": "The step store does not fit beside it: without clipping zfctl finetune runs "
     'zfctl.step_store as "off" (the same weights; the backward may wait for the host\'s adds).',
@@ -178,8 +178,9 @@ class EngineEstimate:
     # ZenFlow's zfctl.return_image as checked ("never" where the early phase's images do not
     # fit: ``check``); None for the other engines
     return_image: str | None = None
-    # ZenFlow's zfctl.step_store as checked ("auto" where a run fits only without the store:
-    # "off" without clipping, "q8" with it; ``check``); None for the other engines
+    # ZenFlow's zfctl.step_store as checked: the run's, or where it fits only without the
+    # store, "off" (no clipping, "on" or "auto") or "q8" (clipping, "auto"): ``check``;
+    # None for the other engines
     step_store: str | None = None
 
     @property

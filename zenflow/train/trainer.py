@@ -178,9 +178,14 @@ class _Run:
 
     # -- data parallel: join torchrun's process group (a no-op for one process)
     def start_parallel(self) -> None:
+        """Join the group; every rank then runs what rank 0's memory check fitted (each rank
+        checked this host's free memory at its own moment, and a run whose ranks hold their
+        pieces differently must not start: ``zfctl.return_image``, ``zfctl.step_store``)."""
         self.device_kind = device_kind(self.spec)
         self.par = init_parallel(self.device_kind)
-        self.spec = dataclasses.replace(self.spec, nproc=self.par.world)
+        image, store = broadcast_object((self.spec.return_image, self.spec.step_store), self.par)
+        self.spec = dataclasses.replace(self.spec, nproc=self.par.world, return_image=image,
+                                        step_store=store)  # fmt: skip
 
     # -- the run directory (zenflow.train.rundir): locked for the whole run
     def claim_run_dir(self) -> None:
