@@ -799,7 +799,8 @@ def test_a_host_refusal_names_the_step_store_off_with_window_clipping():
         est.estimate(c, s, none), "zenflow")  # fmt: skip
     for moot in (off_s, dataclasses.replace(s, gradient_accumulation_steps=2),
                  dataclasses.replace(s, cpu_device=True, stream_grads=False)):  # fmt: skip
-        assert "step_store" not in pf.refusal_message(est.estimate(c, moot, none), "zenflow")
+        assert "--set zfctl.step_store" not in pf.refusal_message(est.estimate(c, moot, none),
+                                                                 "zenflow")  # fmt: skip
 
 
 def test_a_host_refusal_names_the_step_stores_8_bit_copies_first():
@@ -862,6 +863,8 @@ def test_the_default_step_store_takes_its_8_bit_copies_where_the_store_does_not_
     got = est.check(c, "zenflow", s, budget)
     assert got.fits and got.step_store == "q8" and got.host_peak_bytes == q8
     assert got.to_json()["step_store"] == "q8"
+    assert got.to_json()["title"].endswith("(zfctl.host_state compact, zfctl.step_store q8)")
+    assert kept.to_json()["title"].endswith("(zfctl.host_state compact)")
     r = est.estimate(c, s, budget)
     v = r.host_state_verdict()
     assert v["choice"] == "compact" and v["store_off_setting"] is None  # taken, not offered
@@ -878,6 +881,7 @@ def test_the_default_step_store_takes_its_8_bit_copies_where_the_store_does_not_
     assert short.step_store == "q8" and short.short == {"host": q8 - (q8 + off) // 2}
     msg = pf.refusal_message(est.estimate(c, s, tight), "zenflow")
     assert "--set zfctl.step_store=off" in msg and "step_store=q8" not in msg, msg
+    assert "(zfctl.host_state compact, zfctl.step_store q8): it needs" in msg  # as checked
     assert est.estimate(c, s, tight).host_state_verdict()["store_off_setting"] == "off"
     # micro-batches summed on the host: their fp32 sum, no store, nothing to take
     gas = dataclasses.replace(s, gradient_accumulation_steps=2)

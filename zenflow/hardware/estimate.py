@@ -187,6 +187,15 @@ class EngineEstimate:
     def fits(self) -> bool:
         return not self.short
 
+    @property
+    def settings_said(self) -> str:
+        """ZenFlow's host state, and the step store where it is not the store ("q8", "off":
+        set, or what "auto" was checked with)."""
+        said = f"zfctl.host_state {self.host_state}"
+        if self.step_store in ("q8", "off"):
+            said += f", zfctl.step_store {self.step_store}"
+        return said
+
     def side_bytes(self, side: str) -> int:
         return sum(i.bytes for i in self.items if i.side == side)
 
@@ -240,7 +249,7 @@ class EngineEstimate:
     def to_json(self) -> dict[str, Any]:
         title = ENGINE_TITLES[self.mode]
         if self.host_state is not None:
-            title += f" (zfctl.host_state {self.host_state})"
+            title += f" ({self.settings_said})"
         return {
             "title": title,
             "mode": self.mode,

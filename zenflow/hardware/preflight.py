@@ -214,7 +214,7 @@ def refusal_message(result: Estimate, mode: str) -> str:
            "memory or a smaller model.")  # fmt: skip
     what = f"the {mode} engine"
     if eng.host_state is not None:
-        what += f" (zfctl.host_state {eng.host_state})"
+        what += f" ({eng.settings_said})"
     return (
         f"{c.model} will not fit with {what}: it "
         + "; it ".join(parts)
