@@ -85,12 +85,20 @@ SCALES = {
              "need": {"environment": 15, "host": 20, "link": 12, "case_first": 25,
                       "estimate": 15, "pieces": 30, "cuda_tier": 30}},
 }  # fmt: skip
+# "zenflow-q8": zenflow with zfctl.step_store "q8" at the smaller token count, where the
+# host's work weighs most: what the 8-bit copies cost a step beside the store's case
 CASE_ORDER = (("zenflow", 0), ("device", 0), ("zenflow", 1), ("device", 1), ("offload", 0),
-              ("offload", 1))  # fmt: skip
+              ("offload", 1), ("zenflow-q8", 1))  # fmt: skip
 
 
 def case_name(mode: str, tokens: int) -> str:
     return f"llama_{mode}_{tokens // 1024}k" if tokens >= 1024 else f"llama_{mode}_{tokens}"
+
+
+def case_mode(mode: str) -> tuple[str, str | None]:
+    """A case's engine mode and its zfctl.step_store ("zenflow-q8": zenflow, "q8")."""
+    engine, _, store = mode.partition("-")
+    return engine, store or None
 
 
 def section_names(scale: dict) -> list[str]:
@@ -340,9 +348,11 @@ class Check:
                 not self.args.only or "llama" in self.args.only or name in self.args.only
             ):
                 self.estimate(tokens)
-            cmd = [self.py, str(HERE / "gpu_check_case.py"), "--mode", mode, "--tokens",
+            engine, store = case_mode(mode)
+            cmd = [self.py, str(HERE / "gpu_check_case.py"), "--mode", engine, "--tokens",
                    str(tokens), "--seq", str(sc["seq"]), "--accel", self.accel,
                    "--host-kernel", self.args.host_kernel]  # fmt: skip
+            cmd += ["--step-store", store] if store else []
             cmd += ["--shape", json.dumps(sc["shape"])] if sc["shape"] else ["--arch", sc["arch"]]
             entry = self.part(name, need if tokens in self.estimates else first, cmd)
             if entry is None:
@@ -351,7 +361,7 @@ class Check:
                 self.seen[tokens] = entry["seconds"] * 1.15
             res = entry.get("result")
             if isinstance(res, dict):
-                res["estimate_vs_measured"] = compare(res, self.estimates.get(tokens), mode,
+                res["estimate_vs_measured"] = compare(res, self.estimates.get(tokens), engine,
                                                       self.accel)  # fmt: skip
                 self.write()
 

@@ -68,10 +68,10 @@ from gpu_check_host import (  # noqa: E402
 HOST_PROFILE_TOP = 15  # functions kept per selection step, by own time
 
 
-def engine_config(mode: str, micro_batch: int):
+def engine_config(mode: str, micro_batch: int, step_store: str | None = None):
     from zenflow import load_config
 
-    return load_config(case_config(mode, micro_batch))
+    return load_config(case_config(mode, micro_batch, step_store))
 
 
 def build_model(args, dev: torch.device):
@@ -137,7 +137,8 @@ class Case:
             torch.device("cpu")  # fmt: skip
         self.out: dict = {"mode": args.mode, "tokens": args.tokens, "seq": args.seq,
                           "micro_batch": args.tokens // args.seq, "accelerator": args.accel,
-                          "gradient_checkpointing": args.ckpt, "phases": {}}  # fmt: skip
+                          "gradient_checkpointing": args.ckpt, "step_store": args.step_store,
+                          "phases": {}}  # fmt: skip
         self.rows: list[dict] = []
         self.i = 0
 
@@ -153,13 +154,15 @@ class Case:
                              "layers": cfg.num_hidden_layers, "vocab": cfg.vocab_size,
                              "build_s": time.perf_counter() - t0}  # fmt: skip
         t0 = time.perf_counter()
-        self.engine = ZenFlowEngine(self.model, engine_config(a.mode, a.tokens // a.seq),
+        self.engine = ZenFlowEngine(self.model,
+                                    engine_config(a.mode, a.tokens // a.seq, a.step_store),
                                     mode=a.mode, accelerator=a.accel,
                                     host_kernel=a.host_kernel)  # fmt: skip
         self.accel = self.engine.accel
         keep = ("host_threads", "training_threads", "copy_buckets", "bucket_elems",
                 "host_kernel", "device_update", "stream_grads", "pinned_host_buffers",
-                "device_description", "dtype", "host_thread_share", "numa_binding")  # fmt: skip
+                "device_description", "dtype", "host_thread_share", "numa_binding",
+                "step_store", "host_clipping")  # fmt: skip
         zw = self.engine.zweights
         self.out["engine"] = {"build_s": time.perf_counter() - t0,
                               "resolved": {k: self.engine.resolved.get(k) for k in keep
@@ -467,7 +470,15 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", default=None, help="LlamaConfig keywords as JSON (rehearsals)")
     ap.add_argument("--no-ckpt", dest="ckpt", action="store_false")
     ap.add_argument("--host-kernel", default="native", choices=["native", "reference"])
+    ap.add_argument(
+        "--step-store",
+        default=None,
+        choices=["auto", "on", "off", "q8"],
+        help="zfctl.step_store of a zenflow case (default: the config's default)",
+    )
     args = ap.parse_args(argv)
+    if args.step_store is not None and args.mode != "zenflow":
+        ap.error("--step-store is a zenflow setting")
     if args.tokens % args.seq:
         ap.error("--tokens must be a multiple of --seq")
     out = run(args)

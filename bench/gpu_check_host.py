@@ -64,9 +64,10 @@ PHASES = {"warm": 4, "timed": 8, "sync": 6, "profile": 4}
 SELECT_EVERY = PHASES["timed"] + 3
 
 
-def case_config(mode: str, micro_batch: int) -> dict:
+def case_config(mode: str, micro_batch: int, step_store: str | None = None) -> dict:
     """The DeepSpeed-style config of a case of ``mode`` (the zenflow block only for zenflow:
-    no early phase, one warm-up round, a re-selection every SELECT_EVERY steps)."""
+    no early phase, one warm-up round, a re-selection every SELECT_EVERY steps;
+    ``step_store``: its ``zfctl.step_store``, else the default)."""
     raw = {
         "train_micro_batch_size_per_gpu": micro_batch, "gradient_clipping": 1.0,
         "bf16": {"enabled": True},
@@ -80,6 +81,8 @@ def case_config(mode: str, micro_batch: int) -> dict:
             "select_strategy": "step", "select_interval": SELECT_EVERY,
             "full_warm_up_rounds": 1,
         }  # fmt: skip
+        if step_store is not None:
+            raw["zfctl"] = {"step_store": step_store}
     return raw
 
 

@@ -19,6 +19,9 @@ STEADY_SYNCS_MAX = 1  # the step's one read
 PEAK_OVER_EST_MAX = 1.10  # the estimate may be 10% short before it is wrong
 PINNED_OVER_MAX = 1.25  # pinned bytes as allocated over those the engine accounts
 THREAD_MS_MAX = 20.0  # the training thread's CPU a 7B step (issue 28 item 3's goal)
+# zfctl.step_store "q8"'s step over the store's: at most its host bytes' ratio, measured at
+# 1.22-1.27 on the CPU box's kernels (docs/BENCHMARKS.md, "What the 8-bit copies cost")
+Q8_STEP_MAX = 1.3
 
 
 def _result(doc: dict, name: str) -> dict | None:
@@ -108,6 +111,29 @@ def step_ratio(doc: dict, tokens: int, source: str) -> list[dict]:
         out.append(_v(name, "holds" if r <= limit else "contradicts", r, f"<= {limit:g}", text,
                       source, explain))  # fmt: skip
     return out
+
+
+def q8_over_store(doc: dict, tokens: int, source: str) -> dict:
+    """zfctl.step_store "q8"'s mean step (device timeline) over the store's, the same tokens:
+    what the 8-bit copies cost a step where the template's clipping bites. The host's bytes
+    per element and step are 1.2-1.3x the store's; a step bound by the host costs at most
+    that, one bound by compute nothing."""
+    name = f"q8_over_store_{tokens}"
+    explain = (
+        "zenflow with zfctl.step_store q8 over zenflow with the store, mean steps (CUDA "
+        f"events, window ends included); contradicts above {Q8_STEP_MAX:g}, the host bytes' "
+        "ratio: then the copies cost more than their bytes"
+    )
+    qname, q8 = _case(doc, "zenflow-q8", tokens)
+    sname, store = _case(doc, "zenflow", tokens)
+    if q8 is None or store is None:
+        why = _why(doc, qname) if q8 is None else _why(doc, sname)
+        return _v(name, "not measured", None, None, why, source, explain)
+    q, st = q8["timed"]["device_step_ms_mean"], store["timed"]["device_step_ms_mean"]
+    r = q / st
+    text = f"{q:.0f} / {st:.0f} ms = {r:.2f}x"
+    return _v(name, "holds" if r <= Q8_STEP_MAX else "contradicts", r, f"<= {Q8_STEP_MAX:g}",
+              text, source, explain)  # fmt: skip
 
 
 def copies_under_compute(doc: dict, tokens: int, source: str) -> dict:
@@ -266,5 +292,7 @@ def verdicts(doc: dict) -> list[dict]:
         for mode in ("zenflow", "device", "offload"):
             out.append(steady_syncs(doc, mode, t, source, cuda))
             out.extend(memory_checks(doc, mode, t, source))
+    if tokens:  # the q8 case runs at the smaller token count only (gpu_check.CASE_ORDER)
+        out.append(q8_over_store(doc, min(tokens), source))
     out.append(training_thread(doc, source))
     return out

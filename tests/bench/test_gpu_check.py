@@ -75,7 +75,10 @@ def test_every_section_is_named_in_order_most_decisive_first():
     assert names[3:5] == ["llama_zenflow_16k", "llama_device_16k"]
     assert names[5:7] == ["llama_zenflow_4k", "llama_device_4k"]
     assert names[7:9] == ["llama_offload_16k", "llama_offload_4k"]
+    assert names[9] == "llama_zenflow-q8_4k"  # the step store's 8-bit copies, at 4k
     assert names[-2:] == ["pieces", "cuda_tier"]
+    assert gc.case_mode("zenflow-q8") == ("zenflow", "q8")
+    assert gc.case_mode("offload") == ("offload", None)
 
 
 # ------------------------------------------------------------------------------ verdicts
@@ -132,6 +135,19 @@ def test_step_ratio_syncs_and_copies_against_their_thresholds():
     assert vs["zenflow_over_device_1024"]["result"] == "contradicts"
     assert vs["syncs_per_steady_step_zenflow_1024"]["figure"] == 3
     assert vs["syncs_per_steady_step_zenflow_1024"]["result"] == "contradicts"
+
+
+def test_q8_over_store_is_the_q8_cases_step_over_the_stores():
+    """zfctl.step_store "q8"'s case at the smaller token count against the store's: holds at
+    most 1.3x (the host bytes' ratio), not measured without the q8 case."""
+    doc = _doc(zf_ms=100.0)
+    v = _by_name(gv.verdicts(doc))["q8_over_store_1024"]
+    assert v["result"] == "not measured" and "llama_zenflow-q8_1k: not run" in v["figure_text"]
+    for q8_ms, result in ((125.0, "holds"), (140.0, "contradicts")):
+        doc["sections"]["llama_zenflow-q8_1k"] = {
+            "status": "measured", "result": {"timed": {"device_step_ms_mean": q8_ms}}}  # fmt: skip
+        v = _by_name(gv.verdicts(doc))["q8_over_store_1024"]
+        assert v["result"] == result and v["figure"] == pytest.approx(q8_ms / 100.0)
 
 
 def test_a_skipped_section_makes_its_verdicts_not_measured_with_the_reason():
