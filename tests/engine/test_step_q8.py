@@ -57,15 +57,18 @@ class _Weight:
 
 
 class _Mode:
-    def __init__(self, kernels, acc):
+    def __init__(self, kernels, acc, host_state="exact"):
         self.e = type("E", (), {"accel": _Accel(), "clip": 1.0})()
+        self.host_state = host_state
         self.kernels = kernels
         self.transport = _Transport(acc)
         self.plan = type("P", (), {"slot": 0})()
 
 
-def _run(kernels, w: _Weight, steps: list) -> tuple[torch.Tensor, Q8StepStore]:
-    """Each step: (pieces, coefficient, skipped, fresh) through a Q8StepStore."""
+def _run(kernels, w: _Weight, steps: list, fold: bool = False) -> tuple[torch.Tensor, Q8StepStore]:
+    """Each step: (pieces, coefficient, skipped, fresh) through a Q8StepStore (``fold``:
+    the last flush hands its corrections over, ``store.last_folded``, as a window's end
+    does for its host step)."""
     acc = Accumulator(kernels.accumulate, threads=2, keep_i8=kernels.keep_i8)
     mode = _Mode(kernels, acc)
     store = Q8StepStore(mode)
@@ -78,7 +81,8 @@ def _run(kernels, w: _Weight, steps: list) -> tuple[torch.Tensor, Q8StepStore]:
             for pc, g, dst in zip(w.pieces, pieces, views, strict=True):
                 store.send(w, pc, 0, g, dst, fresh, None)
             store.gate_set(coef, skipped)
-        store.flush()  # what a window's end does before its host step reads the sum
+        # what a window's end does before its host step reads the sum
+        store.last_folded = store.flush(fold=fold)
         acc.drain()
     finally:
         acc.close()
@@ -151,6 +155,38 @@ def test_the_q8_store_computes_the_stated_arithmetic(kernel, link, sum_dtype, sh
     # window of 0.3 starts, and 1.0's at the end)
     assert store.corrected == 6 and store.passes == 2
     assert store.pred == 1.0
+
+
+@pytest.mark.parametrize("kernel", ["native", "reference"])
+def test_a_window_ends_correction_folded_is_the_pass(kernel):
+    """At a window's end (``flush(fold=True)``) the exact state's last correction is not a
+    pass: it is handed to the host step's CPU Adam (its ``corr_*`` arguments), and the sum
+    that Adam reads (``corrected_sum_reference``, bit for bit the native op's: its own
+    tests) is the stated arithmetic's, as with the pass; the sum in memory is left
+    uncorrected. A test's own kernel, or the compact state, cannot take it: a pass."""
+    from zenflow.ops.reference import corrected_sum_reference
+
+    kernels = resolve_kernel(kernel)
+    shape, n_nonsel, bucket = (37, 64), 57, 300
+    w = _Weight(shape, n_nonsel, bucket, torch.float32)
+    steps = _steps(w, torch.float32, PLAN)
+    got, store = _run(kernels, w, steps, fold=True)
+    want = _expected(_Weight(shape, n_nonsel, bucket, torch.float32), steps, torch.float32)
+    corr = store.last_folded[0]  # the last step's: 1.0 after 0.3
+    assert corr["corr_delta"] == pytest.approx(0.7) and store.folded == 1
+    assert corr["corr_starts"].tolist() == [pc.offset for pc in w.pieces] + [w.compact_numel]
+    assert not torch.equal(got, want)  # not applied to the sum
+    read = corrected_sum_reference(got, corr["corr_codes"], corr["corr_scales"],
+                                   corr["corr_starts"], corr["corr_delta"])  # fmt: skip
+    assert torch.equal(read, want)
+    assert store.corrected == 6 and store.passes == 1
+    # a custom kernel: the pass, as before
+    custom = resolve_kernel(lambda *a, **k: None)
+    custom = type(custom)(**{**custom.__dict__, "accumulate": kernels.accumulate,
+                             "keep_i8": kernels.keep_i8, "add_i8": kernels.add_i8})  # fmt: skip
+    w2 = _Weight(shape, n_nonsel, bucket, torch.float32)
+    got2, store2 = _run(custom, w2, steps, fold=True)
+    assert store2.last_folded == {} and torch.equal(got2, want)
 
 
 def test_the_sum_is_per_step_clipping_within_the_copies_rounding():

@@ -34,6 +34,7 @@ from zenflow.engine.zenflow import window as window_room
 from zenflow.hardware import layout
 from zenflow.hardware.census import census_of
 from zenflow.ops import i8_num_blocks
+from zenflow.ops.reference import corrected_sum_reference
 
 ZF = {"topk_ratio": 0.1, "update_interval": 2, "overlap_step": True,
       "select_strategy": "step", "select_interval": 4}  # fmt: skip
@@ -122,10 +123,18 @@ def _host_step_sums(store: str, monkeypatch) -> list[torch.Tensor]:
     got = []
     real = window_room.run_host_tasks
 
+    def read(t) -> torch.Tensor:  # the sum, with the q8 store's folded correction
+        g = t.grad.reshape(-1).float()
+        if t.correction is not None:
+            c = t.correction
+            g = corrected_sum_reference(g, c["corr_codes"], c["corr_scales"],
+                                        c["corr_starts"], c["corr_delta"])  # fmt: skip
+        return g * t.grad_scale
+
     def spy(tasks, kernels, lr, hp, nt, job, before):
         if before is not None:
             before()
-        got.append(torch.cat([t.grad.reshape(-1).float() * t.grad_scale for t in tasks]))
+        got.append(torch.cat([read(t) for t in tasks]))
         return real(tasks, kernels, lr, hp, nt, job, before)
 
     monkeypatch.setattr(window_room, "run_host_tasks", spy)
@@ -136,6 +145,37 @@ def _host_step_sums(store: str, monkeypatch) -> list[torch.Tensor]:
         assert e.impl.resolved()["host_clipping"] == {"on": "step", "off": "window",
                                                       "q8": "step-q8"}[store]  # fmt: skip
     return got
+
+
+@pytest.mark.parametrize("kernel", ["native", "reference"])
+def test_q8_window_ends_fold_their_last_correction_into_the_cpu_adam(kernel, monkeypatch):
+    """The exact state: each window's last q8 correction goes into the host step's CPU Adam
+    (``Q8StepStore.flush(fold=True)``) instead of a pass over the sum: the same weights,
+    bit for bit, as with the passes, over 10 steps with clipping at every step and
+    re-selections (native and reference kernels)."""
+    from zenflow.engine.zenflow.step_q8 import Q8StepStore
+
+    def train(fold: bool):
+        if not fold:
+            monkeypatch.setattr(Q8StepStore, "can_fold", property(lambda self: False))
+        model = tiny_gpt2()
+        cfg = make_config(ZF, clip=0.05, bf16={"enabled": False},
+                          zfctl={"host_state": "exact", "step_store": "q8"})  # fmt: skip
+        e = ZenFlowEngine(model, cfg, accelerator="sim", sim_strict=True, host_kernel=kernel)
+        with e:
+            train_engine(e, model, gpt2_batches(10, seed=3))
+            e.impl.drain()
+            store = e.impl.q8_store
+            counts = (store.folded, store.passes, store.corrected)
+        monkeypatch.undo()
+        return [p.detach().clone() for p in model.parameters()], counts
+
+    folded, (n_fold, passes_fold, total) = train(True)
+    plain, (n_none, passes, total_plain) = train(False)
+    assert n_fold > 0 and n_none == 0 and passes == passes_fold + n_fold
+    assert total == total_plain
+    for a, b in zip(folded, plain, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_with_clipping_q8_sums_what_per_step_clipping_sums(monkeypatch):

@@ -4,7 +4,8 @@ The kernel has three bodies (AVX-512, AVX2+FMA, scalar) chosen by compiler macro
 with ``-march=native`` exercises one of them; this test builds the others with
 ``ZENFLOW_NATIVE_MARCH`` (an older x86-64 level) into a scratch cache and reruns the
 element-wise comparison files against the reference on each (the scalar-step file, the
-per-column file, the compact host ops, the 8-bit moment codes and the 8-bit step), in a
+per-column file, the compact host ops, the 8-bit moment codes and the 8-bit step, the q8
+step store's ops and the Adam's folded correction), in a
 fresh process (one process can load only one library that registers the zenflow op
 namespace). A level the CPU cannot run is skipped, with the reason.
 """
@@ -29,6 +30,7 @@ NATIVE_TESTS = [
     HERE / "test_q8_codec.py",
     HERE / "test_q8_step.py",
     HERE / "test_step_i8_ops.py",
+    HERE / "test_adam_q8_fold.py",
 ]
 # x86-64 micro-architecture levels (GCC >= 11): v3 has AVX2+FMA and no AVX-512; the
 # baseline has only SSE2, so neither vector body compiles.

@@ -238,8 +238,11 @@ ENGINE_FIELD_DOCS: dict[str, str] = {
     "copy: per-step clipping, exact where the coefficient did not change (and in each "
     "window's first step), else within the change times the copy's rounding (at most half "
     "a code: 1/254 of the largest value of its 256). Costs the host the copy in each add, "
-    "the previous step's correction read from it there, and a pass over the sum at each "
-    'window\'s end (measured: docs/BENCHMARKS.md, "Per-step clipping from an 8-bit copy"). '
+    "the previous step's correction read from it there, and the last copy read again at "
+    "each window's end (by the exact state's CPU Adam as it reads the sum; a pass over the "
+    "compact state's sum): with clipping at every step 1.1-1.2 times the store's host bytes "
+    'per element and step (measured: docs/BENCHMARKS.md, "What the 8-bit copies cost per '
+    'step"). '
     "Without clipping and with no non-finite step the three settings give the same "
     "weights, bit for bit.",
     "return_image": "How a host step's result (the non-selected columns' fp32 master) goes "

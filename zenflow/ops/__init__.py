@@ -116,6 +116,10 @@ def adamw_step_(
     num_threads: int = 0,
     col_steps: torch.Tensor | None = None,
     col_inner: int = 1,
+    corr_codes: torch.Tensor | None = None,
+    corr_scales: torch.Tensor | None = None,
+    corr_starts: torch.Tensor | None = None,
+    corr_delta: float = 0.0,
 ) -> None:
     """One in-place Adam(W) step on contiguous CPU tensors with the native kernel.
 
@@ -132,10 +136,18 @@ def adamw_step_(
     ``C=in``; ``Conv1D`` weight ``[in, out]``: ``col_inner=out``, ``C=in``. With every entry
     equal to ``step`` the result is bit-identical to the call without ``col_steps``.
 
+    ``corr_codes`` / ``corr_scales`` / ``corr_starts`` / ``corr_delta`` (zfctl.step_store
+    "q8": a window's last correction, taken in as the sum is read): the step reads ``grad +
+    corr_delta * `` the decoded 8-bit copy (``accumulate_keep_i8_``'s, one per piece, the
+    pieces starting at ``corr_starts[:-1]``, ``corr_starts[-1] == numel``), each product
+    and sum rounded to fp32 as ``add_dequantized_i8_`` stores them: bit for bit that pass
+    over each piece of ``grad`` followed by this step, without writing ``grad``. fp32
+    ``grad`` only.
+
     Releases the GIL while it runs. Raises ``RuntimeError`` starting with
     ``zenflow::adamw_step_`` and naming the bad argument for a tensor that is not
-    contiguous, not on the CPU, of the wrong dtype or size, and for a bad ``col_steps`` or
-    ``col_inner``.
+    contiguous, not on the CPU, of the wrong dtype or size, and for a bad ``col_steps``,
+    ``col_inner`` or correction.
     """
     if ops_mode() == "reference":
         adamw_step_reference_(
@@ -155,6 +167,10 @@ def adamw_step_(
             num_threads=num_threads,
             col_steps=col_steps,
             col_inner=col_inner,
+            corr_codes=corr_codes,
+            corr_scales=corr_scales,
+            corr_starts=corr_starts,
+            corr_delta=corr_delta,
         )
         return
     load_native()
@@ -175,6 +191,10 @@ def adamw_step_(
         int(num_threads),
         col_steps,
         int(col_inner),
+        corr_codes,
+        corr_scales,
+        corr_starts,
+        float(corr_delta),
     )
 
 

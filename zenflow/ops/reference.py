@@ -27,6 +27,10 @@ def adamw_step_reference_(
     num_threads: int = 0,
     col_steps: torch.Tensor | None = None,
     col_inner: int = 1,
+    corr_codes: torch.Tensor | None = None,
+    corr_scales: torch.Tensor | None = None,
+    corr_starts: torch.Tensor | None = None,
+    corr_delta: float = 0.0,
 ) -> None:
     """One in-place Adam(W) step, the same arithmetic as torch.optim.AdamW's loop.
 
@@ -47,6 +51,8 @@ def adamw_step_reference_(
         raise ValueError(f"{_OP}: col_inner must be >= 1 (elements per run), got {col_inner}")
     if col_steps is not None:
         check_col_steps(param, col_steps, col_inner)
+    if corr_codes is not None:  # the q8 correction: its pass over a copy of the sum
+        grad = corrected_sum_reference(grad, corr_codes, corr_scales, corr_starts, corr_delta)
     g = grad.float()
     if grad_scale != 1.0:
         g = g * grad_scale
@@ -76,6 +82,25 @@ def adamw_step_reference_(
         param.view(shape).add_(step_size * (exp_avg.view(shape) / denom))
     if param_bf16 is not None:
         param_bf16.copy_(param)
+
+
+def corrected_sum_reference(grad: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                            starts: torch.Tensor, delta: float) -> torch.Tensor:  # fmt: skip
+    """``adamw_step_``'s correction in plain PyTorch: a copy of the fp32 window sum ``grad``
+    with ``add_dequantized_i8_reference_`` over each piece (``starts``: the pieces' first
+    elements, then numel; each piece's scales after the one before's)."""
+    if grad.dtype != torch.float32:
+        raise ValueError(f"{_OP}: a correction needs an fp32 grad, got {grad.dtype}")
+    out = grad.reshape(-1).clone()
+    bounds = [int(x) for x in starts]
+    if bounds[0] != 0 or bounds[-1] != out.numel():
+        raise ValueError(f"{_OP}: corr_starts must begin at 0 and end at numel")
+    b = 0
+    for a, z in zip(bounds[:-1], bounds[1:], strict=True):
+        nb = i8_num_blocks(z - a)
+        add_dequantized_i8_reference_(out[a:z], codes[a:z], scales[b : b + nb], delta)
+        b += nb
+    return out.view_as(grad)
 
 
 def check_col_steps(param: torch.Tensor, col_steps: torch.Tensor, col_inner: int) -> None:

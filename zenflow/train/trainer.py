@@ -135,6 +135,14 @@ def _dev_metrics(run) -> dict:
         )  # fmt: skip
 
 
+def rank_0s_fit(spec: RunSpec, par) -> RunSpec:
+    """``spec`` with rank 0's fitted settings (``zfctl.return_image``, ``zfctl.step_store``:
+    each rank's memory check read the host's free memory at its own moment, and ranks that
+    hold their pieces differently must not train together)."""
+    image, store = broadcast_object((spec.return_image, spec.step_store), par)
+    return dataclasses.replace(spec, return_image=image, step_store=store)
+
+
 class _Run:
     """State of one fine-tuning session (one process; a resumed run is a new session).
 
@@ -178,14 +186,9 @@ class _Run:
 
     # -- data parallel: join torchrun's process group (a no-op for one process)
     def start_parallel(self) -> None:
-        """Join the group; every rank then runs what rank 0's memory check fitted (each rank
-        checked this host's free memory at its own moment, and a run whose ranks hold their
-        pieces differently must not start: ``zfctl.return_image``, ``zfctl.step_store``)."""
         self.device_kind = device_kind(self.spec)
         self.par = init_parallel(self.device_kind)
-        image, store = broadcast_object((self.spec.return_image, self.spec.step_store), self.par)
-        self.spec = dataclasses.replace(self.spec, nproc=self.par.world, return_image=image,
-                                        step_store=store)  # fmt: skip
+        self.spec = dataclasses.replace(rank_0s_fit(self.spec, self.par), nproc=self.par.world)
 
     # -- the run directory (zenflow.train.rundir): locked for the whole run
     def claim_run_dir(self) -> None:

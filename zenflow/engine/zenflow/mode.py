@@ -324,10 +324,13 @@ class ZenFlowMode:
         # store-free: the pieces crossed unclipped; the window's host step clips them
         self.window.add_step(hp.lr, coef if self.store_free else 1.0)
         if self.window.ends_now(self.early.interval(t)):
-            self._flush_corrections()  # the host step reads the window sum
+            # the host step reads the window sums, and takes the q8 store's last
+            # corrections in as it does (the exact state: ``Q8StepStore.flush``)
+            folded = self._flush_corrections(fold=True)
             reselect = self.handover.due(t)
             scores = self.handover.scores() if reselect else None
-            self.window.end(t, hp, sync=reselect or not self.early.overlap(t))
+            self.window.end(t, hp, sync=reselect or not self.early.overlap(t),
+                            corrections=folded)  # fmt: skip
             if reselect:
                 self.handover.select(t, scores)
 
@@ -364,11 +367,13 @@ class ZenFlowMode:
         self._flush_corrections()  # a checkpoint saves the window sums
         self.window.drain()
 
-    def _flush_corrections(self) -> None:
+    def _flush_corrections(self, fold: bool = False) -> dict:
         """The q8 store's corrections still waiting for a weight's next add, queued as
-        passes of their own: the window sums are about to be read."""
-        if self.q8_store is not None:
-            self.q8_store.flush()
+        passes of their own: the window sums are about to be read (``fold``: by a window's
+        host step only, which takes the ones it can in itself: returned per weight)."""
+        if self.q8_store is None:
+            return {}
+        return self.q8_store.flush(fold=fold)
 
     # ------------------------------------------------------------------ lifecycle
     def release_host(self) -> None:
@@ -376,7 +381,7 @@ class ZenFlowMode:
         set-up master, and the return's images (the engine is closed: nothing reads them
         again)."""
         for w in self.zweights:
-            for name in ("host", "store", "step_buf", "init_master", "q8_plan"):
+            for name in ("host", "store", "step_buf", "init_master", "q8_plan", "q8_starts"):
                 if hasattr(w, name):
                     setattr(w, name, None)
             w.acc = []

@@ -10,10 +10,12 @@ coefficient), and in the same pass kept in 8 bits (``zenflow.ops.accumulate_keep
 linear codes, one fp32 scale per 256 elements). Once ``c`` is known the sum gets
 ``(c - p)`` times the decoded copy, on the accumulator thread, in order with the adds: in
 the weight's next add, block by block from the copy that add replaces, or, for a window's
-last step (its sum is about to be read), as a pass of its own (``add_dequantized_i8_``);
-the same sum bit for bit. The first write of a window (overwrite) needs no copy: the piece
-goes in unscaled and the sum is multiplied by ``c`` (one rounding, the store's arithmetic),
-likewise in the next add or a pass.
+last step (its sum is about to be read): in the exact state, inside the window's CPU Adam
+as it reads the sum (``adamw_step_``'s ``corr_*``), else as a pass of its own
+(``add_dequantized_i8_``); the same sum, and the same step, bit for bit. The first write
+of a window (overwrite) needs no copy: the piece goes in unscaled and the sum is
+multiplied by ``c`` (one rounding, the store's arithmetic), likewise in the next add or a
+pass.
 
 So the window sum is per-step clipping's: exactly where ``c == p`` (clipping that never
 bites: both 1) and in a window's first step, and elsewhere within ``|c - p|`` times the
@@ -24,8 +26,9 @@ its non-finite pieces were zeroed before they crossed.
 Without clipping it is "off": nothing to correct, no copy. Held with clipping: 1 byte per
 non-selected parameter plus 4 per 256, not pinned, not the store's 2 or 4.
 Host work: the copy is written by the add's own pass (1 byte an element more), the
-correction read from the copy there (1 more), and at a window's end one more pass over the
-sum (read and write) and the copy.
+correction read from the copy there (1 more), and at a window's end the last copy read once
+more: by the exact state's CPU Adam, or by a pass over the compact state's sum (its read
+and write too).
 
 Owns the 8-bit copies, the prediction (checkpointed: ``pred``) and the corrections; must
 not touch the window's host step or the device.
@@ -48,7 +51,8 @@ class Q8StepStore:
     from the copy that add replaces (``accumulate_keep_i8_``'s ``prev_mul`` /
     ``prev_delta``): no pass of their own over the sum. ``flush`` queues the ones still
     pending as passes of their own: before anything reads a window sum (a window's end, a
-    flush, a checkpoint's drain). Either way the sum is the same, bit for bit."""
+    flush, a checkpoint's drain); at a window's end the exact state's host step takes them
+    in itself (``fold``). Either way the sum it reads is the same, bit for bit."""
 
     def __init__(self, mode):
         self.m = mode
@@ -58,6 +62,7 @@ class Q8StepStore:
         self.applying: dict = {}  # the pending ones this step's adds take in
         self.corrected = 0  # corrections applied, in adds or passes (tests, figures)
         self.passes = 0  # of those, the passes of their own
+        self.folded = 0  # ... and those a window's CPU Adam took in (``flush``'s ``fold``)
 
     def start_step(self) -> None:
         self.touched = {}
@@ -77,7 +82,7 @@ class Q8StepStore:
         for pc, nb in zip(w.pieces, blocks, strict=True):
             views[pc.offset] = (codes[pc.offset : pc.offset + pc.numel], scales[b : b + nb])
             b += nb
-        w.q8_plan = (w.pieces, views)
+        w.q8_plan = (w.pieces, views, codes, scales)
         return views
 
     def send(self, w, pc, i: int, bucket: torch.Tensor, dst, fresh: bool, wait) -> None:
@@ -117,24 +122,60 @@ class Q8StepStore:
         if not skipped:
             self.pred = coef
 
-    def flush(self) -> None:
+    def flush(self, fold: bool = False) -> dict:
         """Queue the pending corrections as passes of their own (in order after the adds):
-        before a window's sum is read."""
+        before a window's sum is read. ``fold`` (a window's end, whose host step is the only
+        reader of its sums): a weight's correction from its copy is returned instead, as the
+        arguments of the exact state's CPU Adam, which takes it in as it reads the sum
+        (``zenflow.ops.adamw_step_``'s ``corr_*``: bit for bit the pass, then the step;
+        ``can_fold``); returns {weight position: those arguments}."""
         entries = list(self.pending.values()) + list(self.applying.values())
         self.pending, self.applying = {}, {}
-        work = []
+        work, folded = [], {}
         for w, slot, mul, delta in entries:
-            if delta != 0.0:
+            whole = self._whole_copy(w) if delta != 0.0 and fold and self.can_fold else None
+            if whole is not None:
+                codes, scales, starts = whole
+                folded[w.position] = {"corr_codes": codes, "corr_scales": scales,
+                                      "corr_starts": starts, "corr_delta": delta}  # fmt: skip
+            elif delta != 0.0:
                 held, views = self.copies(w), w.views(w.acc[slot])
                 work += [(dst.view(-1), *held[pc.offset], 1.0, delta)
                          for pc, dst in zip(w.pieces, views, strict=True)]  # fmt: skip
             else:
                 work.append((w.acc[slot], None, None, mul, 0.0))
+        self.corrected += len(entries)
+        self.folded += len(folded)
+        self.passes += len(entries) - len(folded)
         if work:
             acc = self.m.transport.accumulator
             acc.call(lambda: self._correct(work, acc))
-            self.corrected += len(entries)
-            self.passes += len(entries)
+        return folded
+
+    @property
+    def can_fold(self) -> bool:
+        """The window's CPU Adam can take a correction in: the exact state (an fp32 sum)
+        with the engine's own kernels, native or reference (a test's custom kernel
+        cannot)."""
+        from zenflow import ops
+
+        return self.m.host_state == "exact" and self.m.kernels.full in (
+            ops.adamw_step_, ops.adamw_step_reference_)  # fmt: skip
+
+    def _whole_copy(self, w) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``w``'s 8-bit copy whole: its codes, its scales (piece after piece, as ``copies``
+        lays them out) and the pieces' starts (then the compact length); None where its
+        pieces do not tile its compact columns in order (then the pass)."""
+        self.copies(w)  # (made by the window's adds already)
+        _, _, codes, scales = w.q8_plan
+        starts = getattr(w, "q8_starts", None)
+        if starts is None or starts[0] is not w.pieces:
+            offsets = [pc.offset for pc in w.pieces] + [w.compact_numel]
+            tiles = all(b - a == pc.numel for a, b, pc in
+                        zip(offsets[:-1], offsets[1:], w.pieces, strict=True))  # fmt: skip
+            starts = (w.pieces, torch.tensor(offsets, dtype=torch.int64) if tiles else None)
+            w.q8_starts = starts
+        return None if starts[1] is None else (codes, scales, starts[1])
 
     def _correct(self, work: list, acc) -> None:
         """On the accumulator: each sum times its multiplier, or plus its change times its

@@ -154,8 +154,8 @@ class Window:
         self.image_return.apply(job, t)
         self.last_applied = job
 
-    def _window_tasks(self, n: int, images: dict | None) -> tuple[list[HostTask], object,
-                                                                   list, set]:  # fmt: skip
+    def _window_tasks(self, n: int, images: dict | None,
+                      corrections: dict) -> tuple[list[HostTask], object, list, set]:  # fmt: skip
         """The host step of the window just ended (n steps), what it must wait for, the
         events it sets once it has read each weight's window sum, and the set of weights
         (positions) whose result it has written (filled as it goes). ``images``: where it
@@ -196,7 +196,8 @@ class Window:
 
             image = None if images is None else images.get(w.position)
             tasks.append(HostTask(w.host, w.acc[slot].view(w.compact_shape()),
-                                  self.window_coef / n, w.col_inner, image, after))  # fmt: skip
+                                  self.window_coef / n, w.col_inner, image, after,
+                                  correction=corrections.get(w.position)))  # fmt: skip
         if not self.m.zero_copy:  # backward's order: the next window's first pieces are the
             tasks.reverse()  # last layers', whose sums the worker then frees first
         before = None
@@ -248,14 +249,16 @@ class Window:
             hp = dataclasses.replace(hp, weight_decay=hp.weight_decay * root)
         return self.window_lr_sum / root, hp
 
-    def end(self, t: int, hp, sync: bool) -> None:
+    def end(self, t: int, hp, sync: bool, corrections: dict | None = None) -> None:
         """End the window at step ``t``: its host step goes to the worker (``sync``: and
-        its result to the device before this returns)."""
+        its result to the device before this returns). ``corrections``: per weight
+        position, the q8 store's last correction its kernel takes in (``Q8StepStore.flush``
+        with ``fold``)."""
         e = self.e
         self.wait_inflight(t)  # at most one host step in flight: the previous one first
         n = self.window_len
         images = self.image_return.images_for(t)
-        tasks, before, frees, ready = self._window_tasks(n, images)
+        tasks, before, frees, ready = self._window_tasks(n, images, corrections or {})
         job = HostJob(window_start=self.window_start, submit_step=t, buffer_slot=self.slot,
                       meta={"ready": ready, "images": images})  # fmt: skip
         self.host_log.append(job)
