@@ -28,8 +28,8 @@ upper bound, ``predict.q8_store_bytes``): the window's first write as above; its
 keeps the piece's 8-bit copy and takes in the first's multiplier
 (``accumulate_keep_i8_``'s ``prev_mul``); each later add keeps its copy and takes in the
 step before's correction from that step's copy (``prev_delta``); the last step's
-correction goes into the Adam as it reads the sum (exact: ``adamw_step_``'s ``corr_*``), or
-is a pass of its own (``add_dequantized_i8_``) before it (compact).
+correction goes into the Adam as it reads the sum (``adamw_step_`` / ``adamw_q8_step_``'s
+``corr_*``). ``q8 correct`` times the pass that did it before (``add_dequantized_i8_``).
 
 The break-even tokens per step (compute = host time) for this host follow for a model
 (``--model``, at ``--topk-ratio``, h100-sxm at 45%), from the measured time per element.
@@ -91,33 +91,31 @@ class Window:
         ops.accumulate_keep_i8_(self.sum, self.store, 0.5, *self.copy, **kw)
 
     def correct(self) -> None:
-        """A q8 window's last correction, a pass of its own (the compact state)."""
+        """A q8 window's last correction as a pass of its own (before it went into the
+        Adam)."""
         ops.add_dequantized_i8_(self.sum, *self.copy, 0.01, num_threads=self.threads)
 
-    def adam_folded(self) -> None:
-        """The exact state's window Adam taking a q8 window's last correction in as it
-        reads the sum (one piece)."""
+    def adam(self, **corr) -> None:
         self.step += 1
+        kw = dict(step=self.step, num_threads=self.threads, **HP, **corr)
+        if self.state == "exact":
+            ops.adamw_step_(self.master, self.sum, self.m, self.v, **kw)
+        else:
+            (mc, uc), (ms, us) = self.codes, self.scales
+            ops.adamw_q8_step_(self.master, self.sum, mc, ms, uc, us, **kw)
+
+    def adam_folded(self) -> None:
+        """The window's Adam taking a q8 window's last correction in as it reads the sum
+        (one piece)."""
         starts = torch.tensor([0, self.sum.numel()], dtype=torch.int64)
-        ops.adamw_step_(self.master, self.sum, self.m, self.v, step=self.step,
-                        num_threads=self.threads, corr_codes=self.copy[0],
-                        corr_scales=self.copy[1], corr_starts=starts, corr_delta=0.01,
-                        **HP)  # fmt: skip
+        self.adam(corr_codes=self.copy[0], corr_scales=self.copy[1], corr_starts=starts,
+                  corr_delta=0.01)  # fmt: skip
 
     def staged_add(self) -> None:
         """A later add of the path before the store: the ring slot copied in first."""
         with torch_threads(self.threads):
             self.store.copy_(self.ring)
         self.add(False)
-
-    def adam(self) -> None:
-        self.step += 1
-        kw = dict(step=self.step, num_threads=self.threads, **HP)
-        if self.state == "exact":
-            ops.adamw_step_(self.master, self.sum, self.m, self.v, **kw)
-        else:
-            (mc, uc), (ms, us) = self.codes, self.scales
-            ops.adamw_q8_step_(self.master, self.sum, mc, ms, uc, us, **kw)
 
 
 def measure(n: int, threads: int, repeats: int) -> dict:
@@ -134,11 +132,11 @@ def measure(n: int, threads: int, repeats: int) -> dict:
         timed[f"{st} first add"] = lambda w=w: w.add(True)
         timed[f"{st} add"] = lambda w=w: w.add(False)
         timed[f"{st} adam"] = w.adam
+        timed[f"{st} q8 adam folded"] = w.adam_folded
         # (a multiplier near 1, so that repeats leave the sums' scale as it was)
         timed[f"{st} q8 keep mul"] = lambda w=w: w.keep_add(mul=0.999)
         timed[f"{st} q8 keep delta"] = lambda w=w: w.keep_add(delta=0.01)
         timed[f"{st} q8 correct"] = w.correct
-    timed["exact q8 adam folded"] = windows["exact"].adam_folded
     timed["exact staged add"] = windows["exact"].staged_add
     times = {k: [] for k in timed}
     for fn in timed.values():
@@ -160,10 +158,8 @@ def per_step(sec: dict, state: str, S: int, n: int, staged: bool = False,
         if S == 1:  # the first write's multiplier as a pass: a correction's sum bytes
             return (first + sec[f"{state} q8 correct"] + adam) / n
         adds = sec[f"{state} q8 keep mul"] + (S - 2) * sec[f"{state} q8 keep delta"]
-        # the last correction: inside the exact state's Adam, a pass before the compact one
-        last = (sec["exact q8 adam folded"] if state == "exact"
-                else sec[f"{state} q8 correct"] + adam)  # fmt: skip
-        return (first + adds + last) / S / n
+        # the last correction inside the window's Adam
+        return (first + adds + sec[f"{state} q8 adam folded"]) / S / n
     add = sec["exact staged add"] if staged else sec[f"{state} add"]
     first = sec[f"{state} first add"] + (add - sec["exact add"] if staged else 0.0)
     return (first + (S - 1) * add + sec[f"{state} adam"]) / S / n

@@ -14,6 +14,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -359,6 +360,112 @@ inline ColTables col_tables(const char* op, const at::Tensor& col_steps, int64_t
     t.neg_step_size[j] = t.neg_step_size[j % num_cols];
   }
   return t;
+}
+
+// zfctl.step_store "q8": a window's last correction taken in as a step reads the window sum
+// (adamw_step_ and adamw_q8_step_'s corr_* arguments). The sum the step reads is
+// sum + delta * (code * scale) of the pieces' 8-bit copy, each product and sum rounded to
+// fp32 in that order and stored in the sum's dtype, exactly as add_dequantized_i8_ would
+// store it before the step (host_ops.cpp; a block of kCorrBlock elements shares a scale, and
+// each piece's blocks start at its first element): the same step, bit for bit, without the
+// pass over the sum. The sum itself is left as it was.
+constexpr int64_t kCorrBlock = 256;
+
+struct Correction {
+  const int8_t* codes;    // one per element
+  const float* scales;    // one per block, piece after piece
+  const int64_t* starts;  // the pieces' first elements, then numel
+  std::vector<int64_t> first_scale;  // each piece's first block in scales
+  int64_t pieces;
+  float delta;
+};
+
+// The correction's tensors, checked (error messages start with `op`): all three or none
+// (false); codes int8 [numel]; starts int64 [P + 1], 0 first, numel last, increasing;
+// scales fp32, one per 256-block of each piece.
+inline bool read_correction(const char* op, const std::optional<at::Tensor>& codes,
+                            const std::optional<at::Tensor>& scales,
+                            const std::optional<at::Tensor>& starts, double delta,
+                            int64_t numel, Correction& corr) {
+  if (!codes.has_value() && !scales.has_value() && !starts.has_value()) return false;
+  TORCH_CHECK(codes.has_value() && scales.has_value() && starts.has_value(), op,
+              ": corr_codes, corr_scales and corr_starts go together (all three or none)");
+  for (const at::Tensor* t : {&*codes, &*scales, &*starts}) {
+    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() && t->dim() == 1, op,
+                ": corr_codes, corr_scales and corr_starts must be 1-D, contiguous, on the CPU");
+  }
+  TORCH_CHECK(codes->scalar_type() == at::kChar && codes->numel() == numel, op,
+              ": corr_codes must be Char (int8) with one per element (", numel, "), got ",
+              codes->scalar_type(), " x ", codes->numel());
+  TORCH_CHECK(scales->scalar_type() == at::kFloat, op, ": corr_scales must be Float");
+  TORCH_CHECK(starts->scalar_type() == at::kLong && starts->numel() >= 2, op,
+              ": corr_starts must be Long (int64) with the pieces' starts and numel last");
+  corr.codes = codes->data_ptr<int8_t>();
+  corr.scales = scales->data_ptr<float>();
+  corr.starts = starts->data_ptr<int64_t>();
+  corr.pieces = starts->numel() - 1;
+  corr.delta = static_cast<float>(delta);
+  TORCH_CHECK(corr.starts[0] == 0 && corr.starts[corr.pieces] == numel, op,
+              ": corr_starts must begin at 0 and end at numel (", numel, ")");
+  corr.first_scale.resize(corr.pieces);
+  int64_t blocks = 0;
+  for (int64_t q = 0; q < corr.pieces; ++q) {
+    const int64_t len = corr.starts[q + 1] - corr.starts[q];
+    TORCH_CHECK(len > 0, op, ": corr_starts must increase, got ", corr.starts[q], " then ",
+                corr.starts[q + 1], " at piece ", q);
+    corr.first_scale[q] = blocks;
+    blocks += (len + kCorrBlock - 1) / kCorrBlock;
+  }
+  TORCH_CHECK(scales->numel() == blocks, op, ": corr_scales has ", scales->numel(),
+              " elements, expected one per 256-element block of each piece: ", blocks);
+  return true;
+}
+
+// Calls fn(a, n, scale) for each segment [a, a + n) of [begin, end) inside one piece's
+// 256-block, in order, with that block's scale.
+template <typename Fn>
+inline void for_each_corr_segment(const Correction& corr, int64_t begin, int64_t end,
+                                  const Fn& fn) {
+  int64_t piece =
+      std::upper_bound(corr.starts, corr.starts + corr.pieces, begin) - corr.starts - 1;
+  for (int64_t a = begin; a < end;) {
+    while (a >= corr.starts[piece + 1]) ++piece;
+    const int64_t blk = (a - corr.starts[piece]) / kCorrBlock;
+    int64_t stop = corr.starts[piece] + (blk + 1) * kCorrBlock;
+    stop = stop < corr.starts[piece + 1] ? stop : corr.starts[piece + 1];
+    stop = stop < end ? stop : end;
+    fn(a, stop - a, corr.scales[corr.first_scale[piece] + blk]);
+    a = stop;
+  }
+}
+
+// The sum's dtype's rounding of a corrected value, as the pass stores it: none for fp32,
+// round to nearest even for bf16 as c10::BFloat16(float) and host_ops.cpp's store_float do
+// (add 0x7FFF + lsb, keep the top half; NaN becomes 0x7FC0), in integer operations only so
+// that the loop vectorises.
+inline float corr_round(float x, const float*) { return x; }
+inline float corr_round(float x, const c10::BFloat16*) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  uint32_t top = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  top = (bits & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : top;
+  const uint32_t wide = top << 16;
+  float out;
+  std::memcpy(&out, &wide, sizeof(out));
+  return out;
+}
+
+// tmp[k] = round(g[a + k] + delta * (codes[a + k] * s)), k < n: fp-contract=off, as the
+// pass (AddI8Block in host_ops.cpp).
+template <typename GradT>
+__attribute__((optimize("fp-contract=off"))) inline void corrected_grad(
+    float* tmp, const GradT* g, const int8_t* codes, float s, float delta, int64_t a,
+    int64_t n) {
+  for (int64_t k = 0; k < n; ++k) {
+    const float value = static_cast<float>(codes[a + k]) * s;
+    const float prod = delta * value;
+    tmp[k] = corr_round(load_grad_scalar(g, a + k) + prod, g);
+  }
 }
 
 // The per-call constants of one step, derived in double once (shared by every op).

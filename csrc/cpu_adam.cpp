@@ -52,9 +52,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
-#include <algorithm>
 #include <string>
-#include <vector>
 
 namespace zenflow {
 namespace {
@@ -82,36 +80,9 @@ void run_blocks(int64_t numel, float* p, const GradT* g, float* m, float* v, c10
   }
 }
 
-// zfctl.step_store "q8": a window's last correction taken in as the window sum is read.
-// The sum the step reads is sum + delta * (code * scale) of the pieces' 8-bit copy, each
-// product and sum rounded to fp32 in that order, exactly as add_dequantized_i8_ would store
-// it before this step (host_ops.cpp; a block of kCorrBlock elements shares a scale, and each
-// piece's blocks start at its first element): the same step, bit for bit, without the
-// pass over the sum. The sum itself is left as it was.
-constexpr int64_t kCorrBlock = 256;
-
-struct Correction {
-  const int8_t* codes;   // one per element
-  const float* scales;   // one per block, piece after piece
-  const int64_t* starts; // the pieces' first elements, then numel
-  std::vector<int64_t> first_scale;  // each piece's first block in scales
-  int64_t pieces;
-  float delta;
-};
-
-// tmp[k] = g[a + k] + delta * (codes[a + k] * s), k < n: fp-contract=off, as the pass.
-__attribute__((optimize("fp-contract=off"))) void corrected_grad(
-    float* tmp, const float* g, const int8_t* codes, float s, float delta, int64_t a, int64_t n) {
-  for (int64_t k = 0; k < n; ++k) {
-    const float value = static_cast<float>(codes[a + k]) * s;
-    const float prod = delta * value;
-    tmp[k] = g[a + k] + prod;
-  }
-}
-
-// run_blocks with the correction: each 64K block split where a piece or one of its
-// 256-blocks ends; each segment's corrected sum in a buffer on the stack, then the step
-// over the segment (flat0: its place in the tensor, for the per-column constants).
+// run_blocks with a q8 correction (adam_kernel.h, Correction): each 64K block split where a
+// piece or one of its 256-blocks ends; each segment's corrected sum in a buffer on the
+// stack, then the step over the segment (flat0: its place, for the per-column constants).
 void run_blocks_corrected(int64_t numel, float* p, const float* g, float* m, float* v,
                           c10::BFloat16* pb, const StepConsts& c, BiasConsts b,
                           const ColTables* cols, const Correction& corr, int team) {
@@ -120,20 +91,9 @@ void run_blocks_corrected(int64_t numel, float* p, const float* g, float* m, flo
   for (int64_t block = 0; block < num_blocks; ++block) {
     const int64_t begin = block * kBlockElems;
     const int64_t end = begin + kBlockElems < numel ? begin + kBlockElems : numel;
-    // the piece holding `begin`: the last start <= begin
-    int64_t piece = std::upper_bound(corr.starts, corr.starts + corr.pieces, begin) -
-                    corr.starts - 1;
     float tmp[kCorrBlock];
-    for (int64_t a = begin; a < end;) {
-      while (a >= corr.starts[piece + 1]) ++piece;
-      const int64_t local = a - corr.starts[piece];
-      const int64_t blk = local / kCorrBlock;
-      int64_t stop = corr.starts[piece] + (blk + 1) * kCorrBlock;
-      stop = stop < corr.starts[piece + 1] ? stop : corr.starts[piece + 1];
-      stop = stop < end ? stop : end;
-      const int64_t n = stop - a;
-      corrected_grad(tmp, g, corr.codes, corr.scales[corr.first_scale[piece] + blk], corr.delta,
-                     a, n);
+    for_each_corr_segment(corr, begin, end, [&](int64_t a, int64_t n, float scale) {
+      corrected_grad(tmp, g, corr.codes, scale, corr.delta, a, n);
       c10::BFloat16* pba = pb != nullptr ? pb + a : nullptr;
       if (cols == nullptr) {
         run_range(0, n, p + a, tmp, m + a, v + a, pba, c, b);
@@ -142,8 +102,7 @@ void run_blocks_corrected(int64_t numel, float* p, const float* g, float* m, flo
       } else {
         run_range_runs(0, n, p + a, tmp, m + a, v + a, pba, c, *cols, a);
       }
-      a = stop;
-    }
+    });
   }
 }
 
@@ -159,49 +118,6 @@ void check_cpu_contiguous(const at::Tensor& t, const char* name, at::ScalarType 
               "not a view with strides ", t.strides(), ")");
   TORCH_CHECK(t.numel() == numel, kOp, ": ", name, " has ", t.numel(),
               " elements but param has ", numel);
-}
-
-// The correction's tensors, checked: all three or none; an fp32 grad (the exact state's
-// window sum); codes int8 [numel]; starts int64 [P + 1], 0 first, numel last, increasing;
-// scales fp32, one per 256-block of each piece.
-Correction check_correction(const std::optional<at::Tensor>& codes,
-                            const std::optional<at::Tensor>& scales,
-                            const std::optional<at::Tensor>& starts, const at::Tensor& grad,
-                            int64_t numel) {
-  TORCH_CHECK(codes.has_value() && scales.has_value() && starts.has_value(), kOp,
-              ": corr_codes, corr_scales and corr_starts go together (all three or none)");
-  TORCH_CHECK(grad.scalar_type() == at::kFloat, kOp,
-              ": a correction needs an fp32 grad (the exact window sum), got ",
-              grad.scalar_type());
-  for (const at::Tensor* t : {&*codes, &*scales, &*starts}) {
-    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() && t->dim() == 1, kOp,
-                ": corr_codes, corr_scales and corr_starts must be 1-D, contiguous, on the CPU");
-  }
-  TORCH_CHECK(codes->scalar_type() == at::kChar && codes->numel() == numel, kOp,
-              ": corr_codes must be Char (int8) with one per element (", numel, "), got ",
-              codes->scalar_type(), " x ", codes->numel());
-  TORCH_CHECK(scales->scalar_type() == at::kFloat, kOp, ": corr_scales must be Float");
-  TORCH_CHECK(starts->scalar_type() == at::kLong && starts->numel() >= 2, kOp,
-              ": corr_starts must be Long (int64) with the pieces' starts and numel last");
-  Correction corr{};
-  corr.codes = codes->data_ptr<int8_t>();
-  corr.scales = scales->data_ptr<float>();
-  corr.starts = starts->data_ptr<int64_t>();
-  corr.pieces = starts->numel() - 1;
-  TORCH_CHECK(corr.starts[0] == 0 && corr.starts[corr.pieces] == numel, kOp,
-              ": corr_starts must begin at 0 and end at numel (", numel, ")");
-  corr.first_scale.resize(corr.pieces);
-  int64_t blocks = 0;
-  for (int64_t q = 0; q < corr.pieces; ++q) {
-    const int64_t len = corr.starts[q + 1] - corr.starts[q];
-    TORCH_CHECK(len > 0, kOp, ": corr_starts must increase, got ", corr.starts[q], " then ",
-                corr.starts[q + 1], " at piece ", q);
-    corr.first_scale[q] = blocks;
-    blocks += (len + kCorrBlock - 1) / kCorrBlock;
-  }
-  TORCH_CHECK(scales->numel() == blocks, kOp, ": corr_scales has ", scales->numel(),
-              " elements, expected one per 256-element block of each piece: ", blocks);
-  return corr;
 }
 
 void adamw_step_(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
@@ -232,11 +148,12 @@ void adamw_step_(const at::Tensor& param, const at::Tensor& grad, const at::Tens
   if (col_steps.has_value()) {
     tables = col_tables(kOp, *col_steps, col_inner, numel, lr, beta1, beta2, team);
   }
-  const bool corrected = corr_codes.has_value() || corr_scales.has_value() ||
-                         corr_starts.has_value();
   Correction corr{};
-  if (corrected) corr = check_correction(corr_codes, corr_scales, corr_starts, grad, numel);
-  corr.delta = static_cast<float>(corr_delta);
+  const bool corrected =
+      read_correction(kOp, corr_codes, corr_scales, corr_starts, corr_delta, numel, corr);
+  TORCH_CHECK(!corrected || grad.scalar_type() == at::kFloat, kOp,
+              ": a correction needs an fp32 grad (the exact window sum), got ",
+              grad.scalar_type());
   if (numel == 0) return;
 
   const StepConsts c =
@@ -303,7 +220,9 @@ TORCH_LIBRARY(zenflow, m) {
       "adamw_q8_step_(Tensor(a!) param, Tensor grad, Tensor(b!) m_codes, Tensor(c!) m_scales, "
       "Tensor(d!) u_codes, Tensor(e!) u_scales, Tensor(f!)? image, int step, float lr, "
       "float beta1, float beta2, float eps, float weight_decay, float grad_scale, "
-      "bool adamw_mode, int num_threads, Tensor? col_steps=None, int col_inner=1) -> ()");
+      "bool adamw_mode, int num_threads, Tensor? col_steps=None, int col_inner=1, "
+      "Tensor? corr_codes=None, Tensor? corr_scales=None, Tensor? corr_starts=None, "
+      "float corr_delta=0.0) -> ()");
   m.def(
       "quantize_q8_(Tensor src, Tensor(a!) codes, Tensor(b!) scales, bool is_signed, "
       "int num_threads) -> ()");

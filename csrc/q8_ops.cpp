@@ -29,8 +29,9 @@
 // range (q >= 2^-14): 1/16 for m, 1/32 for u (so about 1/16 for v = u^2); u keeps one
 // fraction bit more because it sits in the denominator of the step and has no sign bit.
 //
-// adamw_q8_step_(param, grad, m_codes, m_scales, u_codes, u_scales, image, step, ...): one
-// in-place Adam(W) step. Per block: (1) decode m and v = u * u (fp32) into block-local
+// adamw_q8_step_(param, grad, m_codes, m_scales, u_codes, u_scales, image, step, ...,
+// corr_*): one in-place Adam(W) step (corr_*: a q8 step store's last correction taken in as
+// the step reads grad, as adamw_step_'s; adam_kernel.h). Per block: (1) decode m and v = u * u (fp32) into block-local
 // buffers; (2) run the exact Adam element arithmetic of adamw_step_ (step_scalar /
 // step_vector of adam_kernel.h, the same instructions: with exact moments the result equals
 // adamw_step_'s) on param, those moments and the optional bf16 image, keeping
@@ -110,19 +111,11 @@ struct Q8Moments {
   float* u_scales;
 };
 
-// One quantisation block [begin, begin + len): decode, Adam, requantise.
+// The step over one block's elements (block-local moments, gg the block's gradient).
 template <typename GradT>
-inline void q8_block(int64_t begin, int64_t len, float* p, const GradT* g, const Q8Moments& q,
-                     c10::BFloat16* pb, const StepConsts& c, BiasConsts b,
-                     const ColTables* cols) {
-  alignas(64) float m[kQBlock];
-  alignas(64) float v[kQBlock];  // v = u^2 in, u = sqrt(v_new) out (kSqrtOut)
-  const int64_t block = begin / kQBlock;
-  dequantize_block<FormatM, false>(q.m_codes + begin, q.m_scales[block], len, m);
-  dequantize_block<FormatU, true>(q.u_codes + begin, q.u_scales[block], len, v);
-  float* pp = p + begin;
-  const GradT* gg = g + begin;
-  c10::BFloat16* pbb = pb == nullptr ? nullptr : pb + begin;
+inline void q8_block_step(int64_t begin, int64_t len, float* pp, const GradT* gg, float* m,
+                          float* v, c10::BFloat16* pbb, const StepConsts& c, BiasConsts b,
+                          const ColTables* cols) {
   if (cols == nullptr) {
     run_range<GradT, true>(0, len, pp, gg, m, v, pbb, c, b);
   } else if (cols->col_inner == 1) {
@@ -130,15 +123,42 @@ inline void q8_block(int64_t begin, int64_t len, float* p, const GradT* g, const
   } else {
     run_range_runs<GradT, true>(0, len, pp, gg, m, v, pbb, c, *cols, begin);
   }
+}
+
+// One quantisation block [begin, begin + len): decode, Adam, requantise. With a q8 step
+// store's correction (adam_kernel.h, Correction) the step reads the block's corrected sum,
+// made in a buffer on the stack segment by segment (a piece's 256-blocks need not line up
+// with the moments').
+template <typename GradT>
+inline void q8_block(int64_t begin, int64_t len, float* p, const GradT* g, const Q8Moments& q,
+                     c10::BFloat16* pb, const StepConsts& c, BiasConsts b,
+                     const ColTables* cols, const Correction* corr) {
+  alignas(64) float m[kQBlock];
+  alignas(64) float v[kQBlock];  // v = u^2 in, u = sqrt(v_new) out (kSqrtOut)
+  const int64_t block = begin / kQBlock;
+  dequantize_block<FormatM, false>(q.m_codes + begin, q.m_scales[block], len, m);
+  dequantize_block<FormatU, true>(q.u_codes + begin, q.u_scales[block], len, v);
+  float* pp = p + begin;
+  c10::BFloat16* pbb = pb == nullptr ? nullptr : pb + begin;
+  if (corr == nullptr) {
+    q8_block_step(begin, len, pp, g + begin, m, v, pbb, c, b, cols);
+  } else {
+    alignas(64) float tmp[kQBlock];
+    for_each_corr_segment(*corr, begin, begin + len, [&](int64_t a, int64_t n, float scale) {
+      corrected_grad(tmp + (a - begin), g, corr->codes, scale, corr->delta, a, n);
+    });
+    q8_block_step<float>(begin, len, pp, tmp, m, v, pbb, c, b, cols);
+  }
   q.m_scales[block] = quantize_block<FormatM>(m, len, q.m_codes + begin);
   q.u_scales[block] = quantize_block<FormatU>(v, len, q.u_codes + begin);
 }
 
 template <typename GradT>
 void q8_step(int64_t numel, float* p, const GradT* g, const Q8Moments& q, c10::BFloat16* pb,
-             const StepConsts& c, BiasConsts b, const ColTables* cols, int team) {
+             const StepConsts& c, BiasConsts b, const ColTables* cols, const Correction* corr,
+             int team) {
   for_each_qblock(numel, team, [&](int64_t begin, int64_t len) {
-    q8_block(begin, len, p, g, q, pb, c, b, cols);
+    q8_block(begin, len, p, g, q, pb, c, b, cols, corr);
   });
 }
 
@@ -148,7 +168,9 @@ void adamw_q8_step_(const at::Tensor& param, const at::Tensor& grad, const at::T
                     int64_t step, double lr, double beta1, double beta2, double eps,
                     double weight_decay, double grad_scale, bool adamw_mode,
                     int64_t num_threads, const std::optional<at::Tensor>& col_steps,
-                    int64_t col_inner) {
+                    int64_t col_inner, const std::optional<at::Tensor>& corr_codes,
+                    const std::optional<at::Tensor>& corr_scales,
+                    const std::optional<at::Tensor>& corr_starts, double corr_delta) {
   const char* op = kQ8StepOp;
   const int64_t numel = param.numel();
   check_dense(param, op, "param", at::kFloat, numel, "the param's");
@@ -170,6 +192,11 @@ void adamw_q8_step_(const at::Tensor& param, const at::Tensor& grad, const at::T
   if (col_steps.has_value()) {
     tables = col_tables(op, *col_steps, col_inner, numel, lr, beta1, beta2, team);
   }
+  Correction corr_data{};
+  const Correction* corr =
+      read_correction(op, corr_codes, corr_scales, corr_starts, corr_delta, numel, corr_data)
+          ? &corr_data
+          : nullptr;
   if (numel == 0) return;
 
   const StepConsts c =
@@ -181,9 +208,9 @@ void adamw_q8_step_(const at::Tensor& param, const at::Tensor& grad, const at::T
   float* p = param.data_ptr<float>();
   c10::BFloat16* pb = image.has_value() ? image->data_ptr<c10::BFloat16>() : nullptr;
   if (grad.scalar_type() == at::kFloat) {
-    q8_step(numel, p, grad.data_ptr<float>(), q, pb, c, b, cols, team);
+    q8_step(numel, p, grad.data_ptr<float>(), q, pb, c, b, cols, corr, team);
   } else {
-    q8_step(numel, p, grad.data_ptr<c10::BFloat16>(), q, pb, c, b, cols, team);
+    q8_step(numel, p, grad.data_ptr<c10::BFloat16>(), q, pb, c, b, cols, corr, team);
   }
 }
 

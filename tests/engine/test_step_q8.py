@@ -65,12 +65,13 @@ class _Mode:
         self.plan = type("P", (), {"slot": 0})()
 
 
-def _run(kernels, w: _Weight, steps: list, fold: bool = False) -> tuple[torch.Tensor, Q8StepStore]:
+def _run(kernels, w: _Weight, steps: list, fold: bool = False,
+         state: str = "exact") -> tuple[torch.Tensor, Q8StepStore]:  # fmt: skip
     """Each step: (pieces, coefficient, skipped, fresh) through a Q8StepStore (``fold``:
     the last flush hands its corrections over, ``store.last_folded``, as a window's end
     does for its host step)."""
     acc = Accumulator(kernels.accumulate, threads=2, keep_i8=kernels.keep_i8)
-    mode = _Mode(kernels, acc)
+    mode = _Mode(kernels, acc, state)
     store = Q8StepStore(mode)
     try:
         for pieces, coef, skipped, fresh in steps:
@@ -157,21 +158,23 @@ def test_the_q8_store_computes_the_stated_arithmetic(kernel, link, sum_dtype, sh
     assert store.pred == 1.0
 
 
+@pytest.mark.parametrize("sum_dtype", [torch.float32, torch.bfloat16], ids=["exact", "compact"])
 @pytest.mark.parametrize("kernel", ["native", "reference"])
-def test_a_window_ends_correction_folded_is_the_pass(kernel):
-    """At a window's end (``flush(fold=True)``) the exact state's last correction is not a
-    pass: it is handed to the host step's CPU Adam (its ``corr_*`` arguments), and the sum
-    that Adam reads (``corrected_sum_reference``, bit for bit the native op's: its own
-    tests) is the stated arithmetic's, as with the pass; the sum in memory is left
-    uncorrected. A test's own kernel, or the compact state, cannot take it: a pass."""
+def test_a_window_ends_correction_folded_is_the_pass(kernel, sum_dtype):
+    """At a window's end (``flush(fold=True)``) the last correction is not a pass: it is
+    handed to the host step's CPU Adam (its ``corr_*`` arguments), and the sum that Adam
+    reads (``corrected_sum_reference``, bit for bit the native ops': their own tests) is the
+    stated arithmetic's, as with the pass, in both host states (fp32 and bf16 sums); the
+    sum in memory is left uncorrected. A test's own kernel cannot take it: a pass."""
     from zenflow.ops.reference import corrected_sum_reference
 
     kernels = resolve_kernel(kernel)
     shape, n_nonsel, bucket = (37, 64), 57, 300
-    w = _Weight(shape, n_nonsel, bucket, torch.float32)
+    w = _Weight(shape, n_nonsel, bucket, sum_dtype)
     steps = _steps(w, torch.float32, PLAN)
-    got, store = _run(kernels, w, steps, fold=True)
-    want = _expected(_Weight(shape, n_nonsel, bucket, torch.float32), steps, torch.float32)
+    got, store = _run(kernels, w, steps, fold=True,
+                      state="compact" if sum_dtype == torch.bfloat16 else "exact")  # fmt: skip
+    want = _expected(_Weight(shape, n_nonsel, bucket, sum_dtype), steps, sum_dtype)
     corr = store.last_folded[0]  # the last step's: 1.0 after 0.3
     assert corr["corr_delta"] == pytest.approx(0.7) and store.folded == 1
     assert corr["corr_starts"].tolist() == [pc.offset for pc in w.pieces] + [w.compact_numel]
@@ -184,7 +187,7 @@ def test_a_window_ends_correction_folded_is_the_pass(kernel):
     custom = resolve_kernel(lambda *a, **k: None)
     custom = type(custom)(**{**custom.__dict__, "accumulate": kernels.accumulate,
                              "keep_i8": kernels.keep_i8, "add_i8": kernels.add_i8})  # fmt: skip
-    w2 = _Weight(shape, n_nonsel, bucket, torch.float32)
+    w2 = _Weight(shape, n_nonsel, bucket, sum_dtype)
     got2, store2 = _run(custom, w2, steps, fold=True)
     assert store2.last_folded == {} and torch.equal(got2, want)
 

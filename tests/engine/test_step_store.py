@@ -147,12 +147,14 @@ def _host_step_sums(store: str, monkeypatch) -> list[torch.Tensor]:
     return got
 
 
+@pytest.mark.parametrize("state", ["exact", "compact"])
 @pytest.mark.parametrize("kernel", ["native", "reference"])
-def test_q8_window_ends_fold_their_last_correction_into_the_cpu_adam(kernel, monkeypatch):
-    """The exact state: each window's last q8 correction goes into the host step's CPU Adam
+def test_q8_window_ends_fold_their_last_correction_into_the_cpu_adam(kernel, state,
+                                                                     monkeypatch):  # fmt: skip
+    """Each window's last q8 correction goes into the host step's CPU Adam
     (``Q8StepStore.flush(fold=True)``) instead of a pass over the sum: the same weights,
     bit for bit, as with the passes, over 10 steps with clipping at every step and
-    re-selections (native and reference kernels)."""
+    re-selections (both host states, native and reference kernels)."""
     from zenflow.engine.zenflow.step_q8 import Q8StepStore
 
     def train(fold: bool):
@@ -160,7 +162,7 @@ def test_q8_window_ends_fold_their_last_correction_into_the_cpu_adam(kernel, mon
             monkeypatch.setattr(Q8StepStore, "can_fold", property(lambda self: False))
         model = tiny_gpt2()
         cfg = make_config(ZF, clip=0.05, bf16={"enabled": False},
-                          zfctl={"host_state": "exact", "step_store": "q8"})  # fmt: skip
+                          zfctl={"host_state": state, "step_store": "q8"})  # fmt: skip
         e = ZenFlowEngine(model, cfg, accelerator="sim", sim_strict=True, host_kernel=kernel)
         with e:
             train_engine(e, model, gpt2_batches(10, seed=3))

@@ -56,17 +56,17 @@ def test_host_bytes_of_the_q8_step_store():
     """zfctl.step_store "q8" with clipping, biting at every step: each add after a window's
     first writes its piece's 8-bit copy (a code and 4 / 256 of a scale) and reads the one
     before it for the folded correction; the last step's correction reads the last copy,
-    inside the exact state's CPU Adam, as a pass over the copy and the sum in the compact
-    state. Without clipping it is "off": the store's bytes, nothing more."""
+    inside the window's CPU Adam. Without clipping it is "off": the store's bytes, nothing
+    more."""
     copy = 1 + 4 / 256
     q8 = Settings(bf16=True, step_store="q8")
     assert pr.q8_store_bytes(q8) == (3 * copy + 2 * copy + copy) / 4
     assert pr.zenflow_host_bytes(q8) == 19 + 6 * copy / 4
     assert pr.zenflow_host_bytes(Settings(bf16=True, step_store="q8", clipping=False)) == 19
     assert pr.zenflow_host_bytes(Settings(bf16=True, step_store="off")) == 19
-    # compact: the bf16 sum's read and write in the last pass; S = 1: the multiplier's pass
+    # compact: the same copies; S = 1: the multiplier's pass over the sum
     compact = Settings(bf16=True, step_store="q8", host_state="compact")
-    assert pr.q8_store_bytes(compact) == (6 * copy + 4) / 4
+    assert pr.q8_store_bytes(compact) == 6 * copy / 4
     assert pr.q8_store_bytes(Settings(step_store="q8", update_interval=1)) == 8
     assert pr.q8_store_bytes(Settings(step_store="q8", update_interval=8)) == 14 * copy / 8
     # micro-batches summed on the host: their fp32 sum, no copies (as for "on")

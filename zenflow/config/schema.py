@@ -239,10 +239,10 @@ ENGINE_FIELD_DOCS: dict[str, str] = {
     "window's first step), else within the change times the copy's rounding (at most half "
     "a code: 1/254 of the largest value of its 256). Costs the host the copy in each add, "
     "the previous step's correction read from it there, and the last copy read again at "
-    "each window's end (by the exact state's CPU Adam as it reads the sum; a pass over the "
-    "compact state's sum): with clipping at every step 1.1-1.2 times the store's host bytes "
-    'per element and step (measured: docs/BENCHMARKS.md, "What the 8-bit copies cost per '
-    'step"). '
+    "each window's end by the CPU Adam as it reads the sum: with clipping at every step "
+    "1.1-1.2 times the store's host bytes per element and step in the exact state, about "
+    "1.2 in the compact one (measured: "
+    'docs/BENCHMARKS.md, "What the 8-bit copies cost per step"). '
     "Without clipping and with no non-finite step the three settings give the same "
     "weights, bit for bit.",
     "return_image": "How a host step's result (the non-selected columns' fp32 master) goes "

@@ -238,7 +238,7 @@ class HostTask:
     index: torch.Tensor | None = None  # compact: the columns updated (host, int64, sorted)
     column_dim: int = 1
     # zfctl.step_store "q8": the window's last correction, taken in as the kernel reads
-    # ``grad`` (its corr_* arguments: codes, scales, piece starts, delta; contiguous, fp32)
+    # ``grad`` (its corr_* arguments: codes, scales, piece starts, delta; contiguous only)
     correction: dict | None = None
 
 
@@ -310,7 +310,7 @@ def run_host_tasks(
             )  # fmt: skip
         else:
             kw = {} if per_column is None else {"col_steps": per_column, "col_inner": t.col_inner}
-            if t.correction is not None:  # (the exact state's op only: Q8StepStore.fold)
+            if t.correction is not None:  # the q8 store's last (Q8StepStore.flush's fold)
                 kw.update(t.correction)
             if hasattr(st, "step"):  # the compact host state: 8-bit moments, its own op
                 st.step(grad, step=step, grad_scale=t.grad_scale, image=t.param_bf16,

@@ -87,17 +87,15 @@ def q8_store_bytes(s: Settings) -> float:
     A window of S steps: its first write keeps no copy (its multiplier goes into the next
     add, which reads and writes the sum anyway); each later add writes its piece's copy
     (S - 1) and reads the copy before it for the correction it folds in (S - 2); the last
-    step's correction reads the last copy: in the exact state inside the window's CPU Adam
-    as it reads the sum (``adamw_step_``'s ``corr_*``), in the compact state as a pass of
-    its own before it (the copy and the bf16 sum's read and write). At S = 1 the window's
-    only correction is its first write's multiplier: a pass over the sum."""
+    step's correction reads the last copy inside the window's CPU Adam as it reads the sum
+    (``adamw_step_`` / ``adamw_q8_step_``'s ``corr_*``). At S = 1 the window's only
+    correction is its first write's multiplier: a pass over the sum."""
     if not s.store_q8:
         return 0.0
-    S, rmw = max(1, s.update_interval), HOST_BYTES["sum_rmw"][s.host_state]
+    S = max(1, s.update_interval)
     if S == 1:
-        return rmw
-    last = 0 if s.host_state == "exact" else rmw  # the exact state's Adam takes it in
-    return ((2 * S - 2) * Q8_COPY_BYTES + last) / S
+        return HOST_BYTES["sum_rmw"][s.host_state]
+    return (2 * S - 2) * Q8_COPY_BYTES / S
 
 
 def window_sum_bytes(state: str, update_interval: int) -> float:

@@ -332,6 +332,10 @@ def adamw_q8_step_(
     num_threads: int = 0,
     col_steps: torch.Tensor | None = None,
     col_inner: int = 1,
+    corr_codes: torch.Tensor | None = None,
+    corr_scales: torch.Tensor | None = None,
+    corr_starts: torch.Tensor | None = None,
+    corr_delta: float = 0.0,
 ) -> None:
     """One in-place Adam(W) step with 8-bit block-wise moments, on contiguous CPU tensors.
 
@@ -343,8 +347,10 @@ def adamw_q8_step_(
     run ``adamw_step_``'s exact fp32 element arithmetic, requantise ``m`` and
     ``u = sqrt(v)`` with the block's new scales. ``step``, the hyper-parameters,
     ``col_steps`` and ``col_inner`` mean what they mean for ``adamw_step_``; results do not
-    depend on ``num_threads``. Non-finite values are not supported (the engine skips such
-    steps). Releases the GIL; raises ``RuntimeError`` starting with
+    depend on ``num_threads``. ``corr_*``: a q8 step store's last correction taken in as
+    the step reads ``grad`` (fp32 or bf16: the corrected value rounded to its dtype, as the
+    pass stores it), as ``adamw_step_``'s. Non-finite values are not supported (the engine
+    skips such steps). Releases the GIL; raises ``RuntimeError`` starting with
     ``zenflow::adamw_q8_step_`` naming a bad argument.
     """
     if ops_mode() == "reference":
@@ -352,13 +358,16 @@ def adamw_q8_step_(
             param, grad, m_codes, m_scales, u_codes, u_scales, step=step, lr=lr, beta1=beta1,
             beta2=beta2, eps=eps, weight_decay=weight_decay, image=image, grad_scale=grad_scale,
             adamw_mode=adamw_mode, col_steps=col_steps, col_inner=col_inner,
+            corr_codes=corr_codes, corr_scales=corr_scales, corr_starts=corr_starts,
+            corr_delta=corr_delta,
         )  # fmt: skip
         return
     load_native()
     torch.ops.zenflow.adamw_q8_step_.default(
         param, grad, m_codes, m_scales, u_codes, u_scales, image, int(step), float(lr),
         float(beta1), float(beta2), float(eps), float(weight_decay), float(grad_scale),
-        bool(adamw_mode), int(num_threads), col_steps, int(col_inner),
+        bool(adamw_mode), int(num_threads), col_steps, int(col_inner), corr_codes,
+        corr_scales, corr_starts, float(corr_delta),
     )  # fmt: skip
 
 

@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from zenflow.ops.reference import adamw_step_reference_
+from zenflow.ops.reference import adamw_step_reference_, corrected_sum_reference
 
 Q8_BLOCK = 256
 FORMATS = ("m", "u")
@@ -162,6 +162,10 @@ def adamw_q8_step_reference_(
     num_threads: int = 0,
     col_steps: torch.Tensor | None = None,
     col_inner: int = 1,
+    corr_codes: torch.Tensor | None = None,
+    corr_scales: torch.Tensor | None = None,
+    corr_starts: torch.Tensor | None = None,
+    corr_delta: float = 0.0,
     adam_step: Callable[..., None] | None = None,
 ) -> None:
     """The native ``adamw_q8_step_`` in plain PyTorch: dequantise ``m`` and ``v = u * u``
@@ -173,9 +177,12 @@ def adamw_q8_step_reference_(
     ``adam_step`` is the fp32 step to run (default ``adamw_step_reference_``). The native
     kernel runs ``adamw_step_``'s instructions, which may differ from the reference by an
     ulp; passing the native ``adamw_step_`` here isolates the 8-bit part, which must then
-    agree bit for bit.
+    agree bit for bit. ``corr_*``: the q8 step store's correction, as ``adamw_step_``'s
+    (``corrected_sum_reference``, in ``grad``'s dtype), then the step.
     """
     del num_threads
+    if corr_codes is not None:
+        grad = corrected_sum_reference(grad, corr_codes, corr_scales, corr_starts, corr_delta)
     numel = param.numel()
     m, u = torch.empty(numel), torch.empty(numel)
     dequantize_q8_reference_(m_codes, m_scales, m, fmt="m")

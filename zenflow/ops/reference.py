@@ -52,6 +52,8 @@ def adamw_step_reference_(
     if col_steps is not None:
         check_col_steps(param, col_steps, col_inner)
     if corr_codes is not None:  # the q8 correction: its pass over a copy of the sum
+        if grad.dtype != torch.float32:
+            raise ValueError(f"{_OP}: a correction needs an fp32 grad, got {grad.dtype}")
         grad = corrected_sum_reference(grad, corr_codes, corr_scales, corr_starts, corr_delta)
     g = grad.float()
     if grad_scale != 1.0:
@@ -86,11 +88,9 @@ def adamw_step_reference_(
 
 def corrected_sum_reference(grad: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                             starts: torch.Tensor, delta: float) -> torch.Tensor:  # fmt: skip
-    """``adamw_step_``'s correction in plain PyTorch: a copy of the fp32 window sum ``grad``
-    with ``add_dequantized_i8_reference_`` over each piece (``starts``: the pieces' first
-    elements, then numel; each piece's scales after the one before's)."""
-    if grad.dtype != torch.float32:
-        raise ValueError(f"{_OP}: a correction needs an fp32 grad, got {grad.dtype}")
+    """The Adam ops' correction in plain PyTorch: a copy of the window sum ``grad`` (fp32 or
+    bf16, kept) with ``add_dequantized_i8_reference_`` over each piece (``starts``: the
+    pieces' first elements, then numel; each piece's scales after the one before's)."""
     out = grad.reshape(-1).clone()
     bounds = [int(x) for x in starts]
     if bounds[0] != 0 or bounds[-1] != out.numel():

@@ -10,12 +10,12 @@ coefficient), and in the same pass kept in 8 bits (``zenflow.ops.accumulate_keep
 linear codes, one fp32 scale per 256 elements). Once ``c`` is known the sum gets
 ``(c - p)`` times the decoded copy, on the accumulator thread, in order with the adds: in
 the weight's next add, block by block from the copy that add replaces, or, for a window's
-last step (its sum is about to be read): in the exact state, inside the window's CPU Adam
-as it reads the sum (``adamw_step_``'s ``corr_*``), else as a pass of its own
-(``add_dequantized_i8_``); the same sum, and the same step, bit for bit. The first write
-of a window (overwrite) needs no copy: the piece goes in unscaled and the sum is
-multiplied by ``c`` (one rounding, the store's arithmetic), likewise in the next add or a
-pass.
+last step (its sum is about to be read): inside the window's CPU Adam as it reads the sum
+(``adamw_step_`` / ``adamw_q8_step_``'s ``corr_*``), or, before a flush or a checkpoint, as
+a pass of its own (``add_dequantized_i8_``); the same sum, and the same step, bit for
+bit. The first write of a window (overwrite) needs no copy: the piece goes in unscaled and
+the sum is multiplied by ``c`` (one rounding, the store's arithmetic), likewise in the next
+add or a pass.
 
 So the window sum is per-step clipping's: exactly where ``c == p`` (clipping that never
 bites: both 1) and in a window's first step, and elsewhere within ``|c - p|`` times the
@@ -27,8 +27,7 @@ Without clipping it is "off": nothing to correct, no copy. Held with clipping: 1
 non-selected parameter plus 4 per 256, not pinned, not the store's 2 or 4.
 Host work: the copy is written by the add's own pass (1 byte an element more), the
 correction read from the copy there (1 more), and at a window's end the last copy read once
-more: by the exact state's CPU Adam, or by a pass over the compact state's sum (its read
-and write too).
+more, by the window's CPU Adam as it reads the sum.
 
 Owns the 8-bit copies, the prediction (checkpointed: ``pred``) and the corrections; must
 not touch the window's host step or the device.
@@ -51,8 +50,8 @@ class Q8StepStore:
     from the copy that add replaces (``accumulate_keep_i8_``'s ``prev_mul`` /
     ``prev_delta``): no pass of their own over the sum. ``flush`` queues the ones still
     pending as passes of their own: before anything reads a window sum (a window's end, a
-    flush, a checkpoint's drain); at a window's end the exact state's host step takes them
-    in itself (``fold``). Either way the sum it reads is the same, bit for bit."""
+    flush, a checkpoint's drain); at a window's end the host step takes them in itself
+    (``fold``). Either way the sum it reads is the same, bit for bit."""
 
     def __init__(self, mode):
         self.m = mode
@@ -126,9 +125,9 @@ class Q8StepStore:
         """Queue the pending corrections as passes of their own (in order after the adds):
         before a window's sum is read. ``fold`` (a window's end, whose host step is the only
         reader of its sums): a weight's correction from its copy is returned instead, as the
-        arguments of the exact state's CPU Adam, which takes it in as it reads the sum
-        (``zenflow.ops.adamw_step_``'s ``corr_*``: bit for bit the pass, then the step;
-        ``can_fold``); returns {weight position: those arguments}."""
+        arguments of the host state's CPU Adam, which takes it in as it reads the sum
+        (``zenflow.ops.adamw_step_`` / ``adamw_q8_step_``'s ``corr_*``: bit for bit the
+        pass, then the step; ``can_fold``); returns {weight position: those arguments}."""
         entries = list(self.pending.values()) + list(self.applying.values())
         self.pending, self.applying = {}, {}
         work, folded = [], {}
@@ -154,13 +153,15 @@ class Q8StepStore:
 
     @property
     def can_fold(self) -> bool:
-        """The window's CPU Adam can take a correction in: the exact state (an fp32 sum)
-        with the engine's own kernels, native or reference (a test's custom kernel
-        cannot)."""
+        """The window's CPU Adam can take a correction in: the engine's own kernels, native
+        or reference, of the host state (exact: ``adamw_step_``, an fp32 sum; compact:
+        ``adamw_q8_step_``, a bf16 sum); a test's custom kernel cannot."""
         from zenflow import ops
 
-        return self.m.host_state == "exact" and self.m.kernels.full in (
-            ops.adamw_step_, ops.adamw_step_reference_)  # fmt: skip
+        k = self.m.kernels
+        if self.m.host_state == "compact":
+            return k.q8 in (ops.adamw_q8_step_, ops.adamw_q8_step_reference_)
+        return k.full in (ops.adamw_step_, ops.adamw_step_reference_)
 
     def _whole_copy(self, w) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """``w``'s 8-bit copy whole: its codes, its scales (piece after piece, as ``copies``
