@@ -31,11 +31,12 @@
 //
 // adamw_q8_step_(param, grad, m_codes, m_scales, u_codes, u_scales, image, step, ...,
 // corr_*): one in-place Adam(W) step (corr_*: a q8 step store's last correction taken in as
-// the step reads grad, as adamw_step_'s; adam_kernel.h). Per block: (1) decode m and v = u * u (fp32) into block-local
-// buffers; (2) run the exact Adam element arithmetic of adamw_step_ (step_scalar /
-// step_vector of adam_kernel.h, the same instructions: with exact moments the result equals
-// adamw_step_'s) on param, those moments and the optional bf16 image, keeping
-// u = sqrt(v_new) (the correctly rounded sqrt the step computes for its denominator);
+// the step reads grad, as adamw_step_'s; adam_kernel.h). Per block: (1) decode m and
+// v = u * u (fp32) into block-local buffers; (2) run the exact Adam element arithmetic of
+// adamw_step_ (step_scalar / step_vector of adam_kernel.h, the same instructions: with
+// exact moments the result equals adamw_step_'s) on param, those moments and the optional
+// bf16 image, keeping u = sqrt(v_new) (the correctly rounded sqrt the step computes for its
+// denominator);
 // (3) requantise m and u with the block's new scales. Hyper-parameters, grad (fp32 or
 // bf16, times grad_scale), image rounding and col_steps / col_inner (element i's column is
 // (i / col_inner) % C, constants from bias_consts) are exactly those of adamw_step_.
