@@ -305,6 +305,22 @@ inline void run_range_runs(int64_t begin, int64_t end, float* p, const GradT* g,
 }
 
 
+// The step over [begin, end) of the pointers given, with the constants of one step count
+// (cols null), of a column per element (col_inner 1) or of runs of one column; flat0: the
+// place of pointer element 0 in the whole tensor (for the columns).
+template <typename GradT, bool kSqrtOut = false>
+inline void run_span(int64_t begin, int64_t end, float* p, const GradT* g, float* m, float* v,
+                     c10::BFloat16* pb, const StepConsts& c, BiasConsts b,
+                     const ColTables* cols, int64_t flat0 = 0) {
+  if (cols == nullptr) {
+    run_range<GradT, kSqrtOut>(begin, end, p, g, m, v, pb, c, b);
+  } else if (cols->col_inner == 1) {
+    run_range_cols<GradT, kSqrtOut>(begin, end, p, g, m, v, pb, c, *cols, flat0);
+  } else {
+    run_range_runs<GradT, kSqrtOut>(begin, end, p, g, m, v, pb, c, *cols, flat0);
+  }
+}
+
 // Checks col_steps against param's numel and builds the per-column tables (see ColTables);
 // error messages start with the calling op's name `op`.
 inline ColTables col_tables(const char* op, const at::Tensor& col_steps, int64_t col_inner,

@@ -70,13 +70,7 @@ void run_blocks(int64_t numel, float* p, const GradT* g, float* m, float* v, c10
   for (int64_t block = 0; block < num_blocks; ++block) {
     const int64_t begin = block * kBlockElems;
     const int64_t end = begin + kBlockElems < numel ? begin + kBlockElems : numel;
-    if (cols == nullptr) {
-      run_range(begin, end, p, g, m, v, pb, c, b);
-    } else if (cols->col_inner == 1) {
-      run_range_cols(begin, end, p, g, m, v, pb, c, *cols);
-    } else {
-      run_range_runs(begin, end, p, g, m, v, pb, c, *cols);
-    }
+    run_span(begin, end, p, g, m, v, pb, c, b, cols);
   }
 }
 
@@ -95,13 +89,7 @@ void run_blocks_corrected(int64_t numel, float* p, const float* g, float* m, flo
     for_each_corr_segment(corr, begin, end, [&](int64_t a, int64_t n, float scale) {
       corrected_grad(tmp, g, corr.codes, scale, corr.delta, a, n);
       c10::BFloat16* pba = pb != nullptr ? pb + a : nullptr;
-      if (cols == nullptr) {
-        run_range(0, n, p + a, tmp, m + a, v + a, pba, c, b);
-      } else if (cols->col_inner == 1) {
-        run_range_cols(0, n, p + a, tmp, m + a, v + a, pba, c, *cols, a);
-      } else {
-        run_range_runs(0, n, p + a, tmp, m + a, v + a, pba, c, *cols, a);
-      }
+      run_span(0, n, p + a, tmp, m + a, v + a, pba, c, b, cols, a);
     });
   }
 }

@@ -112,20 +112,6 @@ struct Q8Moments {
   float* u_scales;
 };
 
-// The step over one block's elements (block-local moments, gg the block's gradient).
-template <typename GradT>
-inline void q8_block_step(int64_t begin, int64_t len, float* pp, const GradT* gg, float* m,
-                          float* v, c10::BFloat16* pbb, const StepConsts& c, BiasConsts b,
-                          const ColTables* cols) {
-  if (cols == nullptr) {
-    run_range<GradT, true>(0, len, pp, gg, m, v, pbb, c, b);
-  } else if (cols->col_inner == 1) {
-    run_range_cols<GradT, true>(0, len, pp, gg, m, v, pbb, c, *cols, begin);
-  } else {
-    run_range_runs<GradT, true>(0, len, pp, gg, m, v, pbb, c, *cols, begin);
-  }
-}
-
 // One quantisation block [begin, begin + len): decode, Adam, requantise. With a q8 step
 // store's correction (adam_kernel.h, Correction) the step reads the block's corrected sum,
 // made in a buffer on the stack segment by segment (a piece's 256-blocks need not line up
@@ -142,13 +128,13 @@ inline void q8_block(int64_t begin, int64_t len, float* p, const GradT* g, const
   float* pp = p + begin;
   c10::BFloat16* pbb = pb == nullptr ? nullptr : pb + begin;
   if (corr == nullptr) {
-    q8_block_step(begin, len, pp, g + begin, m, v, pbb, c, b, cols);
+    run_span<GradT, true>(0, len, pp, g + begin, m, v, pbb, c, b, cols, begin);
   } else {
     alignas(64) float tmp[kQBlock];
     for_each_corr_segment(*corr, begin, begin + len, [&](int64_t a, int64_t n, float scale) {
       corrected_grad(tmp + (a - begin), g, corr->codes, scale, corr->delta, a, n);
     });
-    q8_block_step<float>(begin, len, pp, tmp, m, v, pbb, c, b, cols);
+    run_span<float, true>(0, len, pp, tmp, m, v, pbb, c, b, cols, begin);
   }
   q.m_scales[block] = quantize_block<FormatM>(m, len, q.m_codes + begin);
   q.u_scales[block] = quantize_block<FormatU>(v, len, q.u_codes + begin);

@@ -449,10 +449,8 @@ class Estimate:
         (state, ``zfctl.step_store``) that fits with the store's 8-bit copies ("q8"), else
         without the store ("off"), each a change of how the host's part is clipped, so
         named, never taken by itself; or None."""
-        s = self.settings  # ("auto" has tried "q8" already: ``fallbacks``)
-        settings = (["q8", "off"] if s.store_window_clip and not s.store_auto_q8
-                    else ["off"] if s.store_window_clip or s.store_q8 else [])  # fmt: skip
-        for setting in settings:
+        s = self.settings
+        for setting in s.store_fixes:
             probe = dataclasses.replace(s, step_store=setting)
             for name in HOST_STATES:
                 e = check(self.census, "zenflow", dataclasses.replace(probe, host_state=name),

@@ -139,6 +139,16 @@ class Settings:
         return self.step_store == "auto" and self.store_window_clip
 
     @property
+    def store_fixes(self) -> tuple[str, ...]:
+        """With clipping, the ``zfctl.step_store`` settings that change how the host's part
+        is clipped, named as fixes where the run does not fit (never taken by themselves),
+        mildest first: "q8" where the store is set "on" ("auto" has tried it:
+        ``zenflow.hardware.estimate.fallbacks``), then "off" (also where "q8" is set)."""
+        if self.store_window_clip:
+            return ("off",) if self.store_auto_q8 else ("q8", "off")
+        return ("off",) if self.store_q8 else ()
+
+    @property
     def store_kept(self) -> bool:
         """zfctl.step_store keeps the store: "on", or "auto" (the store where it fits)."""
         return self.step_store in ("on", "auto")

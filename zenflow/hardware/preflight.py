@@ -108,16 +108,11 @@ def _store_changes(s: Settings) -> list[Change]:
     step's host part clipped by its own coefficient, from an 8-bit copy of its pieces where
     the coefficient changed), then none ("off": each window's host step scales its sum by
     the smallest clipping coefficient of its steps); with "q8" set, or "auto" (which took
-    the copies already where they fit: ``zenflow.hardware.estimate.fallbacks``), "off"."""
+    the copies already where they fit), "off": ``Settings.store_fixes``."""
+    lever = {"q8": STORE_Q8_CLIPPED, "off": STORE_OFF_CLIPPED}
     rep = dataclasses.replace
-    out = []
-    if s.store_window_clip and not s.store_auto_q8:
-        out.append(Change("--set zfctl.step_store=q8", "zenflow", rep(s, step_store="q8"),
-                          STORE_Q8_CLIPPED))  # fmt: skip
-    if s.store_window_clip or s.store_q8:
-        out.append(Change("--set zfctl.step_store=off", "zenflow", rep(s, step_store="off"),
-                          STORE_OFF_CLIPPED))  # fmt: skip
-    return out
+    return [Change(f"--set zfctl.step_store={v}", "zenflow", rep(s, step_store=v), lever[v])
+            for v in s.store_fixes]  # fmt: skip
 
 
 STORE_Q8_CLIPPED = (

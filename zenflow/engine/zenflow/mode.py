@@ -381,7 +381,7 @@ class ZenFlowMode:
         set-up master, and the return's images (the engine is closed: nothing reads them
         again)."""
         for w in self.zweights:
-            for name in ("host", "store", "step_buf", "init_master", "q8_plan", "q8_starts"):
+            for name in ("host", "store", "step_buf", "init_master", "q8_plan"):
                 if hasattr(w, name):
                     setattr(w, name, None)
             w.acc = []

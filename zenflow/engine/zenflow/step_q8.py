@@ -81,7 +81,13 @@ class Q8StepStore:
         for pc, nb in zip(w.pieces, blocks, strict=True):
             views[pc.offset] = (codes[pc.offset : pc.offset + pc.numel], scales[b : b + nb])
             b += nb
-        w.q8_plan = (w.pieces, views, codes, scales)
+        # the whole copy for a window's CPU Adam (``_whole_copy``): the pieces' starts, then
+        # the compact length, where the pieces tile the compact columns in order
+        offsets = [pc.offset for pc in w.pieces] + [w.compact_numel]
+        tiles = all(z - a == pc.numel for a, z, pc in
+                    zip(offsets[:-1], offsets[1:], w.pieces, strict=True))  # fmt: skip
+        whole = (codes, scales, torch.tensor(offsets, dtype=torch.int64)) if tiles else None
+        w.q8_plan = (w.pieces, views, whole)
         return views
 
     def send(self, w, pc, i: int, bucket: torch.Tensor, dst, fresh: bool, wait) -> None:
@@ -168,15 +174,7 @@ class Q8StepStore:
         lays them out) and the pieces' starts (then the compact length); None where its
         pieces do not tile its compact columns in order (then the pass)."""
         self.copies(w)  # (made by the window's adds already)
-        _, _, codes, scales = w.q8_plan
-        starts = getattr(w, "q8_starts", None)
-        if starts is None or starts[0] is not w.pieces:
-            offsets = [pc.offset for pc in w.pieces] + [w.compact_numel]
-            tiles = all(b - a == pc.numel for a, b, pc in
-                        zip(offsets[:-1], offsets[1:], w.pieces, strict=True))  # fmt: skip
-            starts = (w.pieces, torch.tensor(offsets, dtype=torch.int64) if tiles else None)
-            w.q8_starts = starts
-        return None if starts[1] is None else (codes, scales, starts[1])
+        return w.q8_plan[2]
 
     def _correct(self, work: list, acc) -> None:
         """On the accumulator: each sum times its multiplier, or plus its change times its
