@@ -123,3 +123,49 @@ def test_the_fp32_moments_are_counted_in_the_host_peak_while_they_live():
     assert accel.host_held()["moments_fp32"] == 4 * 35
     del t
     assert "moments_fp32" not in accel.host_held()
+
+
+def test_a_selections_scratch_lends_views_of_one_pair_while_held():
+    """``MomentScratch``: while held, two fp32 arrays of the asked size (accounted as
+    ``moments_fp32``), lent as contiguous views of their front for any shape that fits,
+    one pair for every weight; none too large, none outside ``held``, none for 0; gone
+    after. ``moments_fp32`` dequantises into the lent pair without allocating (the native
+    kernels), with the values of arrays of its own."""
+    from zenflow.engine.accelerator import CpuAccelerator
+    from zenflow.engine.zenflow.q8_state import MomentScratch
+
+    ops.load_native()
+    kernels = resolve_kernel("native")
+    if kernels.name != "native":
+        pytest.skip(f"the native op is not available here: {kernels.name}")
+    accel = CpuAccelerator()
+    scratch = MomentScratch(accel)
+    assert scratch.pair((2, 3)) is None
+    with scratch.held(0):
+        assert scratch.pair((1,)) is None
+        assert "moments_fp32" not in accel.host_held()
+    shape = (64, 300)
+    st = Q8HostState.empty(accel, shape, shape[1], False, kernels)
+    g = torch.Generator().manual_seed(5)
+    st.set_moments(torch.randn(shape, generator=g) * 1e-3,
+                   torch.rand(shape, generator=g) ** 4 * 1e-6)  # fmt: skip
+    own_m, own_v = st.moments_fp32()
+    own = 2 * 4 * own_m.numel()
+    with scratch.held(64 * 300 + 7):
+        assert accel.host_held()["moments_fp32"] == own + 2 * 4 * (64 * 300 + 7)
+        a, b = scratch.pair((3, 5))
+        assert a.shape == b.shape == (3, 5) and a.is_contiguous() and b.is_contiguous()
+        assert a.data_ptr() != b.data_ptr()
+        assert scratch.pair((64 * 300 + 8,)) is None  # too large: the caller's own
+        with scratch.held(10):  # held already: the outer pair stays
+            assert scratch.pair((64, 300)) is not None
+        got = {}
+        sizes = _allocations(lambda: got.setdefault("mv", st.moments_fp32(scratch)))
+        m, v = got["mv"]
+        assert sizes == []
+        assert m.data_ptr() == scratch.pair(shape)[0].data_ptr()
+        assert torch.equal(m, own_m) and torch.equal(v, own_v)
+        del a, b, m, v
+        got.clear()  # the views keep the arrays alive
+    assert scratch.pair((3, 5)) is None
+    assert accel.host_held()["moments_fp32"] == own  # own_m and own_v only

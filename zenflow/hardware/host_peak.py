@@ -11,7 +11,8 @@ dt the training dtype's bytes, C the compact host state, L the largest tensor):
   with bf16 its fp32 tensors become the masters (no copy) while the bf16 copy is made (2P).
 - **first selection** (ZenFlow): the masters (bf16: 4Pz; an fp32 model on a separate device
   has none, its values are read from the device) are consumed weight by weight as the compact
-  state is created: max(C, masters) + one weight's master (compact: + its fp32 moments).
+  state is created: max(C, masters) + one weight's master (compact: + the fp32 moments'
+  pair of the selection, the largest weight's size: ``q8_state.MomentScratch``).
   Whole gradients land on the host for that step when micro-batches are summed on the
   host, with warm-up rounds or without streaming (Pz x dt, fp32 when summed on the host);
   the landing is freed after it.
@@ -24,9 +25,10 @@ dt the training dtype's bytes, C the compact host state, L the largest tensor):
   the moving columns' values are extra: the entering columns' fp32 master, moments and
   counts on their way to the device (16 x the largest weight's selected elements; the
   leaving columns arrive in the read buffer, part of the steady state); compact also
-  dequantises the largest weight's 8-bit moments into fp32 arrays, merges them and
-  quantises them again (8 N_w at the peak: the two fp32 moments; the second is squared and
-  square-rooted in place, a chunk at a time).
+  dequantises each weight's 8-bit moments into the selection's pair of fp32 arrays (of the
+  largest weight's size, held for the whole selection), merges them and quantises them
+  again (8 N_w: the two fp32 moments; the second is squared and square-rooted in place, a
+  chunk at a time).
 - **evaluation**: nothing material on the host.
 - **final save**: ZenFlow's host state (not its link) is released before it
   (``ZenFlowEngine.release_host_state``); on cuda, safetensors (0.8) moves every tensor of a
@@ -134,7 +136,8 @@ def _zenflow_phases(census: ParamCensus, s: Settings, items: list[Item], steady:
     landing = 0 if s.cpu_device or not whole else Pz * (4 if s.host_sums else s.dtype_bytes)
     before = 12 if s.warmup else (4 if s.bf16 else 0)  # host bytes per param before it
     n_big = max(census.nonselected(k), default=0)
-    # compact: a weight's moments are filled in fp32 temporaries, then quantised
+    # compact: the moments are filled in the selection's fp32 pair (the largest weight's
+    # size, held through the selection), then quantised
     temps = 8 * n_big if s.compact else 0
     first = link + landing + max(state - later, before * Pz) + before * big + temps
     held = "compact state" + (" without the q8 copies" if later else "")

@@ -18,7 +18,14 @@ import torch
 
 from zenflow.engine.host import ColumnSteps
 from zenflow.engine.selection import column_scores, select_topk, split_handover
-from zenflow.engine.zenflow.host_layout import SelectionPlan, entering, first_compact, relayout
+from zenflow.engine.zenflow.host_layout import (
+    SelectionPlan,
+    compact_shape,
+    entering,
+    first_compact,
+    relayout,
+)
+from zenflow.engine.zenflow.q8_state import MomentScratch
 from zenflow.engine.zenflow.state import ZfWeight
 
 
@@ -36,6 +43,8 @@ class Handover:
         self.selection_steps: list[int] = []  # this process's selections (not checkpointed)
         # the first selection made in the hooks this step, per weight (until the step)
         self.first_plans: dict[int, SelectionPlan] = {}
+        # the fp32 arrays 8-bit moments pass through, one pair for a whole selection
+        self.scratch = MomentScratch(mode.e.accel)
 
     def gap(self) -> int:
         """Steps from the last selection to the next re-selection (taken at the first window
@@ -115,11 +124,23 @@ class Handover:
             # every weight's new columns to the host in one read: the hand-over is planned
             # there (``_hand_over``), with no wait for the device per weight
             news_host = e.accel.reader(counted=True).read(news)
-        reader = e.accel.reader(counted=True)
+        with self.scratch.held(self._scratch_numel()):
+            self._hand_over_all(news, news_host)
+        self.selected = True
+        self.last_select_step = t
+        self.selections += 1
+        self.selection_steps.append(t)
+        e.rec.stall_s += time.perf_counter() - t0
+
+    def _hand_over_all(self, news: list, news_host: list) -> None:
+        """Every weight's hand-over to its new columns (``news``, on the device; their host
+        copies ``news_host``), each weight's host arrays re-laid as soon as its leaving
+        columns are read (several weights per fill of the one read buffer)."""
+        reader = self.e.accel.reader(counted=True)
         plans: dict[int, tuple] = {}
         for w, new, new_host in zip(self.m.zweights, news, news_host, strict=True):
             plan, leaving = self._hand_over(w, new, new_host)
-            e.rec.moved += int(plan.in_cols.numel() + plan.out_cols.numel())
+            self.e.rec.moved += int(plan.in_cols.numel() + plan.out_cols.numel())
             if leaving is None:
                 self._relayout(w, plan, None)
                 continue
@@ -129,11 +150,14 @@ class Handover:
                 self._relayout(*plans.pop(pos), host)
         for pos, host in reader.finish():
             self._relayout(*plans.pop(pos), host)
-        self.selected = True
-        self.last_select_step = t
-        self.selections += 1
-        self.selection_steps.append(t)
-        e.rec.stall_s += time.perf_counter() - t0
+
+    def _scratch_numel(self) -> int:
+        """Elements of the selection's fp32 moment arrays: the largest compact array this
+        rank re-lays (0: no 8-bit moments here)."""
+        if self.m.host_state != "compact":
+            return 0
+        return max((math.prod(compact_shape(w)) for w in self.m.zweights if w.owned),
+                   default=0)  # fmt: skip
 
     # ------------------------------------------------------------------ in the hooks
     def select_in_hook(self, w: ZfWeight, g: torch.Tensor | None) -> None:
@@ -159,10 +183,11 @@ class Handover:
         """The step of a first selection made in the hooks was not skipped: every weight
         (one whose hook did not fire: from zero scores) gets its compact host state, from
         the masters taken at set-up or its device weight, weight by weight."""
-        for w in self.m.zweights:
-            if w.position not in self.first_plans:
-                self.select_in_hook(w, None)
-            self._relayout(w, self.first_plans.pop(w.position), None)
+        with self.scratch.held(self._scratch_numel()):
+            for w in self.m.zweights:
+                if w.position not in self.first_plans:
+                    self.select_in_hook(w, None)
+                self._relayout(w, self.first_plans.pop(w.position), None)
         self.selected = True
         self.last_select_step = t
         self.selections += 1

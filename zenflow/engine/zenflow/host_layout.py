@@ -147,7 +147,7 @@ def entering(w, mode, cols: torch.Tensor) -> dict:
     take = functools.partial(gather, mode, cd=cd)
     if w.host_layout == "compact":
         pos = _positions(w.nonsel_host, cols)
-        exp_avg, exp_avg_sq = moments(host)
+        exp_avg, exp_avg_sq = moments(host, mode.handover.scratch)
         return {
             "master": take(host.master, index=pos),
             "exp_avg": take(exp_avg, index=pos),
@@ -172,11 +172,12 @@ def entering(w, mode, cols: torch.Tensor) -> dict:
 
 
 # ---------------------------------------------------------------------- the compact state
-def moments(host) -> tuple[torch.Tensor, torch.Tensor]:
+def moments(host, scratch=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(exp_avg, exp_avg_sq) of a compact host state as fp32 arrays: the arrays themselves
-    (exact), or dequantised copies (8-bit moments, ``q8_state``)."""
+    (exact), or dequantised copies (8-bit moments, ``q8_state``; in ``scratch``'s arrays
+    while a selection holds them)."""
     if hasattr(host, "moments_fp32"):
-        return host.moments_fp32()
+        return host.moments_fp32(scratch)
     return host.exp_avg, host.exp_avg_sq
 
 
@@ -194,11 +195,12 @@ def new_compact(w, mode) -> HostState | Q8HostState:
     )
 
 
-def _moment_targets(new, shape) -> tuple[torch.Tensor, torch.Tensor]:
+def _moment_targets(new, shape, scratch) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 arrays to fill with the new layout's moments: the new arrays themselves
-    (exact), or temporaries quantised by ``_commit`` (8-bit, accounted while they live)."""
+    (exact), or temporaries quantised by ``_commit`` (8-bit: ``scratch``'s while the
+    selection holds them, else arrays accounted while they live)."""
     if hasattr(new, "set_moments"):
-        return new.fp32_array(shape), new.fp32_array(shape)
+        return new.fp32_pair(shape, scratch)
     return new.exp_avg, new.exp_avg_sq
 
 
@@ -214,7 +216,7 @@ def first_compact(w, mode, plan: SelectionPlan) -> None:
     columns read from the device), then the full-shape source is dropped."""
     cd, ns = w.cd, plan.new_nonsel
     new = new_compact(w, mode)
-    m, v = _moment_targets(new, compact_shape(w))
+    m, v = _moment_targets(new, compact_shape(w), mode.handover.scratch)
     if w.host_layout == "full":
         old = w.host
         gather(mode, old.master, cd, ns, out=new.master)
@@ -260,7 +262,7 @@ def relayout(w, mode, plan: SelectionPlan, leaving: dict | None) -> None:
 
     into(host.master, "master")
     if hasattr(host, "set_moments"):
-        m, v = moments(host)
+        m, v = moments(host, mode.handover.scratch)
         into(m, "exp_avg")
         into(v, "exp_avg_sq")
         host.set_moments(m, v)

@@ -26,6 +26,8 @@ first selection) they are dequantised (``v = u * u``), moved as fp32 and quantis
 from __future__ import annotations
 
 import contextlib
+import functools
+import math
 
 import torch
 
@@ -90,10 +92,18 @@ class Q8HostState:
             return torch.empty(shape, dtype=torch.float32)
         return self.accel.host_empty(shape, torch.float32, False, "moments_fp32")
 
-    def moments_fp32(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def fp32_pair(self, shape, scratch: MomentScratch | None = None):
+        """Two uninitialised fp32 arrays of ``shape`` for the moments on their way through
+        fp32: views of ``scratch``'s arrays while it holds them (a selection's), else
+        two new ones (``fp32_array``)."""
+        pair = scratch.pair(shape) if scratch is not None else None
+        return pair if pair is not None else (self.fp32_array(shape), self.fp32_array(shape))
+
+    def moments_fp32(self, scratch: MomentScratch | None = None):
         """(exp_avg, exp_avg_sq) dequantised, fp32, in the master's shape (``v = u * u``,
-        squared in place: two fp32 arrays at the peak, 8 bytes per element)."""
-        m, v = self.fp32_array(self.master.shape), self.fp32_array(self.master.shape)
+        squared in place: two fp32 arrays at the peak, 8 bytes per element), in
+        ``scratch``'s arrays where it holds them (``fp32_pair``)."""
+        m, v = self.fp32_pair(self.master.shape, scratch)
         with self._on_host():
             self.kernels.dequantize(self.m_codes, self.m_scales, m, fmt="m")
             self.kernels.dequantize(self.u_codes, self.u_scales, v, fmt="u")
@@ -116,3 +126,46 @@ class Q8HostState:
         """One host AdamW step (``adamw_q8_step_``'s keywords)."""
         self.kernels.q8(self.master.view(-1), grad.reshape(-1), self.m_codes, self.m_scales,
                         self.u_codes, self.u_scales, **kw)  # fmt: skip
+
+
+class MomentScratch:
+    """The two fp32 arrays that 8-bit moments pass through at a selection (dequantised,
+    merged or gathered, quantised again), one pair for every weight of the selection.
+
+    Each weight used to take two arrays of its own size and give them back. Those came from
+    the C heap where smaller than glibc's mmap threshold (up to 32 MiB), and the holes they
+    left, of every weight's size, stayed resident: the RSS of a compact run rose by a few
+    hundred MB at gpt2-medium's first selection and again at each re-selection
+    (docs/BENCHMARKS.md, "The re-selection's fp32 moments in one pair of arrays"). Here the
+    hand-over takes one pair of the largest weight's size for the whole selection
+    (``held``), what the estimate already counts (8 bytes per element of the largest
+    weight), and each weight uses its front (``pair``). A pair is valid until the next
+    ``pair``: the hand-over uses one weight's moments at a time. Outside ``held`` there is
+    no pair, and callers take arrays of their own."""
+
+    def __init__(self, accel):
+        self.accel = accel
+        self._arrays: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @contextlib.contextmanager
+    def held(self, numel: int):
+        """Hold two fp32 arrays of ``numel`` elements (accounted as ``moments_fp32``)
+        inside; nothing where ``numel`` is 0 (no 8-bit moments to re-lay)."""
+        if numel <= 0 or self._arrays is not None:
+            yield
+            return
+        make = functools.partial(self.accel.host_empty, (numel,), torch.float32, False,
+                                 "moments_fp32")  # fmt: skip
+        self._arrays = (make(), make())
+        try:
+            yield
+        finally:
+            self._arrays = None
+
+    def pair(self, shape) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Two contiguous views of ``shape`` at the front of the held arrays, or None where
+        none are held or they are too small."""
+        n = math.prod(int(d) for d in shape)
+        if self._arrays is None or n > self._arrays[0].numel():
+            return None
+        return tuple(a[:n].view(tuple(shape)) for a in self._arrays)
