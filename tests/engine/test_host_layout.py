@@ -261,16 +261,16 @@ def test_the_native_merge_re_lays_as_the_reference_does(state, kernel, warm_up):
         assert all(torch.equal(a, b) for a, b in zip(tensors, got[name], strict=True)), name
 
 
-def _moment_arrays(e) -> list[int]:
-    """Records the element count of every host array ``e`` allocates as ``moments_fp32``
-    (the fp32 arrays 8-bit moments pass through) from now on."""
-    made: list[int] = []
+def _moment_arrays(e) -> list[tuple]:
+    """Records (dtype, element count) of every host array ``e`` allocates as
+    ``moments_fp32`` (the arrays 8-bit moments pass through) from now on."""
+    made: list[tuple] = []
     plain = e.accel.host_empty
 
     def host_empty(shape, dtype=torch.float32, pin=False, tag="host"):
         t = plain(shape, dtype, pin, tag)
         if tag == "moments_fp32":
-            made.append(t.numel())
+            made.append((t.dtype, t.numel()))
         return t
 
     e.accel.host_empty = host_empty
@@ -281,11 +281,13 @@ def _moment_arrays(e) -> list[int]:
 def test_a_selection_passes_every_weights_moments_through_one_pair_of_arrays(warm_up, monkeypatch):
     """The compact state's moments go through fp32 at every selection (the first, from
     the hooks or from warm-up's whole gradients, and each re-selection). The hand-over
-    takes one pair of fp32 arrays of the largest weight's size for the whole selection
-    (``q8_state.MomentScratch``), not two arrays per weight of every size, whose freed holes
-    the C heap kept resident; they are gone after it. The weights are bit for bit those of
-    the same run with an array pair of its own per weight."""
+    takes one pair of fp32 arrays of the largest weight's size (and one float64 chunk for the
+    square root) for the whole selection (``q8_state.MomentScratch``), not two arrays per
+    weight of every size, whose freed holes the C heap kept resident; they are gone after
+    it. The weights are bit for bit those of the same run with an array pair of its own
+    per weight."""
     from zenflow.engine.zenflow.q8_state import MomentScratch
+    from zenflow.ops.q8_reference import SQRT_CHUNK
 
     def run(scratch: bool) -> tuple[dict, list[int], int, int]:
         if not scratch:
@@ -302,7 +304,8 @@ def test_a_selection_passes_every_weights_moments_through_one_pair_of_arrays(war
 
     weights, made, largest, selections = run(scratch=True)
     assert selections >= 2  # the first and a re-selection at least
-    assert made == [largest] * 2 * selections
+    wide = (torch.float64, min(largest, SQRT_CHUNK))  # the square root's chunk
+    assert made == [(torch.float32, largest), (torch.float32, largest), wide] * selections
     plain_weights, plain_made, _, _ = run(scratch=False)
     assert len(plain_made) > len(made)  # a pair per weight (re-selections: two per weight)
     for k, v in weights.items():

@@ -7,6 +7,8 @@ as the whole-tensor definition. The allocations are read from torch's profiler
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -35,6 +37,18 @@ def test_the_chunked_square_root_is_the_whole_ones_bit_for_bit(n, chunk):
     out = sqrt_rounded_(y, chunk=chunk)
     assert out.data_ptr() == y.data_ptr()  # in place
     assert torch.equal(out.view(torch.int32), want.view(torch.int32))
+
+
+def test_the_chunked_square_root_in_a_lent_buffer_is_the_same_and_checks_it():
+    x = torch.rand(5000, generator=torch.Generator().manual_seed(2)) ** 5
+    want = sqrt_rounded(x)
+    buf = torch.empty(777, dtype=torch.float64)
+    assert _allocations(lambda: sqrt_rounded_(x, buf=buf)) == []
+    assert torch.equal(x.view(torch.int32), want.view(torch.int32))
+    for bad in (torch.empty(8), torch.empty(0, dtype=torch.float64),
+                torch.empty(2, 2, dtype=torch.float64)):  # fmt: skip
+        with pytest.raises(ValueError, match="float64"):
+            sqrt_rounded_(x, buf=bad)
 
 
 def test_the_chunked_square_root_refuses_a_strided_view():
@@ -129,8 +143,9 @@ def test_a_selections_scratch_lends_views_of_one_pair_while_held():
     """``MomentScratch``: while held, two fp32 arrays of the asked size (accounted as
     ``moments_fp32``), lent as contiguous views of their front for any shape that fits,
     one pair for every weight; none too large, none outside ``held``, none for 0; gone
-    after. ``moments_fp32`` dequantises into the lent pair without allocating (the native
-    kernels), with the values of arrays of its own."""
+    after. ``moments_fp32`` dequantises into the lent pair and ``set_moments`` quantises
+    from it (the square root in the held float64 chunk) without allocating (the native
+    kernels), with the values and codes of arrays of its own."""
     from zenflow.engine.accelerator import CpuAccelerator
     from zenflow.engine.zenflow.q8_state import MomentScratch
 
@@ -152,7 +167,9 @@ def test_a_selections_scratch_lends_views_of_one_pair_while_held():
     own_m, own_v = st.moments_fp32()
     own = 2 * 4 * own_m.numel()
     with scratch.held(64 * 300 + 7):
-        assert accel.host_held()["moments_fp32"] == own + 2 * 4 * (64 * 300 + 7)
+        wide = 8 * (64 * 300 + 7)  # the square root's float64 chunk: below SQRT_CHUNK here
+        assert accel.host_held()["moments_fp32"] == own + 2 * 4 * (64 * 300 + 7) + wide
+        assert scratch.wide().dtype == torch.float64
         a, b = scratch.pair((3, 5))
         assert a.shape == b.shape == (3, 5) and a.is_contiguous() and b.is_contiguous()
         assert a.data_ptr() != b.data_ptr()
@@ -165,7 +182,11 @@ def test_a_selections_scratch_lends_views_of_one_pair_while_held():
         assert sizes == []
         assert m.data_ptr() == scratch.pair(shape)[0].data_ptr()
         assert torch.equal(m, own_m) and torch.equal(v, own_v)
+        codes = {k: t.clone() for k, t in st.moment_tensors().items()}
+        assert _allocations(functools.partial(st.set_moments, m, v, scratch)) == []
+        for k, t in st.moment_tensors().items():  # the codes of the arrays of its own
+            assert torch.equal(t, codes[k]), k
         del a, b, m, v
         got.clear()  # the views keep the arrays alive
-    assert scratch.pair((3, 5)) is None
+    assert scratch.pair((3, 5)) is None and scratch.wide() is None
     assert accel.host_held()["moments_fp32"] == own  # own_m and own_v only

@@ -211,16 +211,24 @@ def sqrt_rounded(x: torch.Tensor) -> torch.Tensor:
 SQRT_CHUNK = 1 << 20  # elements per float64 temporary of ``sqrt_rounded_`` (8 MiB)
 
 
-def sqrt_rounded_(x: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
+def sqrt_rounded_(
+    x: torch.Tensor, chunk: int | None = None, buf: torch.Tensor | None = None
+) -> torch.Tensor:
     """``sqrt_rounded`` in place on a contiguous fp32 ``x``, ``chunk`` elements at a time:
     the same values, with one float64 buffer of a chunk (default ``SQRT_CHUNK``), reused
     for every chunk, instead of the whole tensor's (a 131M-element moment: 1 GB of float64
     and a 0.5 GB result otherwise) or one per chunk (many 8 MiB blocks freed in turn: they
-    fragment the C heap between the host's other allocations). Returns ``x``."""
+    fragment the C heap between the host's other allocations). ``buf``: a float64 buffer to
+    use instead (its size is the chunk; a selection's, ``MomentScratch``, lent to every
+    weight). Returns ``x``."""
     if not x.is_contiguous():
         raise ValueError("sqrt_rounded_ needs a contiguous tensor")
     flat = x.view(-1)
-    buf = torch.empty(min(chunk or SQRT_CHUNK, flat.numel()), dtype=torch.float64)
+    if buf is not None:
+        if buf.dtype != torch.float64 or buf.dim() != 1 or not buf.numel():
+            raise ValueError("sqrt_rounded_'s buf must be a non-empty 1-D float64 tensor")
+    else:
+        buf = torch.empty(min(chunk or SQRT_CHUNK, flat.numel()), dtype=torch.float64)
     for part in flat.split(buf.numel() or 1):
         wide = buf[: part.numel()]
         part.copy_(wide.copy_(part).sqrt_())  # float64 -> fp32: rounded once, as .float()

@@ -204,9 +204,9 @@ def _moment_targets(new, shape, scratch) -> tuple[torch.Tensor, torch.Tensor]:
     return new.exp_avg, new.exp_avg_sq
 
 
-def _commit(new, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+def _commit(new, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, scratch) -> None:
     if hasattr(new, "set_moments"):
-        new.set_moments(exp_avg, exp_avg_sq)
+        new.set_moments(exp_avg, exp_avg_sq, scratch)
 
 
 @_on_host(1)
@@ -231,7 +231,7 @@ def first_compact(w, mode, plan: SelectionPlan) -> None:
         m.zero_()
         v.zero_()
         new.steps.counts.zero_()
-    _commit(new, m, v)
+    _commit(new, m, v, mode.handover.scratch)
     new.steps.recheck()
     w.host = new
     w.host_layout = "compact"
@@ -265,7 +265,7 @@ def relayout(w, mode, plan: SelectionPlan, leaving: dict | None) -> None:
         m, v = moments(host, mode.handover.scratch)
         into(m, "exp_avg")
         into(v, "exp_avg_sq")
-        host.set_moments(m, v)
+        host.set_moments(m, v, mode.handover.scratch)
         del m, v
     else:
         into(host.exp_avg, "exp_avg")

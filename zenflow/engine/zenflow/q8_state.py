@@ -33,7 +33,7 @@ import torch
 
 from zenflow.engine.host import ColumnSteps
 from zenflow.ops import q8_num_blocks
-from zenflow.ops.q8_reference import sqrt_rounded_
+from zenflow.ops.q8_reference import SQRT_CHUNK, sqrt_rounded_
 
 MOMENT_KEYS = ("m_codes", "m_scales", "u_codes", "u_scales")
 
@@ -109,13 +109,17 @@ class Q8HostState:
             self.kernels.dequantize(self.u_codes, self.u_scales, v, fmt="u")
         return m, v.mul_(v)
 
-    def set_moments(self, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+    def set_moments(
+        self, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, scratch: MomentScratch | None = None
+    ) -> None:
         """Quantise fp32 moments (the master's layout) into the codes and scales.
         Consumes ``exp_avg_sq``: its square root is taken in place (``sqrt_rounded_``, a
-        chunk at a time), so nothing beside the two arrays is allocated."""
+        chunk at a time, in ``scratch``'s float64 chunk while it holds one), so nothing
+        beside the two arrays is allocated."""
+        wide = scratch.wide() if scratch is not None else None
         with self._on_host():
             self.kernels.quantize(exp_avg.contiguous(), self.m_codes, self.m_scales, fmt="m")
-            u = sqrt_rounded_(exp_avg_sq.contiguous())  # the array itself when contiguous
+            u = sqrt_rounded_(exp_avg_sq.contiguous(), buf=wide)  # in place when contiguous
             self.kernels.quantize(u, self.u_codes, self.u_scales, fmt="u")
 
     def _on_host(self):
@@ -139,17 +143,20 @@ class MomentScratch:
     (docs/BENCHMARKS.md, "The re-selection's fp32 moments in one pair of arrays"). Here the
     hand-over takes one pair of the largest weight's size for the whole selection
     (``held``), what the estimate already counts (8 bytes per element of the largest
-    weight), and each weight uses its front (``pair``). A pair is valid until the next
+    weight), and each weight uses its front (``pair``); the square root's float64 chunk
+    (``set_moments``) is held the same way. A pair is valid until the next
     ``pair``: the hand-over uses one weight's moments at a time. Outside ``held`` there is
     no pair, and callers take arrays of their own."""
 
     def __init__(self, accel):
         self.accel = accel
         self._arrays: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._wide: torch.Tensor | None = None
 
     @contextlib.contextmanager
     def held(self, numel: int):
-        """Hold two fp32 arrays of ``numel`` elements (accounted as ``moments_fp32``)
+        """Hold two fp32 arrays of ``numel`` elements and the square root's float64 chunk
+        (``sqrt_rounded_``'s, at most ``SQRT_CHUNK``; all accounted as ``moments_fp32``)
         inside; nothing where ``numel`` is 0 (no 8-bit moments to re-lay)."""
         if numel <= 0 or self._arrays is not None:
             yield
@@ -157,10 +164,16 @@ class MomentScratch:
         make = functools.partial(self.accel.host_empty, (numel,), torch.float32, False,
                                  "moments_fp32")  # fmt: skip
         self._arrays = (make(), make())
+        self._wide = self.accel.host_empty((min(numel, SQRT_CHUNK),), torch.float64, False,
+                                           "moments_fp32")  # fmt: skip
         try:
             yield
         finally:
-            self._arrays = None
+            self._arrays = self._wide = None
+
+    def wide(self) -> torch.Tensor | None:
+        """The held float64 chunk of the square root, or None outside ``held``."""
+        return self._wide
 
     def pair(self, shape) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Two contiguous views of ``shape`` at the front of the held arrays, or None where
