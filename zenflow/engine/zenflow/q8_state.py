@@ -140,13 +140,13 @@ class MomentScratch:
     the C heap where smaller than glibc's mmap threshold (up to 32 MiB), and the holes they
     left, of every weight's size, stayed resident: the RSS of a compact run rose by a few
     hundred MB at gpt2-medium's first selection and again at each re-selection
-    (docs/BENCHMARKS.md, "The re-selection's fp32 moments in one pair of arrays"). Here the
+    (docs/BENCHMARKS.md, "The selection's fp32 moments in one pair of arrays"). Here the
     hand-over takes one pair of the largest weight's size for the whole selection
     (``held``), what the estimate already counts (8 bytes per element of the largest
     weight), and each weight uses its front (``pair``); the square root's float64 chunk
-    (``set_moments``) is held the same way. A pair is valid until the next
-    ``pair``: the hand-over uses one weight's moments at a time. Outside ``held`` there is
-    no pair, and callers take arrays of their own."""
+    (``set_moments``) is held the same way. A pair is valid until the next ``pair``: the
+    hand-over uses one weight's moments at a time. Outside ``held`` there is no pair, and
+    callers take arrays of their own."""
 
     def __init__(self, accel):
         self.accel = accel
