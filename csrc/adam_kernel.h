@@ -382,10 +382,10 @@ inline ColTables col_tables(const char* op, const at::Tensor& col_steps, int64_t
 // (adamw_step_ and adamw_q8_step_'s corr_* arguments). The sum the step reads is
 // sum + delta * (code * scale) of the pieces' 8-bit copy, each product and sum rounded to
 // fp32 in that order and stored in the sum's dtype, exactly as add_dequantized_i8_ would
-// store it before the step (host_ops.cpp; a block of kCorrBlock elements shares a scale, and
+// store it before the step (host_ops.cpp; a block of kI8Block elements shares a scale, and
 // each piece's blocks start at its first element): the same step, bit for bit, without the
 // pass over the sum. The sum itself is left as it was.
-constexpr int64_t kCorrBlock = 256;
+constexpr int64_t kI8Block = 256;  // elements per scale of an 8-bit copy (host_ops.cpp)
 
 struct Correction {
   const int8_t* codes;    // one per element
@@ -430,7 +430,7 @@ inline bool read_correction(const char* op, const std::optional<at::Tensor>& cod
     TORCH_CHECK(len > 0, op, ": corr_starts must increase, got ", corr.starts[q], " then ",
                 corr.starts[q + 1], " at piece ", q);
     corr.first_scale[q] = blocks;
-    blocks += (len + kCorrBlock - 1) / kCorrBlock;
+    blocks += (len + kI8Block - 1) / kI8Block;
   }
   TORCH_CHECK(scales->numel() == blocks, op, ": corr_scales has ", scales->numel(),
               " elements, expected one per 256-element block of each piece: ", blocks);
@@ -446,8 +446,8 @@ inline void for_each_corr_segment(const Correction& corr, int64_t begin, int64_t
       std::upper_bound(corr.starts, corr.starts + corr.pieces, begin) - corr.starts - 1;
   for (int64_t a = begin; a < end;) {
     while (a >= corr.starts[piece + 1]) ++piece;
-    const int64_t blk = (a - corr.starts[piece]) / kCorrBlock;
-    int64_t stop = corr.starts[piece] + (blk + 1) * kCorrBlock;
+    const int64_t blk = (a - corr.starts[piece]) / kI8Block;
+    int64_t stop = corr.starts[piece] + (blk + 1) * kI8Block;
     stop = stop < corr.starts[piece + 1] ? stop : corr.starts[piece + 1];
     stop = stop < end ? stop : end;
     fn(a, stop - a, corr.scales[corr.first_scale[piece] + blk]);

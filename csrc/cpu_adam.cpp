@@ -85,7 +85,7 @@ void run_blocks_corrected(int64_t numel, float* p, const float* g, float* m, flo
   for (int64_t block = 0; block < num_blocks; ++block) {
     const int64_t begin = block * kBlockElems;
     const int64_t end = begin + kBlockElems < numel ? begin + kBlockElems : numel;
-    float tmp[kCorrBlock];
+    float tmp[kI8Block];
     for_each_corr_segment(corr, begin, end, [&](int64_t a, int64_t n, float scale) {
       corrected_grad(tmp, g, corr.codes, scale, corr.delta, a, n);
       c10::BFloat16* pba = pb != nullptr ? pb + a : nullptr;

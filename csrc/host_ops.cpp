@@ -259,7 +259,6 @@ double accumulate_(const at::Tensor& dst, const at::Tensor& src, double scale, b
 
 constexpr const char* kKeepOp = "zenflow::accumulate_keep_i8_";
 constexpr const char* kAddI8Op = "zenflow::add_dequantized_i8_";
-constexpr int64_t kI8Block = 256;  // elements per scale of an 8-bit copy
 constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23
 static_assert(kBlockElems % kI8Block == 0, "threads take whole 8-bit blocks");
 

@@ -137,8 +137,9 @@ class Q8StepStore:
         entries = list(self.pending.values()) + list(self.applying.values())
         self.pending, self.applying = {}, {}
         work, folded = [], {}
+        fold = fold and bool(entries) and self.can_fold
         for w, slot, mul, delta in entries:
-            whole = self._whole_copy(w) if delta != 0.0 and fold and self.can_fold else None
+            whole = self._whole_copy(w) if delta != 0.0 and fold else None
             if whole is not None:
                 codes, scales, starts = whole
                 folded[w.position] = {"corr_codes": codes, "corr_scales": scales,
