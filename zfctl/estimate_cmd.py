@@ -76,6 +76,14 @@ def estimate(
             rich_help_panel=panels.ENGINE,
         ),
     ] = None,
+    set_: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--set",
+            help="Override a config key, as zfctl finetune's --set: dotted.json.path=value.",
+            rich_help_panel=panels.ENGINE,
+        ),
+    ] = None,
     topk_ratio: Annotated[
         float | None,
         typer.Option(help="topk_ratio (config, else 0.1).", rich_help_panel=panels.ENGINE),
@@ -163,13 +171,15 @@ def estimate(
     """Estimate device and host memory of each engine for MODEL, before anything is allocated.
 
     Every option: README.md, "Option reference"."""
-    from zenflow.config import load_config
+    from zenflow.config import load_config, parse_set_args
     from zenflow.hardware import estimate as est
     from zenflow.hardware import predict
     from zfctl.init_cmd import template_path
 
     check_config_file(config)
-    cfg = load_config(config if config is not None else template_path("zenflow"))
+    # --set as zfctl finetune applies it; the flags below win over both
+    cfg = load_config(config if config is not None else template_path("zenflow"),
+                      overrides=parse_set_args(set_ or []))  # fmt: skip
     if grad_accumulation is not None and grad_accumulation not in ("host", "device"):
         raise user_error(f"--grad-accumulation {grad_accumulation!r}: use host or device.")
     if host_bw is not None and not 0 < host_bw < 1e6:

@@ -132,6 +132,27 @@ def test_config_supplies_the_settings(cli, tmp_path):
     assert estimate_json(cli, "gpt2", *BOX, "--config", cfg, "--bf16")["dtype"] == "bf16"
 
 
+def test_set_overrides_the_config_as_finetune_does(cli, tmp_path):
+    """--set applies to --config (else the template) as zfctl finetune's does; the command's
+    own flags win over it; the step store it names is the one checked."""
+    cfg = tmp_path / "ds.json"
+    assert cli("init", "--output", cfg, "--topk-ratio", "0.05").exit_code == 0
+    topk = "zero_optimization.zenflow.topk_ratio"
+    assert estimate_json(cli, "gpt2", *BOX, "--set", f"{topk}=0.2")["topk_ratio"] == 0.2
+    assert estimate_json(cli, "gpt2", *BOX, "--config", cfg)["topk_ratio"] == 0.05
+    assert estimate_json(cli, "gpt2", *BOX, "--config", cfg, "--set", f"{topk}=0.3",
+                         "--set", "zfctl.host_state=compact")["topk_ratio"] == 0.3  # fmt: skip
+    assert estimate_json(cli, "gpt2", *BOX, "--set", f"{topk}=0.2",
+                         "--topk-ratio", "0.4")["topk_ratio"] == 0.4  # fmt: skip
+    data = estimate_json(cli, "gpt2", *BOX, "--set", "zfctl.host_state=compact")
+    assert data["engines"]["zenflow"]["host_state"] == "compact"
+    # the 8-bit copies in place of the bf16 store: less host, in the row the run would take
+    auto = estimate_json(cli, "llama-7b", *BOX)["engines"]["zenflow"]
+    q8 = estimate_json(cli, "llama-7b", *BOX, "--set", "zfctl.step_store=q8")["engines"]["zenflow"]
+    assert (auto["step_store"], q8["step_store"]) == ("auto", "q8")
+    assert q8["host_bytes"] < auto["host_bytes"]
+
+
 def test_table_shows_the_json_numbers(cli):
     data = estimate_json(cli, "llama-13b", "--device-mem", "80GiB", "--host-mem", "256GiB")
     r = cli("estimate", "llama-13b", "--device-mem", "80GiB", "--host-mem", "256GiB")
@@ -184,6 +205,8 @@ def test_without_cuda_the_device_is_the_cpu(cli):
         (["gpt2", "--mfu", "2"], ["--mfu", "(0, 1]"]),
         (["gpt2", "--host-bw", "0"], ["--host-bw", "GB/s", "tune-hw"]),
         (["gpt2", "--host-state", "tiny"], ["--host-state", "'tiny'", "exact or compact"]),
+        (["gpt2", "--set", "zfctl.step_store=bogus"], ["zfctl.step_store", "bogus", "q8"]),
+        (["gpt2", "--set", "topk"], ["--set", "KEY.PATH=VALUE"]),
     ],
 )
 def test_bad_input_exits_2(cli, args, fragments):
