@@ -297,7 +297,8 @@ def _memory_rows(t: Table, state: DashboardState) -> None:
     t.add_row(
         "host memory",
         f"{fmt_bytes(host)} ({per_param(host)} B/param), of it pinned {fmt_bytes(pinned)} "
-        f"({per_param(pinned)} B/param)",
+        f"({per_param(pinned)} B/param); the process's RSS "
+        f"{fmt_bytes(state.mean('process_rss_bytes'))}",
     )
 
 
@@ -365,6 +366,7 @@ def format_plain_line(state: DashboardState) -> str:
         f"device {fmt_bytes(state.mean('device_bytes'))} "
         f"host {fmt_bytes(state.mean('host_bytes'))} "
         f"pinned {fmt_bytes(state.mean('pinned_host_bytes'))} "
+        f"rss {fmt_bytes(state.mean('process_rss_bytes'))} "
         f"host_updates {state.host_updates} skipped {state.skipped} "
         f"ETA {fmt_duration(state.eta_s)}"
     )
@@ -424,10 +426,39 @@ def render_summary(summary: dict) -> Table:
         f"{fmt_num(summary.get('host_bytes_per_param'), '.2f')} (pinned "
         f"{fmt_num(summary.get('pinned_host_bytes_per_param'), '.2f')})",
     )
+    host = host_peak_text(summary)
+    if host is not None:
+        t.add_row("host peak", host)
     t.add_row("samples/s", fmt_num(summary.get("samples_per_s"), ".1f"))
     t.add_row("wall time", fmt_duration(summary.get("wall_s")))
     t.add_row("run dir", escape(str(summary.get("run_dir"))))
     return t
+
+
+def host_peak_text(summary: dict) -> str | None:
+    """The whole-run host peak the run's process measured, and the preflight's estimate of
+    it (summary.json's ``process_rss_peak_bytes``, ``host_rss_peak_bytes`` and
+    ``host_peak_estimate_bytes``); None where not measured (runs written before them)."""
+
+    def num(key: str) -> float | None:
+        v = summary.get(key)
+        ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+        return float(v) if ok and v >= 0 else None
+
+    rss, host, est = (num(k) for k in ("process_rss_peak_bytes", "host_rss_peak_bytes",
+                                       "host_peak_estimate_bytes"))  # fmt: skip
+    if rss is None:
+        return None
+    if host is None:  # sim without its pool: the device's memory is in the heap
+        return f"process RSS {fmt_bytes(rss)} (the simulated device's memory included)"
+    if host != rss:
+        text = (f"{fmt_bytes(host)} (process RSS {fmt_bytes(rss)} less the simulated device's "
+                f"{fmt_bytes(rss - host)})")  # fmt: skip
+    else:
+        text = f"{fmt_bytes(host)} (process RSS)"
+    if est:
+        text += f"; estimate {fmt_bytes(est)}, measured / estimate {host / est:.2f}"
+    return text
 
 
 def event_to_json(event: Any) -> str:

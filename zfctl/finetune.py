@@ -331,8 +331,9 @@ def finetune(
     # A resumed run keeps the settings it was checked with; --resume auto without an earlier
     # run is a new run (resume_or_new) and is checked like one.
     if not force and resume_or_new(spec)[0].resume is None:
-        fitted = _preflight(flags, spec, cfg, task)
-        spec = dataclasses.replace(spec, **fitted)  # what the run fits with (FITTED_NOTES)
+        fitted, host_peak = _preflight(flags, spec, cfg, task)
+        # what the run fits with (FITTED_NOTES), and the host peak it was checked at
+        spec = dataclasses.replace(spec, **fitted, host_peak_estimate=host_peak)
         if rank == 0 and not json_output:
             for key, value in fitted.items():
                 out.print(FITTED_NOTES[key, value])
@@ -444,7 +445,9 @@ FITTED_NOTES = {
 }
 
 
-def _preflight(flags: SimpleNamespace, spec, cfg, task: str | None) -> dict[str, str]:
+def _preflight(
+    flags: SimpleNamespace, spec, cfg, task: str | None
+) -> tuple[dict[str, str], int | None]:
     """A new run's memory check (zfctl estimate's numbers): the device at a step's peak, the
     host at the whole run's peak (default: this machine's MemAvailable). It runs here, after
     the flags, the config and the data table's labels are read and before the model loads
@@ -452,7 +455,9 @@ def _preflight(flags: SimpleNamespace, spec, cfg, task: str | None) -> dict[str,
     exit 2 when it cannot fit, naming the fixes (--force skips it). Returns the settings
     the run fits with where they are not the config's, as RunSpec fields (``return_image``
     "never": the early phase's images do not fit; ``step_store`` "off" or "q8": the step
-    store does not fit, without clipping or with it; ``zenflow.hardware.estimate.fallbacks``)."""
+    store does not fit, without clipping or with it; ``zenflow.hardware.estimate.fallbacks``),
+    and the whole-run host peak it checked the run's engine at (None on a CPU device, whose
+    memory is the host's too, and for DeepSpeed's engine, which is not ours to lay out)."""
     from zenflow.engine.accelerator import default_kind
     from zenflow.hardware.preflight import preflight
     from zenflow.train.data import get_task
@@ -472,11 +477,14 @@ def _preflight(flags: SimpleNamespace, spec, cfg, task: str | None) -> dict[str,
                     device_mem=f.device_mem, host_mem=f.host_mem,
                     gradient_checkpointing=f.gradient_checkpointing,
                     separate_device=kind != "cpu", device_kind=kind)  # fmt: skip
-    if est is None or f.engine != "zenflow":
-        return {}
-    zf = est.engines["zenflow"]
-    checked = {"return_image": zf.return_image, "step_store": zf.step_store}
-    return {k: v for k, v in checked.items() if v != getattr(cfg.engine, k)}
+    if est is None:
+        return {}, None
+    row = est.engines.get(f.engine)
+    peak = row.host_peak_bytes if row is not None and kind != "cpu" else None
+    if f.engine != "zenflow":
+        return {}, peak
+    checked = {"return_image": row.return_image, "step_store": row.step_store}
+    return {k: v for k, v in checked.items() if v != getattr(cfg.engine, k)}, peak
 
 
 def _run(run_finetune, spec, renderer, rank: int) -> dict:

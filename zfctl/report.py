@@ -42,7 +42,8 @@ SUMMARY_KEYS = (
     "bytes_per_step_x_model", "host_updates", "mean_window_len", "selection_changes",
     "samples", "tokens", "train_s", "samples_per_s", "tokens_per_s", "wall_s", "model_bytes",
     "params", "sources", "device_bytes_per_param", "device", "world_size", "skipped_steps",
-    "last_good_step", "divergence",
+    "last_good_step", "divergence", "process_rss_peak_bytes", "host_rss_peak_bytes",
+    "host_peak_estimate_bytes",
 )  # fmt: skip
 
 
@@ -130,6 +131,10 @@ def _from_metrics(steps: list[dict], evals: list[dict], config: dict, spec: dict
         "wall_s": None,  # the session's wall clock is only in summary.json
         "model_bytes": None,
         "params": None,
+        # the host peak the process measured, and the preflight's: only in summary.json
+        "process_rss_peak_bytes": None,
+        "host_rss_peak_bytes": None,
+        "host_peak_estimate_bytes": None,
         "sources": config.get("sources"),
         "eval_step": last_eval.get("step"),
         "eval_loss": _finite(last_eval.get("eval_loss")),

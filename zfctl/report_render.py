@@ -15,7 +15,7 @@ from typing import Any
 from rich.markup import escape
 from rich.table import Table
 
-from zfctl.dashboard import fmt_bytes, fmt_duration, fmt_num
+from zfctl.dashboard import fmt_bytes, fmt_duration, fmt_num, host_peak_text
 
 # The parts of a step stacked in the plot; what is left up to wall_ms is data loading,
 # batch copies and the rest of the engine's step.
@@ -199,6 +199,9 @@ def _traffic_rows(row: Row, r: dict) -> None:
     )
     row("device memory", f"{fmt_num(_finite(r.get('device_bytes_per_param')), '.2f')} B/param "
         "(weights, grads, optimizer state)")  # fmt: skip
+    host = host_peak_text(r)
+    if host is not None:  # measured by the run (summary.json); older runs did not
+        row("host peak", host)
     row(
         "throughput",
         f"{fmt_num(_finite(r.get('samples_per_s')), '.1f')} samples/s, "

@@ -90,14 +90,16 @@ def test_memory_rows_show_the_peak_the_host_and_the_pinned_bytes():
     state.apply(RunStarted(HEADER))
     p = HEADER["params"]
     state.apply(step_event(1, device_bytes=int(3.0 * p), device_peak_bytes=int(3.5 * p),
-                           host_bytes=int(19.6 * p), pinned_host_bytes=int(3.6 * p)))  # fmt: skip
+                           host_bytes=int(19.6 * p), pinned_host_bytes=int(3.6 * p),
+                           process_rss_bytes=int(25 * p)))  # fmt: skip
     text = render_text(render_dashboard(state), width=160)
     assert (
         "(3.00 B/param: weights" in text and "peak in a step" in text and "(3.50 B/param)" in text
     )
     assert "(19.60 B/param), of it pinned" in text and "(3.60 B/param)" in text
     line = format_plain_line(state)
-    assert "host 2.4 GB pinned 448.0 MB" in line
+    assert "host 2.4 GB pinned 448.0 MB rss 3.1 GB" in line
+    assert "the process's RSS 3.1 GB" in text
 
 
 def test_summary_table():
@@ -112,6 +114,11 @@ def test_summary_table():
     assert "accuracy 0.7500" in text and "330.0" in text and "2.0 %" in text
     assert "3.00 (peak in a step 3.50)" in text and "19.60 (pinned 3.60)" in text
     assert "1:15" in text
+    assert "host peak" not in text  # not measured (a run from before it was)
+    summary |= {"process_rss_peak_bytes": 3e9, "host_rss_peak_bytes": 3e9,
+                "host_peak_estimate_bytes": 2.5e9}  # fmt: skip
+    text = render_text(render_summary(summary), width=160)
+    assert "3.0 GB (process RSS); estimate 2.5 GB, measured / estimate 1.20" in text
 
 
 def test_event_json_round_trip():

@@ -151,6 +151,29 @@ def test_sim_device_is_named_and_reports_device_bytes(tiny_gpt2_dir, data, tmp_p
     # what its live tensors held at most (activations included, the cache not)
     assert s["device_memory_peak_bytes"] >= s["device_allocated_peak_bytes"]
     assert s["device_allocated_peak_bytes"] > s["device_peak_bytes"]
+    # the host memory the process held, measured (getrusage): its peak RSS less the device
+    # pool's, beside the preflight's whole-run host peak of this run, which the estimate
+    # gives for the same settings and the run keeps in its config
+    assert s["process_rss_peak_bytes"] > s["device_memory_peak_bytes"]
+    assert s["host_rss_peak_bytes"] == s["process_rss_peak_bytes"] - s["device_memory_peak_bytes"]
+    from zenflow.config import load_config, parse_set_args
+    from zenflow.hardware.preflight import preflight
+    from zfctl.init_cmd import template_path
+
+    cfg = load_config(template_path("zenflow"), overrides=parse_set_args(ZF[1::2]))
+    est = preflight(str(tiny_gpt2_dir), mode="zenflow", config=cfg, seq_len=16,
+                    device_kind="sim")  # fmt: skip
+    run = json.loads((tmp_path / "sim" / "config.json").read_text())["run"]
+    assert s["host_peak_estimate_bytes"] == run["host_peak_estimate"]
+    assert s["host_peak_estimate_bytes"] == est.engines["zenflow"].host_peak_bytes
+    # a tiny model: the process's runtime is most of both
+    assert 0.6 < s["host_rss_peak_bytes"] / s["host_peak_estimate_bytes"] < 1.4
+    r = _zfctl("report", tmp_path / "sim")
+    assert r.returncode == 0 and "host peak" in r.stdout and "measured / estimate" in r.stdout
+    # each step line: the process's resident set after it, never above the run's peak
+    lines = [json.loads(x) for x in (tmp_path / "sim" / "metrics.jsonl").read_text().splitlines()]
+    rss = [x["process_rss_bytes"] for x in lines if x.get("type") == "step"]
+    assert len(rss) == 4 and all(0 < b <= s["process_rss_peak_bytes"] for b in rss)
 
 
 # ---- stops and crashes (issue 31)

@@ -459,6 +459,40 @@ def test_table_shows_model_accuracy_and_config(cli, tmp_path):
     assert "lr 2e-05 (AdamW" in out and "micro batch 8 x grad accum 2" in out
 
 
+@pytest.mark.parametrize(
+    "measured, shown",
+    [
+        # sim with its pool: the process's peak less the device's, against the estimate
+        ({"process_rss_peak_bytes": 5_000_000_000, "host_rss_peak_bytes": 3_000_000_000,
+          "host_peak_estimate_bytes": 4_000_000_000},
+         "3.0 GB (process RSS 5.0 GB less the simulated device's 2.0 GB); estimate 4.0 GB, "
+         "measured / estimate 0.75"),
+        # CUDA: all of it is the host's; no estimate (--force)
+        ({"process_rss_peak_bytes": 61_000_000_000, "host_rss_peak_bytes": 61_000_000_000,
+          "host_peak_estimate_bytes": None}, "61.0 GB (process RSS)"),
+        # sim without its pool: the device's memory cannot be told apart
+        ({"process_rss_peak_bytes": 2_000_000_000, "host_rss_peak_bytes": None},
+         "process RSS 2.0 GB (the simulated device's memory included)"),
+        ({}, None),  # a run written before they were measured: no row
+        ({"process_rss_peak_bytes": "lots", "host_rss_peak_bytes": -5}, None),
+    ],
+)  # fmt: skip
+def test_the_host_peak_the_run_measured(cli, tmp_path, measured, shown):
+    run = make_run(tmp_path, "20240101-120000-gpt2-sst2", [200.0] * 4)
+    summary = json.loads((run / "summary.json").read_text()) | measured
+    (run / "summary.json").write_text(json.dumps(summary))
+    (r,) = run_json(cli, run)["runs"]
+    for key in ("process_rss_peak_bytes", "host_rss_peak_bytes", "host_peak_estimate_bytes"):
+        assert r[key] == summary.get(key), key
+    out = cli("report", run)
+    assert out.exit_code == 0, out.output
+    rows = [ln for ln in out.stdout.splitlines() if "host peak" in ln]
+    if shown is None:
+        assert not rows
+    else:
+        assert len(rows) == 1 and shown in rows[0], out.stdout
+
+
 # ---------------------------------------------------------------------------- plot
 
 

@@ -90,3 +90,44 @@ def test_probe_memory_and_accelerator_on_this_machine():
     assert acc.kind == ("cuda" if torch.cuda.is_available() else "cpu")
     if acc.kind == "cpu":
         assert acc.memory_bytes is None and acc.h2d_pinned_gbs is None
+
+
+def test_process_rss_peak_is_the_processs_high_water_mark(tmp_path):
+    """What summary.json's process_rss_peak_bytes is: the kernel's peak RSS of the process,
+    in bytes; it rises by what the process touches, and getrusage agrees (within the
+    kernel's lazily synchronised counters) once the program's own peak is the larger.
+    Without /proc it is getrusage's."""
+    import subprocess
+    import sys
+
+    code = (
+        "import resource\n"
+        "from pathlib import Path\n"
+        "from zenflow.hardware.probes import process_rss, process_rss_peak\n"
+        "before = process_rss_peak()\n"
+        "block = bytearray(256 * 2**20)\n"
+        "block[::4096] = b'x' * len(block[::4096])\n"
+        "after = process_rss_peak()\n"
+        "usage = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024\n"
+        "fallback = process_rss_peak(Path('/nonexistent/status'))\n"
+        "now = process_rss()\n"
+        "assert 256 * 2**20 < now <= process_rss_peak(), now\n"
+        "assert process_rss(Path('/nonexistent/status')) is None\n"
+        "print(before, after, usage, fallback)\n"
+    )
+    script = tmp_path / "probe.py"
+    script.write_text(code)
+    # forked by a shell, not by this test's process: getrusage keeps the peak of the image
+    # its program was exec'd from (this pytest process, gigabytes by now); VmHWM does not
+    out = subprocess.run(["sh", "-c", f"'{sys.executable}' '{script}'; exit $?"],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    before, after, usage, fallback = map(int, out.stdout.split())
+    assert after - before >= 250 * 2**20
+    assert abs(after - usage) < 2**20 and abs(fallback - usage) < 2**20
+    # started straight from this (larger) process, getrusage reports at least its size
+    direct = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                            timeout=120)  # fmt: skip
+    assert direct.returncode == 0, direct.stderr
+    before, after, usage, _ = map(int, direct.stdout.split())
+    assert after - before >= 250 * 2**20 and usage >= after - 2**20

@@ -14,6 +14,7 @@ import os
 import re
 import resource
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -148,6 +149,37 @@ class MemoryProbe:
 def memlock_limit() -> int | None:
     soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     return None if soft == resource.RLIM_INFINITY else int(soft)
+
+
+PROC_STATUS = Path("/proc/self/status")
+
+
+def _status_bytes(field: str, status: Path) -> int | None:
+    """``field`` of a /proc status file (a "kB" line) in bytes; None where unreadable."""
+    try:
+        for line in status.read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def process_rss_peak(status: Path = PROC_STATUS) -> int:
+    """This process's peak resident set since its program started, in bytes, pinned pages
+    included: the kernel's high-water mark (``VmHWM``), what ``/usr/bin/time -v`` reports
+    as its maximum resident set size. Where there is no /proc, getrusage's ru_maxrss (KiB
+    on Linux, bytes on macOS), which also keeps a peak from before the program's exec."""
+    peak = _status_bytes("VmHWM", status)
+    if peak is not None:
+        return peak
+    usage = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(usage) if sys.platform == "darwin" else int(usage) * 1024
+
+
+def process_rss(status: Path = PROC_STATUS) -> int | None:
+    """This process's resident set now, in bytes (``VmRSS``); None without /proc."""
+    return _status_bytes("VmRSS", status)
 
 
 def probe_memory(

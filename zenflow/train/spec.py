@@ -79,6 +79,11 @@ class RunSpec:
     # whose step store does not fit the host; "q8": one with clipping), over the config's;
     # None: the config's. Kept on resume.
     step_store: str | None = None
+    # The preflight's whole-run host peak of this run's engine on a separate device (bytes,
+    # ``zfctl estimate``'s ``host_peak_bytes``): summary.json sets the measured peak beside
+    # it. None: not checked (--force, a CPU device, a model the estimate cannot read). Kept
+    # on resume.
+    host_peak_estimate: int | None = None
 
 
 # Fields that define the trajectory: a resumed run takes them from the saved run.
@@ -275,7 +280,8 @@ def merge_resumed_spec(spec: RunSpec, run_dir: Path, notes: list[str] | None = N
             load_config(saved["config_input"]), source=saved.get("config_source", "<dict>")
         )
     for name in ("max_steps", "epochs", "eval_every", "max_eval_samples", "checkpoint_every",
-                 "sim_profile", "device_mem", "return_image", "step_store"):  # fmt: skip
+                 "sim_profile", "device_mem", "return_image", "step_store",
+                 "host_peak_estimate"):  # fmt: skip
         if getattr(spec, name) is None and saved.get(name) is not None:
             changes[name] = saved[name]
     if not spec.gradient_checkpointing and saved.get("gradient_checkpointing"):

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 
 from zenflow.engine.stats import StepStats
+from zenflow.hardware.probes import process_rss
 from zenflow.train.data import batches as data_batches
 from zenflow.train.objective import Objective
 from zenflow.train.parallel import any_rank, mean_over_ranks
@@ -172,6 +173,7 @@ class OptimizerStep:
             forward_ms=fwd_ms,
             backward_ms=bwd_ms,
             loss=mean_over_ranks(step_loss, self.par),
+            process_rss_bytes=process_rss(),
         )
         return stats, wall_ms
 

@@ -258,6 +258,28 @@ def _memory(run, steps: list[dict]) -> dict:
         # the sync counter: the most full device syncs / device-to-host reads in one step
         "full_syncs_max": _most(steps, "full_syncs"),
         "d2h_reads_max": _most(steps, "d2h_reads"),
+        **_host_measured(run),
+    }
+
+
+def _host_measured(run) -> dict:
+    """The host memory the run's process held, measured: its peak resident set since it
+    started (``getrusage``; rank 0's process, a resumed run's its own), and of it the
+    host's: on sim less the simulated device's pool at its largest (its memory lives in this
+    process; None without the pool), on CUDA all of it (pinned pages included), on a CPU
+    device all of it (the device is this memory). Beside it the preflight's whole-run host
+    peak of the run's engine (``zfctl estimate``'s), where it was checked."""
+    from zenflow.hardware.probes import process_rss_peak
+
+    rss = process_rss_peak()
+    host = rss
+    if run.device_kind == "sim":
+        pool = _device_memory_peak(run)
+        host = rss - pool if pool is not None else None
+    return {
+        "process_rss_peak_bytes": rss,
+        "host_rss_peak_bytes": host,
+        "host_peak_estimate_bytes": run.spec.host_peak_estimate,
     }
 
 
