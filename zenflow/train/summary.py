@@ -264,11 +264,12 @@ def _memory(run, steps: list[dict]) -> dict:
 
 def _host_measured(run) -> dict:
     """The host memory the run's process held, measured: its peak resident set since it
-    started (``getrusage``; rank 0's process, a resumed run's its own), and of it the
-    host's: on sim less the simulated device's pool at its largest (its memory lives in this
-    process; None without the pool), on CUDA all of it (pinned pages included), on a CPU
-    device all of it (the device is this memory). Beside it the preflight's whole-run host
-    peak of the run's engine (``zfctl estimate``'s), where it was checked."""
+    started (``probes.process_rss_peak``, the kernel's VmHWM; rank 0's process, a resumed
+    run's its own session's), and of it the host's: on sim less the simulated device's pool
+    at its largest (its memory lives in this process; the benchmarks' "host peak"; None
+    without the pool), on CUDA all of it (pinned pages included), on a CPU device all of it
+    (the device is this memory). Beside it the preflight's whole-run host peak of the run's
+    engine (``zfctl estimate``'s), where it was checked."""
     from zenflow.hardware.probes import process_rss_peak
 
     rss = process_rss_peak()
