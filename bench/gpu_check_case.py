@@ -27,8 +27,10 @@ sync phase. Phases, each printing the result so far (a budget cut keeps what was
    places that made them; the re-selection's host functions by own time (cProfile).
 5. ``profile``: steps under torch.profiler (CPU and CUDA activity): the share of host<->device copy
    time under kernels, the GPU's busy share.
-6. ``memory``: host peak RSS (ru_maxrss), pinned bytes as the engine accounts them and as
-   CUDA's caching pinned allocator holds them, /proc/self/status VmLck and VmPin.
+6. ``memory``: host peak RSS (the kernel's VmHWM, ``zenflow.hardware.probes.process_rss_peak``:
+   ru_maxrss would keep gpu_check's own peak from before this process's exec), pinned bytes
+   as the engine accounts them and as CUDA's caching pinned allocator holds them,
+   /proc/self/status VmLck and VmPin.
 
 On ``--accel sim`` (a rehearsal) the same phases run on the simulated device; what needs
 CUDA says "not measured: no CUDA device", and sim's own figures (the engine-counted syncs,
@@ -41,7 +43,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import sys
 import time
@@ -64,6 +65,8 @@ from gpu_check_host import (  # noqa: E402
     case_config,
     emit,
 )
+
+from zenflow.hardware.probes import process_rss_peak  # noqa: E402
 
 HOST_PROFILE_TOP = 15  # functions kept per selection step, by own time
 
@@ -390,7 +393,7 @@ def memory(case: Case) -> dict:
     """Host peak RSS; pinned bytes as the engine accounts them and as CUDA's caching pinned
     allocator holds them; the process's locked (VmLck) and pinned (VmPin) pages."""
     acc = case.accel
-    out = {"host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    out = {"host_peak_rss_bytes": process_rss_peak(),
            "host_rss_bytes": (_status_kib("VmRSS") or 0) * 1024,
            "engine_host_bytes": sum(acc.host_held().values()),
            "engine_pinned_bytes": acc.pinned_bytes(),
