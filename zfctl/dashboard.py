@@ -111,6 +111,10 @@ class DashboardState:
             self.summary = dict(event.summary)
             self.already_finished = True
 
+    def last(self, key: str):
+        """``key`` of the latest step, else None."""
+        return self.recent[-1].get(key) if self.recent else None
+
     def mean(self, key: str) -> float | None:
         vals = [r[key] for r in self.recent if isinstance(r.get(key), (int, float))]
         vals = [v for v in vals if math.isfinite(v)]
@@ -298,8 +302,17 @@ def _memory_rows(t: Table, state: DashboardState) -> None:
         "host memory",
         f"{fmt_bytes(host)} ({per_param(host)} B/param), of it pinned {fmt_bytes(pinned)} "
         f"({per_param(pinned)} B/param); the process's RSS "
-        f"{fmt_bytes(state.mean('process_rss_bytes'))}",
+        f"{fmt_bytes(state.mean('process_rss_bytes'))}, {host_available_text(state)}",
     )
+
+
+def host_available_text(state: DashboardState) -> str:
+    """The machine's memory available at the last step, in yellow where it is less than a
+    quarter of what the run's process holds (the run has little room left to grow)."""
+    avail, rss = state.last("host_available_bytes"), state.last("process_rss_bytes")
+    text = f"available {fmt_bytes(avail)}"
+    tight = isinstance(avail, int | float) and isinstance(rss, int | float) and avail < rss / 4
+    return f"[yellow]{text} (little room left)[/]" if tight else text
 
 
 def _eval_rows(t: Table, state: DashboardState) -> None:
@@ -367,6 +380,7 @@ def format_plain_line(state: DashboardState) -> str:
         f"host {fmt_bytes(state.mean('host_bytes'))} "
         f"pinned {fmt_bytes(state.mean('pinned_host_bytes'))} "
         f"rss {fmt_bytes(state.mean('process_rss_bytes'))} "
+        f"avail {fmt_bytes(state.last('host_available_bytes'))} "
         f"host_updates {state.host_updates} skipped {state.skipped} "
         f"ETA {fmt_duration(state.eta_s)}"
     )

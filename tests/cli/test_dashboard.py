@@ -91,15 +91,21 @@ def test_memory_rows_show_the_peak_the_host_and_the_pinned_bytes():
     p = HEADER["params"]
     state.apply(step_event(1, device_bytes=int(3.0 * p), device_peak_bytes=int(3.5 * p),
                            host_bytes=int(19.6 * p), pinned_host_bytes=int(3.6 * p),
-                           process_rss_bytes=int(25 * p)))  # fmt: skip
+                           process_rss_bytes=int(25 * p),
+                           host_available_bytes=int(100 * p)))  # fmt: skip
     text = render_text(render_dashboard(state), width=160)
     assert (
         "(3.00 B/param: weights" in text and "peak in a step" in text and "(3.50 B/param)" in text
     )
     assert "(19.60 B/param), of it pinned" in text and "(3.60 B/param)" in text
     line = format_plain_line(state)
-    assert "host 2.4 GB pinned 448.0 MB rss 3.1 GB" in line
-    assert "the process's RSS 3.1 GB" in text
+    assert "host 2.4 GB pinned 448.0 MB rss 3.1 GB avail 12.4 GB" in line
+    assert "the process's RSS 3.1 GB, available 12.4 GB" in text and "room" not in text
+    # less than a quarter of what the process holds is left: said, in yellow
+    state.apply(step_event(2, process_rss_bytes=int(25 * p), host_available_bytes=int(5 * p)))
+    assert "available 622.2 MB (little room left)" in render_text(render_dashboard(state),
+                                                                   width=160)  # fmt: skip
+    assert "avail 622.2 MB" in format_plain_line(state)
 
 
 def test_summary_table():

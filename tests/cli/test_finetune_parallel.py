@@ -174,6 +174,7 @@ def test_sim_device_is_named_and_reports_device_bytes(tiny_gpt2_dir, data, tmp_p
     lines = [json.loads(x) for x in (tmp_path / "sim" / "metrics.jsonl").read_text().splitlines()]
     rss = [x["process_rss_bytes"] for x in lines if x.get("type") == "step"]
     assert len(rss) == 4 and all(0 < b <= s["process_rss_peak_bytes"] for b in rss)
+    assert all(x["host_available_bytes"] > 0 for x in lines if x.get("type") == "step")
 
 
 # ---- stops and crashes (issue 31)

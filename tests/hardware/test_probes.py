@@ -131,3 +131,15 @@ def test_process_rss_peak_is_the_processs_high_water_mark(tmp_path):
     assert direct.returncode == 0, direct.stderr
     before, after, usage, _ = map(int, direct.stdout.split())
     assert after - before >= 250 * 2**20 and usage >= after - 2**20
+
+
+def test_host_available_is_meminfos_available(tmp_path):
+    """What each step line's host_available_bytes is: MemAvailable now, in bytes."""
+    f = tmp_path / "meminfo"
+    f.write_text(MEMINFO)
+    assert hw.host_available(f) == hw.parse_meminfo(MEMINFO)["available_bytes"] > 0
+    assert hw.host_available(tmp_path / "missing") is None
+    now = hw.host_available()
+    assert (
+        now is not None and 0 < now <= hw.parse_meminfo(open("/proc/meminfo").read())["total_bytes"]
+    )

@@ -46,6 +46,7 @@ class StepStats:
     # the process's resident set after the step, measured (VmRSS: pinned pages included;
     # sim: the simulated device's pool too); set by the trainer, None elsewhere
     process_rss_bytes: int | None = None
+    host_available_bytes: int | None = None  # the machine's MemAvailable then (the trainer)
     full_syncs: int = 0  # full device synchronizations since the last step (training thread)
     d2h_reads: int = 0  # device-to-host reads since the last step (training thread)
     # share of the link bytes copied since the last step that moved while the device

@@ -182,6 +182,14 @@ def process_rss(status: Path = PROC_STATUS) -> int | None:
     return _status_bytes("VmRSS", status)
 
 
+def host_available(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """The machine's memory available now (``MemAvailable``), in bytes; None without /proc."""
+    try:
+        return parse_meminfo(meminfo.read_text())["available_bytes"]
+    except OSError:
+        return None
+
+
 def probe_memory(
     buffer_mb: int = 256, repeats: int = 5, meminfo: Path = Path("/proc/meminfo")
 ) -> MemoryProbe:

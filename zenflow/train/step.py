@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 
 from zenflow.engine.stats import StepStats
-from zenflow.hardware.probes import process_rss
+from zenflow.hardware.probes import host_available, process_rss
 from zenflow.train.data import batches as data_batches
 from zenflow.train.objective import Objective
 from zenflow.train.parallel import any_rank, mean_over_ranks
@@ -174,6 +174,7 @@ class OptimizerStep:
             backward_ms=bwd_ms,
             loss=mean_over_ranks(step_loss, self.par),
             process_rss_bytes=process_rss(),
+            host_available_bytes=host_available(),
         )
         return stats, wall_ms
 
