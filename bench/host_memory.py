@@ -114,6 +114,8 @@ def run_one(model: str, state: str, steps: int, out: Path, extra: list[str],
         "model": model, "state": state, "params": params, "rss_peak": rss_kb * 1024,
         "device_peak": device_peak, "device_accounted_peak": accounted,
         "device_pool": pooled is not None, "host_peak": rss_kb * 1024 - device_peak,
+        # the run's own measure of the same peak (VmHWM: /usr/bin/time's figure)
+        "run_rss_peak": summary.get("process_rss_peak_bytes"),
         "engine_host_peak": summary.get("host_peak_bytes"),
         "engine_host_per_param": summary.get("host_bytes_per_param"),
         "estimate": estimated_peak(model, settings),

@@ -336,7 +336,8 @@ def test_finetune_runs_without_the_early_images_where_they_do_not_fit(
         return est.engines["zenflow"]
 
     with_images, without = peak(cfg), peak(off)
-    assert with_images.host_peak_phase == "early phase"
+    # the images' peak on sim: a re-selection inside the phase, its hand-over beside them
+    assert with_images.host_peak_phase == "re-selection"
     assert with_images.host_peak_bytes > without.host_peak_bytes
     assert peak(cfg, str(without.host_peak_bytes)).return_image == "never"
 

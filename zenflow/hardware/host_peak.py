@@ -19,6 +19,9 @@ dt the training dtype's bytes, C the compact host state, L the largest tensor):
 - **warm-up** (``full_warm_up_rounds`` > 0): the full host state (12 Pz) and the whole
   gradient's landing until the first selection.
 - **steps**: the steady state.
+- **early phase** (``zfctl.early`` with a bf16 model): + the return's bf16 images (2N),
+  made at the first window's end and freed after the phase. A re-selection or a checkpoint
+  inside the phase holds them too.
 - **checkpoint**: the host state is shared with torch.save (no copy); on cuda torch.save
   copies device tensors to the host one storage at a time: + the largest.
 - **re-selection**: the compact arrays are re-laid in place (``compact_merge_``), so only
@@ -93,7 +96,10 @@ def host_phases(census: ParamCensus, mode: str, s: Settings, items: list[Item]) 
     else:
         kept, kept_terms = steady, "steady"
     if s.copies_on_save:
-        out.append(Phase("checkpoint", steady + largest, "steady + the largest device tensor"))
+        images = early_images(census, s) if mode == "zenflow" else 0
+        out.append(Phase("checkpoint", steady + images + largest,
+                         "steady + the largest device tensor"
+                         + (" + the early phase's images (2*N)" if images else "")))  # fmt: skip
         shard = min(P * dt, SAVE_SHARD_BYTES)
         out.append(Phase("final save", kept + shard, f"{kept_terms} + min(P*{dt}, 50 GB shard)"))
     else:
@@ -148,21 +154,34 @@ def _zenflow_phases(census: ParamCensus, s: Settings, items: list[Item], steady:
     if s.warmup:
         out.append(Phase("warm-up", link + 12 * Pz + landing,
                          "link + full state 12*Pz + whole-gradient landing"))  # fmt: skip
-    if s.return_images(early=True):  # zfctl.return_image "early": freed after the phase
-        N = sum(census.nonselected(k))
-        out.append(Phase("early phase", steady + 2 * N,
+    images = early_images(census, s)
+    if images:  # zfctl.return_image "early": made at the first window's end, freed after
+        out.append(Phase("early phase", steady + images,
                          "steady + the return's bf16 images (2*N, zfctl.early)"))  # fmt: skip
     out.append(Phase("steps", steady, "steady state"))
     # a hand-over re-lays one weight at a time, in place: the entering columns' values
     # (16*S) are extra; compact also goes through fp32 moments (4*N + 4*N, the second
-    # squared and square-rooted in place) before quantising them into the same codes
+    # squared and square-rooted in place) before quantising them into the same codes; a
+    # re-selection inside the early phase has its images beside it
     moving = 16 * census.largest_selected(k)
     per_elem = 8 if s.compact else 0
     terms = "steady + the entering columns' values (16*S)"
     if per_elem:
         terms += f" + the largest weight's moments through fp32 ({per_elem}*N)"
-    out.append(Phase("re-selection", steady + moving + n_big * per_elem, terms))
+    if images:
+        terms += " + the early phase's images (2*N)"
+    out.append(Phase("re-selection", steady + images + moving + n_big * per_elem, terms))
     return out
+
+
+def early_images(census: ParamCensus, s: Settings) -> int:
+    """Bytes of the return's bf16 images while ``zfctl.early``'s phase holds them (2 per
+    non-selected element; 0 where there are none). Whatever the phase overlaps holds them
+    too: a re-selection or a checkpoint may fall inside it (measured: docs/BENCHMARKS.md,
+    "The compact state with a bf16 model")."""
+    if not s.return_images(early=True):
+        return 0
+    return 2 * sum(census.nonselected(s.topk_ratio))
 
 
 def _largest_device_tensor(census: ParamCensus, mode: str, s: Settings) -> int:
