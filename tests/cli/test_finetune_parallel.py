@@ -151,9 +151,9 @@ def test_sim_device_is_named_and_reports_device_bytes(tiny_gpt2_dir, data, tmp_p
     # what its live tensors held at most (activations included, the cache not)
     assert s["device_memory_peak_bytes"] >= s["device_allocated_peak_bytes"]
     assert s["device_allocated_peak_bytes"] > s["device_peak_bytes"]
-    # the host memory the process held, measured (getrusage): its peak RSS less the device
-    # pool's, beside the preflight's whole-run host peak of this run, which the estimate
-    # gives for the same settings and the run keeps in its config
+    # the host memory the process held, measured (the kernel's VmHWM): its peak RSS less
+    # the device pool's, beside the preflight's whole-run host peak of this run, which the
+    # estimate gives for the same settings and the run keeps in its config
     assert s["process_rss_peak_bytes"] > s["device_memory_peak_bytes"]
     assert s["host_rss_peak_bytes"] == s["process_rss_peak_bytes"] - s["device_memory_peak_bytes"]
     from zenflow.config import load_config, parse_set_args

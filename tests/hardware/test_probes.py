@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from zenflow.hardware import probes as hw
 
 # Two physical cores, two hyper-threads each: processors 0..3, core ids 0, 1, 0, 1.
@@ -140,6 +142,5 @@ def test_host_available_is_meminfos_available(tmp_path):
     assert hw.host_available(f) == hw.parse_meminfo(MEMINFO)["available_bytes"] > 0
     assert hw.host_available(tmp_path / "missing") is None
     now = hw.host_available()
-    assert (
-        now is not None and 0 < now <= hw.parse_meminfo(open("/proc/meminfo").read())["total_bytes"]
-    )
+    total = hw.parse_meminfo(Path("/proc/meminfo").read_text())["total_bytes"]
+    assert now is not None and 0 < now <= total
