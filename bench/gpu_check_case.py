@@ -61,12 +61,11 @@ from gpu_check_host import (  # noqa: E402
     NO_CUDA,
     PHASES,
     _pinned_allocated,
-    _status_kib,
     case_config,
     emit,
 )
 
-from zenflow.hardware.probes import process_rss_peak  # noqa: E402
+from zenflow.hardware.probes import proc_status_bytes, process_rss_peak  # noqa: E402
 
 HOST_PROFILE_TOP = 15  # functions kept per selection step, by own time
 
@@ -394,11 +393,11 @@ def memory(case: Case) -> dict:
     allocator holds them; the process's locked (VmLck) and pinned (VmPin) pages."""
     acc = case.accel
     out = {"host_peak_rss_bytes": process_rss_peak(),
-           "host_rss_bytes": (_status_kib("VmRSS") or 0) * 1024,
+           "host_rss_bytes": proc_status_bytes("VmRSS") or 0,
            "engine_host_bytes": sum(acc.host_held().values()),
            "engine_pinned_bytes": acc.pinned_bytes(),
-           "vmlck_bytes": (_status_kib("VmLck") or 0) * 1024,
-           "vmpin_bytes": (_status_kib("VmPin") or 0) * 1024}  # fmt: skip
+           "vmlck_bytes": proc_status_bytes("VmLck") or 0,
+           "vmpin_bytes": proc_status_bytes("VmPin") or 0}  # fmt: skip
     for name in ("host_peak_bytes", "caching_pinned_bytes"):  # where the engine has them
         fn = getattr(acc, name, None)
         if callable(fn):

