@@ -48,6 +48,7 @@ class _Transport:
 class _Weight:
     def __init__(self, shape, n_nonsel, bucket_elems, sum_dtype):
         self.position = 0
+        self.owned = True
         self.pieces = plan_pieces(shape, 1, n_nonsel, bucket_elems)
         self.compact_numel = shape[0] * n_nonsel
         self.acc = [torch.full((self.compact_numel,), float("nan"), dtype=sum_dtype)]
@@ -57,8 +58,9 @@ class _Weight:
 
 
 class _Mode:
-    def __init__(self, kernels, acc, host_state="exact"):
+    def __init__(self, kernels, acc, host_state="exact", weights=()):
         self.e = type("E", (), {"accel": _Accel(), "clip": 1.0})()
+        self.zweights = list(weights)
         self.host_state = host_state
         self.kernels = kernels
         self.transport = _Transport(acc)
@@ -71,7 +73,7 @@ def _run(kernels, w: _Weight, steps: list, fold: bool = False,
     the last flush hands its corrections over, ``store.last_folded``, as a window's end
     does for its host step)."""
     acc = Accumulator(kernels.accumulate, threads=2, keep_i8=kernels.keep_i8)
-    mode = _Mode(kernels, acc, state)
+    mode = _Mode(kernels, acc, state, [w])
     store = Q8StepStore(mode)
     try:
         for pieces, coef, skipped, fresh in steps:

@@ -31,7 +31,8 @@ dt the training dtype's bytes, C the compact host state, L the largest tensor):
   dequantises each weight's 8-bit moments into the selection's pair of fp32 arrays (of the
   largest weight's size, held for the whole selection), merges them and quantises them
   again (8 N_w: the two fp32 moments; the second is squared and square-rooted in place, a
-  chunk at a time).
+  chunk at a time). The q8 step store's 8-bit copies are dropped before it (the new pieces
+  need new ones, made by the next window's second step): - their N + N/64.
 - **evaluation**: nothing material on the host.
 - **final save**: ZenFlow's host state (not its link) is released before it
   (``ZenFlowEngine.release_host_state``); on cuda, safetensors (0.8) moves every tensor of a
@@ -170,7 +171,10 @@ def _zenflow_phases(census: ParamCensus, s: Settings, items: list[Item], steady:
         terms += f" + the largest weight's moments through fp32 ({per_elem}*N)"
     if images:
         terms += " + the early phase's images (2*N)"
-    out.append(Phase("re-selection", steady + images + moving + n_big * per_elem, terms))
+    if later:  # dropped before it: the next window's second step makes them for its pieces
+        terms += " - the q8 copies (dropped before it)"
+    out.append(Phase("re-selection", steady - later + images + moving + n_big * per_elem,
+                     terms))  # fmt: skip
     return out
 
 

@@ -331,7 +331,10 @@ class ZenFlowMode:
             scores = self.handover.scores() if reselect else None
             self.window.end(t, hp, sync=reselect or not self.early.overlap(t),
                             corrections=folded)  # fmt: skip
+            del folded  # it names the copies (a re-selection drops them)
             if reselect:
+                if self.q8_store is not None:  # made again for the new pieces
+                    self.q8_store.release()
                 self.handover.select(t, scores)
 
     def set_gate(self, coef: float, skipped: bool) -> None:

@@ -71,24 +71,47 @@ class Q8StepStore:
         """Each piece's (codes, scales) in ``w``'s 8-bit store, by the piece's offset (made
         once per piece plan: every piece's blocks start at its first element)."""
         plan = getattr(w, "q8_plan", None)
-        if plan is not None and plan[0] is w.pieces:
-            return plan[1]
+        if plan is None or plan[0] is not w.pieces:
+            self._make([v for v in self.m.zweights
+                        if v is w or (v.owned and not self._current(v))])  # fmt: skip
+        return w.q8_plan[1]
+
+    @staticmethod
+    def _current(w) -> bool:
+        plan = getattr(w, "q8_plan", None)
+        return plan is not None and plan[0] is w.pieces
+
+    def _make(self, weights: list) -> None:
+        """The copies of ``weights`` (those without copies for their pieces: after a
+        selection, every weight this rank owns) in one pair of arrays, codes and scales,
+        each weight's a slice: one allocation, so at a model's size it is mapped on its own
+        and goes back to the system whole when ``release`` drops it (per-weight arrays
+        below glibc's mmap threshold stayed in its heap as free bytes: docs/BENCHMARKS.md,
+        "The q8 copies dropped before a re-selection")."""
         accel = self.m.e.accel
-        blocks = [i8_num_blocks(pc.numel) for pc in w.pieces]
-        codes = accel.host_empty((w.compact_numel,), torch.int8, False, "step_pieces")
-        scales = accel.host_empty((sum(blocks),), torch.float32, False, "step_pieces")
-        views, b = {}, 0
-        for pc, nb in zip(w.pieces, blocks, strict=True):
-            views[pc.offset] = (codes[pc.offset : pc.offset + pc.numel], scales[b : b + nb])
-            b += nb
-        # the whole copy for a window's CPU Adam (``_whole_copy``): the pieces' starts, then
-        # the compact length, where the pieces tile the compact columns in order
-        offsets = [pc.offset for pc in w.pieces] + [w.compact_numel]
-        tiles = all(z - a == pc.numel for a, z, pc in
-                    zip(offsets[:-1], offsets[1:], w.pieces, strict=True))  # fmt: skip
-        whole = (codes, scales, torch.tensor(offsets, dtype=torch.int64)) if tiles else None
-        w.q8_plan = (w.pieces, views, whole)
-        return views
+        blocks = [[i8_num_blocks(pc.numel) for pc in w.pieces] for w in weights]
+        codes = accel.host_empty((sum(w.compact_numel for w in weights),), torch.int8, False,
+                                 "step_pieces")  # fmt: skip
+        scales = accel.host_empty((sum(map(sum, blocks)),), torch.float32, False, "step_pieces")
+        c0 = b0 = 0
+        for w, nbs in zip(weights, blocks, strict=True):
+            w_codes = codes[c0 : c0 + w.compact_numel]
+            w_scales = scales[b0 : b0 + sum(nbs)]
+            c0, b0 = c0 + w.compact_numel, b0 + sum(nbs)
+            views, b = {}, 0
+            for pc, nb in zip(w.pieces, nbs, strict=True):
+                views[pc.offset] = (w_codes[pc.offset : pc.offset + pc.numel],
+                                    w_scales[b : b + nb])  # fmt: skip
+                b += nb
+            # the whole copy for a window's CPU Adam (``_whole_copy``): the pieces' starts,
+            # then the compact length, where the pieces tile the compact columns in order
+            offsets = [pc.offset for pc in w.pieces] + [w.compact_numel]
+            tiles = all(z - a == pc.numel for a, z, pc in
+                        zip(offsets[:-1], offsets[1:], w.pieces, strict=True))  # fmt: skip
+            whole = None
+            if tiles:
+                whole = (w_codes, w_scales, torch.tensor(offsets, dtype=torch.int64))
+            w.q8_plan = (w.pieces, views, whole)
 
     def send(self, w, pc, i: int, bucket: torch.Tensor, dst, fresh: bool, wait) -> None:
         """Piece ``pc`` of ``w`` (gathered in bucket ``i``) to the host: added into ``dst``
@@ -169,6 +192,18 @@ class Q8StepStore:
         if self.m.host_state == "compact":
             return k.q8 in (ops.adamw_q8_step_, ops.adamw_q8_step_reference_)
         return k.full in (ops.adamw_step_, ops.adamw_step_reference_)
+
+    def release(self) -> None:
+        """Drop every weight's 8-bit copies: a re-selection is next. It follows a
+        synchronous window end, whose host step took the last corrections in (nothing is
+        pending), and it lays out new pieces, so the copies would be made again by the next
+        window's second step anyway; dropped now, the re-selection's own transients do not
+        stand beside them (1 byte per non-selected element)."""
+        if self.pending or self.applying:
+            raise RuntimeError("zenflow: the q8 store's copies released with corrections "
+                               "pending (a re-selection must follow a window end)")  # fmt: skip
+        for w in self.m.zweights:
+            w.q8_plan = None
 
     def _whole_copy(self, w) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """``w``'s 8-bit copy whole: its codes, its scales (piece after piece, as ``copies``
