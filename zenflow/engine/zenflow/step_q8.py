@@ -24,7 +24,9 @@ copy's rounding (at most half a code, absmax / 254 of the piece's block). A skip
 its non-finite pieces were zeroed before they crossed.
 
 Without clipping it is "off": nothing to correct, no copy. Held with clipping: 1 byte per
-non-selected parameter plus 4 per 256, not pinned, not the store's 2 or 4.
+non-selected parameter plus 4 per 256, not pinned, not the store's 2 or 4: one pair of
+arrays for every weight, made by a window's second step after a selection and dropped
+before a re-selection (``release``), which lays out new pieces.
 Host work: the copy is written by the add's own pass (1 byte an element more), the
 correction read from the copy there (1 more), and at a window's end the last copy read once
 more, by the window's CPU Adam as it reads the sum.
