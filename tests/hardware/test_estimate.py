@@ -910,7 +910,8 @@ def test_issue_27s_seven_billion_run_on_a_64_gb_desktop_by_default():
         assert ('runs zfctl.step_store as "q8"' in v["sentence"]) == (store == "q8")
         assert est.human_bytes(compact.spare["host"]) in v["sentence"]
     _, _, _, q8 = _seven_b(60, "auto")
-    assert 54 * GIB < q8.host_peak_bytes < 56 * GIB  # BENCHMARKS: 54.9 GiB
+    assert 54 * GIB < q8.host_peak_bytes < 55 * GIB  # BENCHMARKS: 54.1 GiB (54.9 before the
+    # copies were dropped before a re-selection)
 
 
 def test_the_q8_copies_are_not_there_at_the_first_selection():
