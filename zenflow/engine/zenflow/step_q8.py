@@ -72,14 +72,14 @@ class Q8StepStore:
     def copies(self, w) -> dict:
         """Each piece's (codes, scales) in ``w``'s 8-bit store, by the piece's offset (made
         once per piece plan: every piece's blocks start at its first element)."""
-        plan = getattr(w, "q8_plan", None)
-        if plan is None or plan[0] is not w.pieces:
+        if not self._current(w):
             self._make([v for v in self.m.zweights
                         if v is w or (v.owned and not self._current(v))])  # fmt: skip
         return w.q8_plan[1]
 
     @staticmethod
     def _current(w) -> bool:
+        """``w`` has copies for its pieces (none yet, or its pieces laid out again: not)."""
         plan = getattr(w, "q8_plan", None)
         return plan is not None and plan[0] is w.pieces
 
@@ -97,9 +97,9 @@ class Q8StepStore:
         scales = accel.host_empty((sum(map(sum, blocks)),), torch.float32, False, "step_pieces")
         c0 = b0 = 0
         for w, nbs in zip(weights, blocks, strict=True):
-            w_codes = codes[c0 : c0 + w.compact_numel]
-            w_scales = scales[b0 : b0 + sum(nbs)]
-            c0, b0 = c0 + w.compact_numel, b0 + sum(nbs)
+            c1, b1 = c0 + w.compact_numel, b0 + sum(nbs)
+            w_codes, w_scales = codes[c0:c1], scales[b0:b1]
+            c0, b0 = c1, b1
             views, b = {}, 0
             for pc, nb in zip(w.pieces, nbs, strict=True):
                 views[pc.offset] = (w_codes[pc.offset : pc.offset + pc.numel],
